@@ -1,0 +1,72 @@
+"""The error tree of remat.
+
+Every error names the offender, the rule it broke and a remedy. Catch ``RematError`` to catch
+them all.
+"""
+
+from __future__ import annotations
+
+
+class RematError(Exception):
+    """Base class of every error remat raises on purpose."""
+
+
+class GraphError(RematError, ValueError):
+    """A graph breaks an invariant (a dependency out of order, a negative size, ...)."""
+
+
+class UnsupportedGraphError(GraphError):
+    """A method was asked to plan a graph whose shape it cannot handle (e.g. revolve on a DAG)."""
+
+
+class ScheduleError(RematError, ValueError):
+    """A schedule or plan is malformed or does not replay (an input not live, ...)."""
+
+
+class SolverError(RematError, RuntimeError):
+    """A solver failed, is missing, or returned an answer the simulator contradicts."""
+
+
+class TraceError(RematError):
+    """A model, its inputs or its loss cannot be turned into a graph."""
+
+
+class InfeasibleBudgetError(RematError):
+    """No plan of the method fits the budget.
+
+    ``min_budget_bytes`` is the smallest budget for which the method has a plan (None only if
+    the method could not find any plan at all).
+    """
+
+    def __init__(
+        self,
+        *,
+        budget_bytes: int,
+        min_budget_bytes: int | None,
+        method: str,
+        graph_name: str = "graph",
+        detail: str = "",
+    ) -> None:
+        from remat.units import format_bytes
+
+        self.budget_bytes = int(budget_bytes)
+        self.min_budget_bytes = None if min_budget_bytes is None else int(min_budget_bytes)
+        self.method = method
+        self.graph_name = graph_name
+        if self.min_budget_bytes is None:
+            remedy = "no budget works for this method on this graph; try another method"
+        else:
+            remedy = (
+                f"the smallest budget method {method!r} can meet is "
+                f"{format_bytes(self.min_budget_bytes)} ({self.min_budget_bytes} B); raise the "
+                f"budget to at least that"
+            )
+            if method != "milp":
+                remedy += " or use method 'milp', which finds the cheapest plan at any feasible budget"
+        message = (
+            f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible for "
+            f"method {method!r} on graph {graph_name!r}: {remedy}"
+        )
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message)

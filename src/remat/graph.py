@@ -1,0 +1,172 @@
+"""The graph of one training step: nodes in topological order, their sizes and costs.
+
+A ``Graph`` is immutable and always valid: the constructor runs ``validate()``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from remat.errors import GraphError
+
+
+class NodeKind(enum.Enum):
+    """Which part of the training step a node belongs to."""
+
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operation of the step.
+
+    ``deps`` are the ids of the nodes whose outputs must be live while this node is computed
+    (for a view, its base is a dependency too: views own no bytes but keep their base alive).
+    ``out_bytes`` is what computing the node allocates; ``cost`` is its compute cost in the
+    graph's one cost unit (microseconds for traced graphs). ``recomputable`` is False for
+    operations that must run exactly once per step.
+    """
+
+    name: str
+    kind: NodeKind
+    deps: tuple[int, ...]
+    out_bytes: int
+    cost: float
+    recomputable: bool = True
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A training step as a DAG whose node ids ``0..n-1`` are a topological order.
+
+    ``fixed_bytes`` is memory resident all step long that no node allocates (parameters,
+    buffers, inputs). ``outputs`` are the nodes whose values must be live when the step ends
+    (the loss and the gradients); once computed they are never freed.
+
+    >>> g = Graph(nodes=(Node("x", NodeKind.FORWARD, (), 4, 1.0),
+    ...                  Node("loss", NodeKind.LOSS, (0,), 4, 1.0)), fixed_bytes=0, outputs=(1,))
+    >>> g.n, g.users[0]
+    (2, (1,))
+    """
+
+    nodes: tuple[Node, ...]
+    fixed_bytes: int
+    outputs: tuple[int, ...]
+    name: str = "graph"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "outputs", tuple(int(o) for o in self.outputs))
+        self.validate()
+
+    # ------------------------------------------------------------------ invariants
+    def validate(self) -> None:
+        """Check every invariant; raise ``GraphError`` naming the offending node."""
+        if not self.nodes:
+            raise GraphError(f"graph {self.name!r} has no nodes; a training step has at least a loss")
+        if not isinstance(self.fixed_bytes, int) or self.fixed_bytes < 0:
+            raise GraphError(
+                f"graph {self.name!r}: fixed_bytes={self.fixed_bytes!r} must be a non-negative int"
+            )
+        seen_names: dict[str, int] = {}
+        for i, node in enumerate(self.nodes):
+            where = f"graph {self.name!r}, node {i} ({node.name!r})"
+            if not isinstance(node, Node):
+                raise GraphError(f"graph {self.name!r}, node {i}: expected a Node, got {type(node).__name__}")
+            if node.name in seen_names:
+                raise GraphError(
+                    f"{where}: name already used by node {seen_names[node.name]}; names must be unique"
+                )
+            seen_names[node.name] = i
+            if not isinstance(node.kind, NodeKind):
+                raise GraphError(f"{where}: kind {node.kind!r} is not a NodeKind")
+            if not isinstance(node.out_bytes, int) or node.out_bytes < 0:
+                raise GraphError(f"{where}: out_bytes={node.out_bytes!r} must be a non-negative int")
+            if not isinstance(node.cost, (int, float)) or not math.isfinite(node.cost) or node.cost < 0:
+                raise GraphError(f"{where}: cost={node.cost!r} must be a finite number >= 0")
+            if len(set(node.deps)) != len(node.deps):
+                raise GraphError(f"{where}: deps {node.deps} list a node twice")
+            for d in node.deps:
+                if not isinstance(d, int) or d < 0 or d >= i:
+                    raise GraphError(
+                        f"{where}: dependency {d!r} is not an earlier node; ids must be a "
+                        f"topological order (every dependency id < the node's id)"
+                    )
+        if len(set(self.outputs)) != len(self.outputs):
+            raise GraphError(f"graph {self.name!r}: outputs {self.outputs} list a node twice")
+        for o in self.outputs:
+            if o < 0 or o >= len(self.nodes):
+                raise GraphError(f"graph {self.name!r}: output {o} is not a node id (0..{len(self.nodes) - 1})")
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def n(self) -> int:
+        return len(self.nodes)
+
+    @cached_property
+    def users(self) -> tuple[tuple[int, ...], ...]:
+        """``users[i]``: the nodes that read node i's output, ascending."""
+        acc: list[list[int]] = [[] for _ in self.nodes]
+        for j, node in enumerate(self.nodes):
+            for d in node.deps:
+                acc[d].append(j)
+        return tuple(tuple(u) for u in acc)
+
+    @cached_property
+    def out_bytes(self) -> tuple[int, ...]:
+        return tuple(node.out_bytes for node in self.nodes)
+
+    @cached_property
+    def costs(self) -> tuple[float, ...]:
+        return tuple(float(node.cost) for node in self.nodes)
+
+    @cached_property
+    def total_cost(self) -> float:
+        """Cost of computing every node once: the cost of the checkpoint-all plan."""
+        return float(sum(self.costs))
+
+    @cached_property
+    def output_set(self) -> frozenset[int]:
+        return frozenset(self.outputs)
+
+    def ids_of_kind(self, kind: NodeKind) -> tuple[int, ...]:
+        return tuple(i for i, node in enumerate(self.nodes) if node.kind is kind)
+
+    def describe(self, i: int) -> str:
+        """``"node 3 ('relu_1')"``: how errors name a node."""
+        return f"node {i} ({self.nodes[i].name!r})"
+
+    # ------------------------------------------------------------------ identity
+    def fingerprint(self, *, costs: bool = True) -> str:
+        """A stable hex digest of the graph's structure, sizes and (optionally) costs.
+
+        Leave out costs to key caches on structure alone: profiled costs vary run to run.
+        """
+        payload = {
+            "fixed_bytes": self.fixed_bytes,
+            "outputs": list(self.outputs),
+            "nodes": [
+                [n.name, n.kind.value, list(n.deps), n.out_bytes, n.recomputable]
+                + ([float(n.cost).hex()] if costs else [])
+                for n in self.nodes
+            ],
+        }
+        blob = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def with_costs(self, costs: tuple[float, ...] | list[float]) -> Graph:
+        """The same graph with new per-node costs (e.g. from a different cost model)."""
+        if len(costs) != self.n:
+            raise GraphError(f"graph {self.name!r}: got {len(costs)} costs for {self.n} nodes")
+        nodes = tuple(
+            Node(n.name, n.kind, n.deps, n.out_bytes, float(c), n.recomputable)
+            for n, c in zip(self.nodes, costs)
+        )
+        return Graph(nodes=nodes, fixed_bytes=self.fixed_bytes, outputs=self.outputs, name=self.name)

@@ -1,0 +1,131 @@
+"""The simulator: the single source of truth for a plan's validity, peak memory and cost.
+
+Accounting (the same rules the MILP uses): memory at any instant is the graph's
+``fixed_bytes`` plus the bytes of every live node output. ``Compute(i)`` allocates node i's
+output while its inputs are still live; ``Free(i)`` releases it. The peak is the largest
+memory after any step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat.errors import ScheduleError
+from remat.graph import Graph
+from remat.schedule import Plan, StepKind
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One rule a plan breaks, at one step (``step_index`` -1: at the end of the plan)."""
+
+    step_index: int
+    node: int
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What replaying a plan shows. ``timeline_bytes[k]`` is memory right after step k."""
+
+    peak_bytes: int
+    total_cost: float
+    timeline_bytes: tuple[int, ...]
+    compute_counts: tuple[int, ...]
+    violations: tuple[Violation, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def peak_step(self) -> int:
+        """Index of the first step at which the peak is reached (-1 for an empty plan)."""
+        if not self.timeline_bytes:
+            return -1
+        return self.timeline_bytes.index(max(self.timeline_bytes))
+
+    def raise_if_invalid(self) -> None:
+        """Raise ``ScheduleError`` listing the first violations, if there are any."""
+        if self.violations:
+            shown = "; ".join(v.message for v in self.violations[:5])
+            more = f" (and {len(self.violations) - 5} more)" if len(self.violations) > 5 else ""
+            raise ScheduleError(f"plan is invalid: {shown}{more}")
+
+
+def simulate(graph: Graph, plan: Plan) -> SimResult:
+    """Replay ``plan`` on ``graph`` and account for every byte.
+
+    >>> from remat.builders import chain_graph
+    >>> from remat.solvers import solve
+    >>> g = chain_graph(3, bytes_per_node=1)
+    >>> sim = simulate(g, solve(g, 100, method="checkpoint_all").plan)
+    >>> sim.peak_bytes, sim.total_cost, sim.ok
+    (5, 7.0, True)
+    """
+    n = graph.n
+    live = [False] * n
+    counts = [0] * n
+    memory = graph.fixed_bytes
+    peak = memory
+    cost = 0.0
+    timeline: list[int] = []
+    violations: list[Violation] = []
+
+    def bad(k: int, node: int, message: str) -> None:
+        violations.append(Violation(k, node, message))
+
+    for k, step in enumerate(plan.steps):
+        i = step.node
+        if not isinstance(i, int) or not 0 <= i < n:
+            bad(k, -1, f"step {k} names node {i!r}, which is not in graph {graph.name!r} (0..{n - 1})")
+            timeline.append(memory)
+            continue
+        what = graph.describe(i)
+        if step.kind is StepKind.COMPUTE:
+            for d in graph.nodes[i].deps:
+                if not live[d]:
+                    bad(
+                        k,
+                        i,
+                        f"step {k} computes {what} but its input {graph.describe(d)} is not live; "
+                        f"compute the input first or do not free it before this step",
+                    )
+            if live[i]:
+                bad(k, i, f"step {k} computes {what} while its output is still live; free it first")
+            elif counts[i] >= 1 and not graph.nodes[i].recomputable:
+                bad(
+                    k,
+                    i,
+                    f"step {k} recomputes {what}, which must run once per step (not "
+                    f"recomputable); keep its output instead",
+                )
+            if not live[i]:
+                memory += graph.nodes[i].out_bytes
+                live[i] = True
+            counts[i] += 1
+            cost += graph.nodes[i].cost
+        elif step.kind is StepKind.FREE:
+            if not live[i]:
+                bad(k, i, f"step {k} frees {what}, which is not live")
+            else:
+                live[i] = False
+                memory -= graph.nodes[i].out_bytes
+        else:
+            bad(k, i, f"step {k} has unknown kind {step.kind!r}")
+        timeline.append(memory)
+        peak = max(peak, memory)
+
+    for o in graph.outputs:
+        if not live[o]:
+            bad(-1, o, f"output {graph.describe(o)} is not live at the end of the plan; never free an output")
+    return SimResult(
+        peak_bytes=peak,
+        total_cost=cost,
+        timeline_bytes=tuple(timeline),
+        compute_counts=tuple(counts),
+        violations=tuple(violations),
+    )
