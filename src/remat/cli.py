@@ -1,0 +1,220 @@
+"""The ``remat`` command: argument parsing -> public API -> printing.
+
+Exit codes: 0 success, 1 no plan fits the budget (the message gives the smallest budget that
+works), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from remat.builders import graph_from_spec
+from remat.errors import GraphError, InfeasibleBudgetError, RematError, UnsupportedGraphError
+from remat.graph import Graph
+from remat.solvers import methods as registered_methods
+from remat.solvers import solve
+from remat.sweep import SweepPoint, checkpoint_all_peak, sweep
+from remat.units import format_bytes, parse_budget
+
+EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE = 0, 1, 2
+DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,griewank,lp_round,milp"
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported and exit code 2."""
+
+
+# ---------------------------------------------------------------- parsing
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="remat", description="Optimal tensor rematerialization for PyTorch.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("solve", help="plan one graph or model with one method under one budget")
+    _add_target(p)
+    p.add_argument("--budget", required=True, help="bytes, a unit (2GiB, 512MB) or a % of the checkpoint-all peak")
+    p.add_argument("--method", default="milp", help="planning method (see `remat methods`)")
+    _add_solver_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    p = sub.add_parser("sweep", help="several methods over a range of budgets; JSON and a plot")
+    _add_target(p)
+    p.add_argument("--methods", default=DEFAULT_SWEEP_METHODS, help="comma-separated methods")
+    p.add_argument("--budgets", default="30%:100%:8",
+                   help="comma-separated budgets, or LOW:HIGH:COUNT (e.g. 30%%:100%%:8) evenly spaced")
+    _add_solver_options(p)
+    p.add_argument("--out", default="sweep.json", help="where to write the JSON records")
+    p.add_argument("--plot", default=None, help="where to write the plot (default: next to --out, .png)")
+
+    sub.add_parser("methods", help="list the planning methods")
+    return parser
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--graph", help="a built-in graph: chain:N, unet:D, random:N:SEED")
+
+
+def _add_solver_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--time-limit", type=float, default=None, help="MILP time limit in seconds")
+    p.add_argument("--backend", default=None, help="MILP backend: highs (default), cpsat, gurobi")
+
+
+def _solver_options(method: str, args: argparse.Namespace) -> dict[str, object]:
+    if method != "milp":
+        return {}
+    opts: dict[str, object] = {}
+    if args.time_limit is not None:
+        opts["time_limit_s"] = args.time_limit
+    if args.backend is not None:
+        opts["backend"] = args.backend
+    return opts
+
+
+def _load_graph(args: argparse.Namespace) -> Graph:
+    if not args.graph:
+        raise UsageError("say what to plan: --graph chain:32 (or unet:4, random:60:7)")
+    try:
+        return graph_from_spec(args.graph)
+    except GraphError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _budget(text: str, graph: Graph) -> int:
+    try:
+        return parse_budget(text, checkpoint_all_peak(graph))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _budget_list(text: str, graph: Graph) -> list[int]:
+    if text.count(":") == 2:
+        low, high, count = text.split(":")
+        try:
+            k = int(count)
+        except ValueError:
+            raise UsageError(f"--budgets {text!r}: COUNT must be an integer") from None
+        if k < 1:
+            raise UsageError(f"--budgets {text!r}: COUNT must be at least 1")
+        lo, hi = _budget(low, graph), _budget(high, graph)
+        return [lo] if k == 1 else [round(lo + (hi - lo) * j / (k - 1)) for j in range(k)]
+    return [_budget(part, graph) for part in text.split(",") if part.strip()]
+
+
+def _check_methods(names: Sequence[str]) -> None:
+    known = registered_methods()
+    for name in names:
+        if name not in known:
+            raise UsageError(f"unknown method {name!r}; choose from {', '.join(known)}")
+
+
+# ---------------------------------------------------------------- commands
+def cmd_solve(args: argparse.Namespace) -> int:
+    graph = _load_graph(args)
+    _check_methods([args.method])
+    budget = _budget(args.budget, graph)
+    result = solve(graph, budget, method=args.method, **_solver_options(args.method, args))
+    record = result.summary()
+    if args.json:
+        print(json.dumps(record))
+        return EXIT_OK
+    table = Table(title=f"{graph.name}: {graph.n} nodes, method {args.method}")
+    for col in ("budget", "peak", "cost", "overhead", "status", "gap", "solve time"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        format_bytes(budget), format_bytes(result.peak_bytes), f"{result.cost:.6g}", f"{result.overhead:.3f}x",
+        result.status.value, "-" if result.gap is None else f"{result.gap:.2%}", f"{result.solve_s:.2f} s",
+    )
+    out.print(table)
+    return EXIT_OK
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    graph = _load_graph(args)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    _check_methods(names)
+    budgets = _budget_list(args.budgets, graph)
+    if not budgets:
+        raise UsageError("--budgets lists no budget")
+    options = {m: _solver_options(m, args) for m in names}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task(f"sweeping {graph.name}", total=len(budgets) * len(names))
+
+        def advance(point: SweepPoint) -> None:
+            progress.update(task, advance=1, description=f"{point.method} @ {format_bytes(point.budget_bytes)}")
+
+        points = sweep(graph, names, budgets, options=options, on_point=advance)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"graph": graph.name, "n_nodes": graph.n, "checkpoint_all_peak_bytes": checkpoint_all_peak(graph),
+               "points": [p.to_json() for p in points]}
+    out_path.write_text(json.dumps(payload, indent=1))
+    from remat.plotting import plot_overhead
+
+    plot_path = plot_overhead(points, args.plot or out_path.with_suffix(".png"), title=f"{graph.name} ({graph.n} nodes)")
+    _print_sweep(graph, points, names)
+    out.print(f"wrote {out_path} and {plot_path}")
+    return EXIT_OK
+
+
+def _print_sweep(graph: Graph, points: Sequence[SweepPoint], names: Sequence[str]) -> None:
+    table = Table(title=f"{graph.name}: overhead by budget (- = no plan fits)")
+    table.add_column("budget", justify="right")
+    for name in names:
+        table.add_column(name, justify="right")
+    for budget in dict.fromkeys(p.budget_bytes for p in points):
+        row = [f"{format_bytes(budget)}"]
+        for name in names:
+            p = next(q for q in points if q.budget_bytes == budget and q.method == name)
+            row.append("n/a" if p.skipped else "-" if p.result is None else f"{p.result['overhead']:.3f}x")
+        table.add_row(*row)
+    out.print(table)
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    for name in registered_methods():
+        print(name)
+    return EXIT_OK
+
+
+COMMANDS = {"solve": cmd_solve, "sweep": cmd_sweep, "methods": cmd_methods}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the usage error
+        return int(exc.code or 0)
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        return EXIT_USAGE
+    except InfeasibleBudgetError as exc:
+        err.print(f"[red]no plan fits:[/red] {exc}", highlight=False)
+        return EXIT_INFEASIBLE
+    except UnsupportedGraphError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        return EXIT_USAGE
+    except RematError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        return EXIT_INFEASIBLE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

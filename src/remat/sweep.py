@@ -1,0 +1,92 @@
+"""Solve one graph with several methods over a range of budgets.
+
+Pure computation: returns records; printing, plotting and files are the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from remat.errors import InfeasibleBudgetError, UnsupportedGraphError
+from remat.graph import Graph
+from remat.solvers import solve
+
+log = logging.getLogger("remat.sweep")
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One (method, budget) cell. ``result`` is the summary of the plan, or None when the
+    method has no plan at this budget (``min_budget_bytes`` then says what it needs)."""
+
+    method: str
+    budget_bytes: int
+    budget_fraction: float
+    result: dict[str, object] | None
+    min_budget_bytes: int | None = None
+    skipped: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "method": self.method,
+            "budget_bytes": self.budget_bytes,
+            "budget_fraction": self.budget_fraction,
+            "result": self.result,
+            "min_budget_bytes": self.min_budget_bytes,
+            "skipped": self.skipped,
+        }
+
+
+def checkpoint_all_peak(graph: Graph) -> int:
+    """Peak bytes of keeping everything: the reference that percentage budgets refer to."""
+    return solve(graph, 2**62, method="checkpoint_all").peak_bytes
+
+
+def budget_grid(graph: Graph, fractions: Sequence[float]) -> list[int]:
+    """Budgets at the given fractions of the checkpoint-all peak (rounded down to bytes)."""
+    ref = checkpoint_all_peak(graph)
+    return [max(1, int(f * ref)) for f in fractions]
+
+
+def sweep(
+    graph: Graph,
+    methods: Sequence[str],
+    budgets_bytes: Iterable[int],
+    *,
+    options: dict[str, dict[str, object]] | None = None,
+    on_point: Callable[[SweepPoint], None] | None = None,
+) -> list[SweepPoint]:
+    """Solve ``graph`` with every method at every budget.
+
+    ``options[method]`` are keyword options for that method (e.g. ``time_limit_s``).
+    ``on_point`` is called after each cell (for progress bars and incremental files).
+
+    >>> from remat.builders import chain_graph
+    >>> pts = sweep(chain_graph(6), ["checkpoint_all", "chen_sqrtn"], [2**40])
+    >>> [p.result["overhead"] >= 1.0 for p in pts]
+    [True, True]
+    """
+    ref = checkpoint_all_peak(graph)
+    points: list[SweepPoint] = []
+    opts = options or {}
+    for budget in budgets_bytes:
+        for method in methods:
+            point = _solve_point(graph, method, int(budget), ref, opts.get(method, {}))
+            points.append(point)
+            if on_point is not None:
+                on_point(point)
+    return points
+
+
+def _solve_point(graph: Graph, method: str, budget: int, ref: int, options: dict[str, object]) -> SweepPoint:
+    fraction = budget / ref
+    try:
+        result = solve(graph, budget, method=method, **options)
+    except InfeasibleBudgetError as exc:
+        return SweepPoint(method, budget, fraction, None, min_budget_bytes=exc.min_budget_bytes)
+    except UnsupportedGraphError as exc:
+        log.info("%s skipped on %s: %s", method, graph.name, exc)
+        return SweepPoint(method, budget, fraction, None, skipped=str(exc))
+    return SweepPoint(method, budget, fraction, result.summary())
