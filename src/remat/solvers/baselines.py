@@ -1,17 +1,470 @@
-"""Baseline strategies (placeholder while the module is written)."""
+"""The baseline strategies Checkmate compares against: checkpoint_all, recompute_all,
+chen_sqrtn and chen_greedy (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost")
+and griewank (revolve, Griewank & Walther 2000; linear chains only).
+
+Each builds keep matrices (``keep[t, i]``: stage t reuses i's live value rather than
+recompute it), completes them with ``Schedule.from_kept`` and measures every candidate plan in
+the simulator. It returns its cheapest candidate that fits the budget, or raises
+``InfeasibleBudgetError`` with its candidates' lowest peak: the least budget *that method*
+can meet (the MILP may meet less).
+
+>>> from remat.builders import chain_graph
+>>> from remat.solvers import solve
+>>> g = chain_graph(4, bytes_per_node=1)
+>>> [solve(g, 100, method=m).cost for m in ("checkpoint_all", "recompute_all", "griewank")]
+[9.0, 19.0, 9.0]
+"""
+
 from __future__ import annotations
+
+import enum
+import logging
+import math
 import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
 import numpy as np
-from remat.graph import Graph
+
+from remat.errors import UnsupportedGraphError
+from remat.graph import Graph, NodeKind
 from remat.schedule import Schedule
-from remat.solvers.base import SolveStatus, finish, fits_or_raise, register
+from remat.simulate import simulate
+from remat.solvers.base import SolveResult, SolveStatus, finish, fits_or_raise, register
+
+log = logging.getLogger("remat.solve.baselines")
+
+#: chen_greedy: thresholds tried first (spread over all), then per zoom around a focus, and zooms.
+GREEDY_GRID_POINTS = 40
+GREEDY_REFINE_POINTS = 16
+GREEDY_REFINE_ROUNDS = 2
+#: chen_greedy: beyond this many forward nodes, thresholds come from a grid, not every run sum.
+GREEDY_EXACT_MAX_NODES = 2000
 
 
+class ChenVariant(enum.Enum):
+    """Which forward nodes Chen's methods may choose as checkpoints."""
+
+    ARTICULATION = "articulation"  # articulation points of the undirected forward graph
+    LINEARIZED = "linearized"  # every forward node, the topological order read as a chain
+    AUTO = "auto"  # try both, return the cheapest plan that fits
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One plan a baseline considered, measured by the simulator."""
+
+    label: str  # what the plan is, for errors and logs
+    schedule: Schedule
+    peak_bytes: int
+    cost: float
+
+
+# ---------------------------------------------------------------------------- shared machinery
+def _measure(graph: Graph, keep: np.ndarray, label: str) -> _Candidate:
+    schedule = Schedule.from_kept(graph, keep)
+    sim = simulate(graph, schedule.lower(graph))
+    return _Candidate(label, schedule, sim.peak_bytes, sim.total_cost)
+
+
+def _pick(graph: Graph, candidates: Sequence[_Candidate], *, budget_bytes: int, method: str,
+          started_s: float, status: SolveStatus = SolveStatus.FEASIBLE,
+          lower_bound: float | None = None) -> SolveResult:
+    """The cheapest candidate under the budget, or ``InfeasibleBudgetError`` with the lowest peak."""
+    fitting = [c for c in candidates if c.peak_bytes <= budget_bytes]
+    if not fitting:
+        lowest = min(candidates, key=lambda c: c.peak_bytes)
+        tried = f"{len(candidates)} candidate plans tried; " if len(candidates) > 1 else ""
+        fits_or_raise(graph, None, budget_bytes=budget_bytes, method=method,
+                      min_budget_bytes=lowest.peak_bytes,
+                      detail=f"{tried}the lowest-peak plan is {lowest.label}")
+    # Ties in cost go to the lower peak: the same work with more headroom.
+    best = min(fitting, key=lambda c: (c.cost, c.peak_bytes))
+    log.debug("%s on %s: chose %s (cost %g, peak %d B)", method, graph.name, best.label,
+              best.cost, best.peak_bytes)
+    return finish(graph, best.schedule, budget_bytes=budget_bytes, method=method, status=status,
+                  started_s=started_s, claimed_objective=best.cost, lower_bound=lower_bound)
+
+
+def _keep_through_forward(graph: Graph) -> np.ndarray:
+    """A keep matrix whose non-backward stages reuse every earlier value; backward rows empty.
+
+    The forward pass never recomputes here. To drop a value, a method does not keep it in the
+    backward stage that needs it: lowering then frees it after its last forward read.
+    """
+    keep = np.zeros((graph.n, graph.n), dtype=bool)
+    for t, node in enumerate(graph.nodes):
+        if node.kind is not NodeKind.BACKWARD:
+            keep[t, :t] = True
+    return keep
+
+
+def _always_kept(graph: Graph) -> np.ndarray:
+    """Values ``from_kept`` keeps whatever the keep matrix says: outputs and non-recomputables."""
+    forced = np.zeros(graph.n, dtype=bool)
+    forced[list(graph.outputs)] = True
+    forced[[i for i, node in enumerate(graph.nodes) if not node.recomputable]] = True
+    return forced
+
+
+def _computed_in_stage(graph: Graph, t: int, kept: np.ndarray) -> set[int]:
+    """The nodes ``from_kept`` computes in stage t given the row ``kept`` (its own walk)."""
+    computed, need = {t}, [t]
+    while need:
+        for d in graph.nodes[need.pop()].deps:
+            if not kept[d] and d not in computed:
+                computed.add(d)
+                need.append(d)
+    return computed
+
+
+# ---------------------------------------------------------------------------- checkpoint_all
 @register("checkpoint_all")
-def checkpoint_all(graph: Graph, budget_bytes: int) -> "SolveResult":
+def checkpoint_all(graph: Graph, budget_bytes: int) -> SolveResult:
+    """Keep every value until its last use. Its cost, ``graph.total_cost``, is the least any
+    plan has, so a plan that fits is OPTIMAL.
+
+    >>> from remat.builders import chain_graph
+    >>> r = checkpoint_all(chain_graph(3, bytes_per_node=1), budget_bytes=5)
+    >>> r.peak_bytes, r.cost, r.status.value
+    (5, 7.0, 'optimal')
+    """
     started = time.perf_counter()
-    sched = Schedule.from_compute(graph, np.eye(graph.n, dtype=bool))
-    result = finish(graph, sched, budget_bytes=budget_bytes, method="checkpoint_all",
-                    status=SolveStatus.FEASIBLE, started_s=started, check_budget=False)
-    return fits_or_raise(graph, result, budget_bytes=budget_bytes, method="checkpoint_all",
-                         min_budget_bytes=result.peak_bytes)
+    keep = np.tri(graph.n, graph.n, -1, dtype=bool)
+    candidate = _measure(graph, keep, "checkpoint-all (every value kept)")
+    return _pick(graph, [candidate], budget_bytes=budget_bytes, method="checkpoint_all",
+                 started_s=started, status=SolveStatus.OPTIMAL, lower_bound=graph.total_cost)
+
+
+# ---------------------------------------------------------------------------- recompute_all
+@register("recompute_all")
+def recompute_all(graph: Graph, budget_bytes: int) -> SolveResult:
+    """Checkmate's checkpoint-last-node strategy: stage t reuses only node t-1's value (and the
+    outputs and non-recomputable values, always kept) and recomputes all else it needs from
+    scratch. Quadratic cost on a chain. Its peak is low on chains, but on a graph with skip
+    connections a stage holds a whole ancestry at once and can peak above checkpoint-all.
+
+    >>> from remat.builders import chain_graph
+    >>> recompute_all(chain_graph(3, bytes_per_node=1), budget_bytes=10).cost
+    13.0
+    """
+    started = time.perf_counter()
+    keep = np.eye(graph.n, k=-1, dtype=bool)
+    candidate = _measure(graph, keep, "recompute-all (only the previous node's value kept)")
+    return _pick(graph, [candidate], budget_bytes=budget_bytes, method="recompute_all",
+                 started_s=started)
+
+
+# ---------------------------------------------------------------------------- Chen et al. 2016
+def _variants(variant: object) -> tuple[ChenVariant, ...]:
+    """The variants to try; the CLI may pass the value string instead of the Enum."""
+    try:
+        chosen = ChenVariant(variant.lower() if isinstance(variant, str) else variant)
+    except ValueError:
+        choices = ", ".join(f"ChenVariant.{v.name} ({v.value!r})" for v in ChenVariant)
+        raise ValueError(f"variant={variant!r} is not a Chen variant; use one of: {choices}") from None
+    if chosen is ChenVariant.AUTO:
+        return (ChenVariant.ARTICULATION, ChenVariant.LINEARIZED)
+    return (chosen,)
+
+
+def checkpoint_candidates(graph: Graph, variant: ChenVariant) -> tuple[int, ...]:
+    """The forward nodes Chen's methods may checkpoint, in topological order. LINEARIZED: all.
+    ARTICULATION: the articulation points of the undirected forward graph (removing one cuts
+    the graph in two), Chen's choice for graphs with a single path through them.
+
+    >>> from remat.builders import chain_graph
+    >>> checkpoint_candidates(chain_graph(5), ChenVariant.ARTICULATION)
+    (1, 2, 3)
+    """
+    forward = graph.ids_of_kind(NodeKind.FORWARD)
+    if variant is ChenVariant.LINEARIZED:
+        return forward
+    in_forward = set(forward)
+    undirected = nx.Graph()
+    undirected.add_nodes_from(forward)
+    undirected.add_edges_from((d, i) for i in forward for d in graph.nodes[i].deps if d in in_forward)
+    return tuple(sorted(nx.articulation_points(undirected)))
+
+
+def _chen_keep(graph: Graph, checkpoints: Iterable[int]) -> np.ndarray:
+    """Keep matrix of Chen's schedule. Backward stages reuse the checkpoints, loss and backward
+    values, the final segment (forward nodes after the last checkpoint: the backward needs them
+    at once, dropping them would only recompute them) and forward values an earlier backward
+    stage recomputed: Chen's "recompute each segment once", where ``from_kept`` alone would
+    redo a segment's prefix for every gradient in it."""
+    checkpoints = set(checkpoints)
+    keep = _keep_through_forward(graph)
+    last = max(checkpoints, default=-1)
+    reused = _always_kept(graph)
+    for i, node in enumerate(graph.nodes):
+        reused[i] |= node.kind is not NodeKind.FORWARD or i in checkpoints or i > last
+    for t, node in enumerate(graph.nodes):
+        if node.kind is NodeKind.BACKWARD:
+            keep[t, :t] = reused[:t]
+            reused[list(_computed_in_stage(graph, t, reused))] = True
+    return keep
+
+
+def _chen_candidate(graph: Graph, checkpoints: Sequence[int], what: str) -> _Candidate:
+    shown = checkpoints if len(checkpoints) <= 8 else f"{len(checkpoints)} nodes"
+    return _measure(graph, _chen_keep(graph, checkpoints), f"{what}, checkpoints {shown}")
+
+
+def sqrtn_checkpoints(candidates: Sequence[int]) -> tuple[int, ...]:
+    """Every k-th of the ``len(candidates)`` candidates, k = floor(sqrt(len)), as Checkmate does.
+
+    >>> sqrtn_checkpoints(range(1, 8))
+    (2, 4, 6)
+    """
+    k = math.isqrt(len(candidates))
+    return tuple(c for idx, c in enumerate(candidates) if k and (idx + 1) % k == 0)
+
+
+@register("chen_sqrtn")
+def chen_sqrtn(graph: Graph, budget_bytes: int, *, variant: ChenVariant | str = ChenVariant.AUTO
+               ) -> SolveResult:
+    """Chen's sqrt(n) checkpointing: checkpoint every sqrt(k)-th of the k candidate nodes.
+    ``variant`` (``ChenVariant``) picks the candidates; AUTO returns the cheaper fitting plan.
+
+    >>> from remat.builders import chain_graph
+    >>> r = chen_sqrtn(chain_graph(9, bytes_per_node=1), 100, variant=ChenVariant.ARTICULATION)
+    >>> r.cost, r.peak_bytes
+    (23.0, 7)
+    """
+    started = time.perf_counter()
+    candidates = []
+    for v in _variants(variant):
+        checkpoints = sqrtn_checkpoints(checkpoint_candidates(graph, v))
+        candidates.append(_chen_candidate(graph, checkpoints, f"{v.value} sqrt(n)"))
+    return _pick(graph, candidates, budget_bytes=budget_bytes, method="chen_sqrtn", started_s=started)
+
+
+def greedy_checkpoints(graph: Graph, candidates: Iterable[int], threshold_bytes: int
+                       ) -> tuple[int, ...]:
+    """Chen's greedy rule: walk the forward nodes in order, adding up their bytes; a candidate
+    reached while the sum since the last checkpoint exceeds ``threshold_bytes`` becomes a
+    checkpoint and restarts the sum.
+
+    >>> from remat.builders import chain_graph
+    >>> greedy_checkpoints(chain_graph(6, bytes_per_node=1), range(6), threshold_bytes=2)
+    (2, 5)
+    """
+    allowed = set(candidates)
+    total, chosen = 0, []
+    for i in graph.ids_of_kind(NodeKind.FORWARD):
+        total += graph.nodes[i].out_bytes
+        if i in allowed and total > threshold_bytes:
+            chosen.append(i)
+            total = 0
+    return tuple(chosen)
+
+
+def _greedy_thresholds(graph: Graph) -> np.ndarray:
+    """Every threshold at which the greedy rule can change its mind: -1 (checkpoint every
+    candidate) and each distinct byte sum of a run of consecutive forward nodes."""
+    sizes = [graph.nodes[i].out_bytes for i in graph.ids_of_kind(NodeKind.FORWARD)]
+    prefix = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    if len(prefix) > GREEDY_EXACT_MAX_NODES:  # the m^2 run sums would not fit: a value grid
+        return np.unique(np.concatenate(([-1], np.linspace(0, prefix[-1], 4096).astype(np.int64))))
+    runs = prefix[None, :] - prefix[:, None]
+    return np.unique(np.concatenate(([-1], runs[np.triu_indices(len(prefix), 1)])))
+
+
+def _spread(lo: int, hi: int, count: int) -> list[int]:
+    """At most ``count`` integers spread evenly over ``lo..hi`` inclusive, ends included."""
+    if hi < lo:
+        return []
+    return sorted({int(round(x)) for x in np.linspace(lo, hi, min(count, hi - lo + 1))})
+
+
+class _GreedySearch:
+    """Thresholds tried for one variant, memoized by the checkpoint set they produce."""
+
+    def __init__(self, graph: Graph, variant: ChenVariant) -> None:
+        self.graph = graph
+        self.variant = variant
+        self.candidates = checkpoint_candidates(graph, variant)
+        self.thresholds = _greedy_thresholds(graph)
+        self.tried: dict[int, _Candidate] = {}  # threshold index -> plan
+        self.plans: dict[tuple[int, ...], _Candidate] = {}  # checkpoint set -> plan
+
+    def run(self, indices: Iterable[int]) -> None:
+        for idx in indices:
+            if idx in self.tried:
+                continue
+            threshold = int(self.thresholds[idx])
+            checkpoints = greedy_checkpoints(self.graph, self.candidates, threshold)
+            if checkpoints not in self.plans:
+                what = f"{self.variant.value} greedy (threshold {threshold} B)"
+                self.plans[checkpoints] = _chen_candidate(self.graph, checkpoints, what)
+            self.tried[idx] = self.plans[checkpoints]
+
+    def zoom(self, key: Callable[[_Candidate], object], where: Callable[[_Candidate], bool]) -> None:
+        """Try more thresholds between the best tried one (by ``key`` among ``where``) and its
+        tried neighbours."""
+        for _ in range(GREEDY_REFINE_ROUNDS):
+            pool = [idx for idx, c in self.tried.items() if where(c)]
+            if not pool:
+                return
+            focus = min(pool, key=lambda idx: (key(self.tried[idx]), idx))
+            below = max((i for i in self.tried if i < focus), default=focus)
+            above = min((i for i in self.tried if i > focus), default=focus)
+            self.run(_spread(below + 1, above - 1, GREEDY_REFINE_POINTS))
+
+
+@register("chen_greedy")
+def chen_greedy(graph: Graph, budget_bytes: int, *, variant: ChenVariant | str = ChenVariant.AUTO
+                ) -> SolveResult:
+    """Chen's greedy checkpointing, searched over its memory threshold: a spread of the
+    thresholds at which the rule changes, zooms around the lowest-peak one (independent of the
+    budget, so every budget reports the same minimum), then around the cheapest that fits.
+
+    >>> from remat.builders import chain_graph
+    >>> r = chen_greedy(chain_graph(16, bytes_per_node=1), budget_bytes=8)
+    >>> r.peak_bytes <= 8 < 18
+    True
+    """
+    started = time.perf_counter()
+    searches = [_GreedySearch(graph, v) for v in _variants(variant)]
+    for search in searches:
+        search.run(_spread(0, len(search.thresholds) - 1, GREEDY_GRID_POINTS))
+        search.zoom(key=lambda c: c.peak_bytes, where=lambda c: True)
+    for search in searches:
+        search.zoom(key=lambda c: c.cost, where=lambda c: c.peak_bytes <= budget_bytes)
+    plans = [plan for search in searches for plan in search.plans.values()]
+    return _pick(graph, plans, budget_bytes=budget_bytes, method="chen_greedy", started_s=started)
+
+
+# ---------------------------------------------------------------------------- Griewank (revolve)
+def chain_length(graph: Graph) -> int:
+    """The layer count L of a linear training chain (``chain_graph``'s shape: forward nodes
+    0..L-1 each reading the one before, the loss L, gradient node 2L-i reading node 2L-i-1 and
+    forward node i); ``UnsupportedGraphError`` naming the first offending node otherwise.
+
+    >>> from remat.builders import chain_graph
+    >>> chain_length(chain_graph(4))
+    4
+    """
+    def refuse(reason: str) -> UnsupportedGraphError:
+        return UnsupportedGraphError(
+            f"method 'griewank' (revolve) needs a linear chain training step, but graph "
+            f"{graph.name!r} is not one: {reason}; use method 'chen_sqrtn', 'chen_greedy' or "
+            f"'milp', which plan any graph"
+        )
+
+    if graph.n % 2 == 0:
+        raise refuse(f"it has {graph.n} nodes, and a chain of L layers has 2L+1")
+    layers = graph.n // 2
+    for t, node in enumerate(graph.nodes):
+        if t < layers:
+            kind, deps = NodeKind.FORWARD, (t - 1,) if t else ()
+        elif t == layers:
+            kind, deps = NodeKind.LOSS, (t - 1,)
+        else:
+            kind, deps = NodeKind.BACKWARD, tuple(sorted({t - 1, 2 * layers - t}))
+        if node.kind is not kind or tuple(node.deps) != deps:
+            raise refuse(
+                f"{graph.describe(t)} is {node.kind.value} reading {tuple(node.deps)} where a "
+                f"chain has a {kind.value} node reading {deps}"
+            )
+    return layers
+
+
+@dataclass(frozen=True)
+class RevolveTable:
+    """``forward_steps[l, s]``: the fewest forward computations (first forward pass included)
+    that produce the gradients of l chain layers from the value below them with s snapshot
+    slots; ``split[l, s]``: the layer to snapshot first (``l``: none)."""
+
+    forward_steps: np.ndarray
+    split: np.ndarray
+
+
+def revolve_table(steps: int, slots: int) -> RevolveTable:
+    """Solve the revolve recurrence for every ``l <= steps`` and ``s <= slots``.
+
+    A gradient of layer i needs layer i's *output*, so reversing l layers above a base value
+    with s free slots costs T(l, s) forward steps, where T(0, s) = 0 and
+    T(l, s) = min( l + T(l-1, s),                         advance to the top, snapshot nothing
+                   min_{1<=j<l, s>=1} j + T(l-j, s-1) + T(j-1, s) )
+    (advance j layers, snapshot layer j, reverse the l-j layers above it with one slot less,
+    use the snapshot for layer j's gradient, then reverse the j-1 below with the slot back).
+    T(l, 0) = l(l+1)/2 and T(l, s) = l once s >= l-1. Ties go to fewer snapshots.
+
+    >>> t = revolve_table(6, 2)
+    >>> [int(t.forward_steps[6, s]) for s in range(3)]
+    [21, 11, 9]
+    """
+    cost = np.zeros((steps + 1, slots + 1), dtype=np.int64)
+    split = np.zeros((steps + 1, slots + 1), dtype=np.int64)
+    for s in range(slots + 1):
+        for l in range(1, steps + 1):
+            cost[l, s], split[l, s] = l + cost[l - 1, s], l
+            if s >= 1 and l >= 2:
+                j = np.arange(1, l)
+                options = j + cost[l - j, s - 1] + cost[j - 1, s]
+                best = int(np.argmin(options))
+                if options[best] < cost[l, s]:
+                    cost[l, s], split[l, s] = options[best], j[best]
+    return RevolveTable(forward_steps=cost, split=split)
+
+
+def _revolve_keep(graph: Graph, layers: int, slots: int, table: RevolveTable) -> np.ndarray:
+    """Keep matrix of the revolve schedule: each gradient stage reuses the loss, the gradients
+    and the snapshots held; the first also every forward value (the forward pass just ran)."""
+    keep = _keep_through_forward(graph)
+
+    def reuse(layer: int, snapshots: frozenset[int] | None) -> None:
+        t = 2 * layers - layer  # the stage of that layer's gradient
+        keep[t, layers:t] = True
+        keep[t, :layers] = snapshots is None
+        keep[t, sorted(snapshots or ())] = True
+
+    def reverse(base: int, l: int, s: int, live: frozenset[int], first: frozenset[int] | None) -> None:
+        # Layers base+1..base+l, top first; ``live``: the snapshots held (base among them).
+        while l > 0:
+            j = int(table.split[l, s])
+            if j == l:
+                reuse(base + l, first)
+            else:
+                reverse(base + j, l - j, s - 1, live | {base + j}, first)
+                reuse(base + j, live | {base + j})
+            l, first = j - 1, live
+
+    reverse(-1, layers, slots, frozenset(), None)
+    return keep
+
+
+@register("griewank")
+def griewank(graph: Graph, budget_bytes: int, *, slots: int | None = None) -> SolveResult:
+    """Revolve (Griewank & Walther 2000): optimal binomial checkpointing of a linear chain.
+
+    Refuses any graph that is not a linear training chain (``UnsupportedGraphError``). For
+    each number of snapshot slots s (0 .. L-1, or only ``slots`` if given) the schedule is the
+    one with the fewest forward steps by ``revolve_table``'s recurrence. Cost model: the
+    recurrence counts steps, i.e. assumes uniform per-layer costs and sizes when it picks the
+    splits; the simulator then measures each schedule's actual cost and peak (s + 3 nodes on a
+    uniform chain), and the cheapest that fits is returned. The input is a free snapshot (it is
+    in ``fixed_bytes``): s = 0 recomputes each gradient's prefix from it, L(L+1)/2 steps.
+    Unlike classic revolve, a gradient here reads its layer's output, so a snapshot of layer j
+    also serves j's gradient and reversal needs no extra "taping" step.
+
+    >>> from remat.builders import chain_graph
+    >>> griewank(chain_graph(6, bytes_per_node=1), 100, slots=1).cost
+    18.0
+    """
+    started = time.perf_counter()
+    layers = chain_length(graph)
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 0):
+        raise ValueError(f"slots={slots!r} must be a non-negative int (snapshot slots), or None to search")
+    # More than L-1 slots change nothing: with L-1 every layer but the top is already a snapshot.
+    most = layers - 1 if slots is None else min(slots, layers - 1)
+    table = revolve_table(layers, most)
+    tried = range(most + 1) if slots is None else (most,)
+    plans = [
+        _measure(graph, _revolve_keep(graph, layers, s, table), f"revolve with {s} snapshot slots")
+        for s in tried
+    ]
+    return _pick(graph, plans, budget_bytes=budget_bytes, method="griewank", started_s=started)
