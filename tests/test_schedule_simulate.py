@@ -161,3 +161,18 @@ def test_many_violations_are_summarised():
 def test_empty_plan():
     sim = simulate(G, Plan(()))
     assert sim.peak_bytes == 0 and sim.peak_step == -1 and not sim.ok
+
+
+def test_solve_rejects_unknown_methods_options_and_budgets():
+    from remat import solve
+
+    g = chain_graph(3)
+    with pytest.raises(ValueError, match="unknown method 'magic'; choose one of: .*checkpoint_all"):
+        solve(g, 2**30, method="magic")
+    with pytest.raises(ValueError, match="method 'chen_sqrtn' has no option 'varaint'; its options are: variant"):
+        solve(g, 2**30, method="chen_sqrtn", varaint="auto")
+    with pytest.raises(ValueError, match="method 'checkpoint_all' has no option 'x'; its options are: none"):
+        solve(g, 2**30, method="checkpoint_all", x=1)
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            solve(g, bad, method="checkpoint_all")

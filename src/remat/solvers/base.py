@@ -8,6 +8,7 @@ it, replays it in the simulator and refuses anything the simulator contradicts.
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 import math
 import time
@@ -213,8 +214,22 @@ def solve(graph: Graph, budget_bytes: int, method: str = "milp", **options: obje
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive int (bytes)")
+    fn = _REGISTRY[method]
+    _check_options(method, fn, options)
     log.debug("solving %s (%d nodes) with %s under %d B", graph.name, graph.n, method, budget_bytes)
-    return _REGISTRY[method](graph, budget_bytes, **options)
+    return fn(graph, budget_bytes, **options)
+
+
+def _check_options(method: str, fn: SolverFn, options: dict[str, object]) -> None:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+                or (p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and name not in ("graph", "budget_bytes"))]
+    for name in options:
+        if name not in accepted:
+            listed = ", ".join(accepted) if accepted else "none"
+            raise ValueError(f"method {method!r} has no option {name!r}; its options are: {listed}")
 
 
 def _load_builtin() -> None:
