@@ -1,0 +1,292 @@
+"""Run a plan on real tensors: ``build_module(traced, plan)`` compiles a ``Plan`` into a
+program that computes, recomputes and frees exactly where the plan says.
+
+The program is a flat list of instructions over an environment with one slot per placeholder
+and per graph node. ``Compute(i)`` runs node i's aten op on the live values of its inputs;
+``Free(i)`` drops the slot, so torch releases the storage at the very step the simulator
+does. Nothing is solved here: the plan is checked by ``simulate`` and run as given.
+
+Two things need care beyond running ops in order:
+
+* Random ops. A node that the plan computes more than once saves the generator state before
+  its first run and replays it around every recomputation (restoring the live state after),
+  so recomputation draws the same numbers and the stream continues exactly as in eager
+  PyTorch. First computations of random nodes must follow trace order for the same reason.
+* Views. A view owns no bytes but pins its base's storage. If a plan frees a storage's owner
+  while keeping a view of it (to recompute the owner later), holding the old view would pin
+  the old storage and exceed the simulated memory. So freeing an owner also drops the views
+  of it, and a dropped view that is read later is re-derived from the owner's live instance
+  (views are free: no data moves), which keeps memory exactly as simulated.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from remat.errors import ScheduleError
+from remat.schedule import Plan, StepKind
+from remat.simulate import SimResult, simulate
+from remat.trace import TracedStep
+
+
+class Op(enum.IntEnum):
+    RUN = 0  # compute a node
+    RUN_SAVE_RNG = 1  # compute a random node that will be recomputed: save the generator first
+    RUN_REPLAY_RNG = 2  # recompute a random node with its saved generator state
+    RELEASE = 3  # drop a slot
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One step of the compiled program. ``node`` is the graph node (-1: none); ``rebuild``
+    marks a view re-derived by execute, not a step of the plan."""
+
+    op: Op
+    node: int
+    rebuild: bool = False
+
+
+Getter = Callable[[list], object]
+
+
+def _compile_value(value: object, slot_of: dict[fx.Node, int]) -> Getter:
+    if isinstance(value, fx.Node):
+        slot = slot_of[value]
+        return lambda env: env[slot]
+    if isinstance(value, (list, tuple)) and any(isinstance(v, fx.Node) for v in value):
+        parts = [_compile_value(v, slot_of) for v in value]
+        kind = type(value)
+        return lambda env: kind(p(env) for p in parts)
+    return lambda env: value
+
+
+def _compile_call(node: fx.Node, slot_of: dict[fx.Node, int]) -> Callable[[list], tuple[list, dict]]:
+    arg_getters = [_compile_value(a, slot_of) for a in node.args]
+    kw_getters = {k: _compile_value(v, slot_of) for k, v in node.kwargs.items()}
+    if not kw_getters:
+        return lambda env: ([g(env) for g in arg_getters], {})
+    return lambda env: ([g(env) for g in arg_getters], {k: g(env) for k, g in kw_getters.items()})
+
+
+class _Rng:
+    """Save and restore the generator a random op draws from (per device type)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.index = device.index
+
+    def get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.index or 0) if self.cuda else torch.get_rng_state()
+
+    def set(self, state: torch.Tensor) -> None:
+        if self.cuda:
+            torch.cuda.set_rng_state(state, self.index or 0)
+        else:
+            torch.set_rng_state(state)
+
+
+class PlannedStep:
+    """A plan compiled against a traced step: call it with the traced module's flat inputs
+    (``traced.flat_inputs(model, batch)``); it returns the same outputs as
+    ``traced.module(*flat_inputs)`` (loss, gradients, buffer updates), computed in plan order
+    under ``torch.no_grad()``.
+
+    ``sim`` is the simulator's account of the plan; ``rebuilt_views`` counts view
+    re-derivations execute added (they move no data and allocate nothing).
+    """
+
+    def __init__(self, traced: TracedStep, plan: Plan, sim: SimResult, program: tuple[Instruction, ...]) -> None:
+        self.traced = traced
+        self.plan = plan
+        self.sim = sim
+        self.program = program
+        gm = traced.module
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._n_inputs = len(placeholders)
+        slot_of = {n: k for k, n in enumerate(placeholders)}
+        fx_nodes = [traced.fx_node(i) for i in range(traced.graph.n)]
+        for i, n in enumerate(fx_nodes):
+            slot_of[n] = self._n_inputs + i
+        self._n_slots = self._n_inputs + len(fx_nodes)
+        rng_index = {node: k for k, node in enumerate(traced.random_nodes)}
+        compiled = []
+        calls: dict[int, Callable] = {}
+        for ins in program:
+            slot = self._n_inputs + ins.node
+            if ins.op is Op.RELEASE:
+                compiled.append((Op.RELEASE, slot, None, None, -1, None))
+                continue
+            if ins.node not in calls:
+                calls[ins.node] = _compile_call(fx_nodes[ins.node], slot_of)
+            rng = _Rng(_device_of(fx_nodes[ins.node])) if ins.op is not Op.RUN else None
+            target = fx_nodes[ins.node].target
+            compiled.append((ins.op, slot, target, calls[ins.node], rng_index.get(ins.node, -1), rng))
+        self._compiled = tuple(compiled)
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        self._out_slots = tuple(None if v is None else slot_of[v] for v in _flat_outputs(out_node))
+        self.rebuilt_views = sum(1 for ins in program if ins.rebuild and ins.op is not Op.RELEASE)
+
+    def __call__(self, *flat_inputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if len(flat_inputs) != self._n_inputs:
+            raise ScheduleError(
+                f"planned step takes {self._n_inputs} inputs (parameters, buffers, batch, "
+                f"constants: traced.flat_inputs(model, batch)); got {len(flat_inputs)}"
+            )
+        env: list = [None] * self._n_slots
+        env[: self._n_inputs] = flat_inputs
+        saved_rng: list = [None] * len(self.traced.random_nodes)
+        with torch.no_grad():
+            for op, slot, fn, call, rng_slot, rng in self._compiled:
+                if op is Op.RELEASE:
+                    env[slot] = None
+                    continue
+                args, kwargs = call(env)
+                if op is Op.RUN:
+                    env[slot] = fn(*args, **kwargs)
+                elif op is Op.RUN_SAVE_RNG:
+                    saved_rng[rng_slot] = rng.get()
+                    env[slot] = fn(*args, **kwargs)
+                else:
+                    live_state = rng.get()
+                    rng.set(saved_rng[rng_slot])
+                    env[slot] = fn(*args, **kwargs)
+                    rng.set(live_state)
+                # Drop the argument lists now: held until the next instruction they would pin
+                # storages the plan has already freed.
+                args = kwargs = None
+        return tuple(None if s is None else env[s] for s in self._out_slots)
+
+    def describe(self) -> str:
+        """The program as text, one instruction a line (rebuilt views marked)."""
+        lines = []
+        for ins in self.program:
+            name = self.traced.node_names[ins.node]
+            if ins.op is Op.RELEASE:
+                lines.append(f"del {name}")
+            else:
+                target = self.traced.fx_node(ins.node).target
+                tag = {Op.RUN_SAVE_RNG: "  # save rng", Op.RUN_REPLAY_RNG: "  # replay rng"}.get(ins.op, "")
+                lines.append(f"{name} = {target}(...){tag}{'  # view rebuilt' if ins.rebuild else ''}")
+        return "\n".join(lines)
+
+
+def _flat_outputs(out_node: fx.Node) -> list[fx.Node | None]:
+    from torch.utils._pytree import tree_leaves
+
+    return list(tree_leaves(out_node.args[0], is_leaf=lambda x: x is None))
+
+
+def _device_of(n: fx.Node) -> torch.device:
+    from torch.utils._pytree import tree_leaves
+
+    for t in tree_leaves(n.meta.get("val")):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def build_module(traced: TracedStep, plan: Plan) -> PlannedStep:
+    """Compile ``plan`` for ``traced``; raise ``ScheduleError`` if the simulator rejects it or
+    it draws random numbers in a different order than eager PyTorch would.
+
+    >>> import torch, numpy as np
+    >>> from remat.trace import trace
+    >>> from remat.schedule import Schedule
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    >>> x = torch.randn(2, 4)
+    >>> t = trace(m, (x,), lambda m, x: m(x).sum(), cost_model=None)
+    >>> step = build_module(t, Schedule.from_kept(t.graph, np.zeros((t.graph.n,) * 2)).lower(t.graph))
+    >>> loss = step(*t.flat_inputs(m, (x,)))[0]
+    >>> torch.equal(loss, m(x).sum())
+    True
+    """
+    graph = traced.graph
+    sim = simulate(graph, plan)
+    sim.raise_if_invalid()
+    _check_random_order(traced, plan)
+    return PlannedStep(traced, plan, sim, _compile_program(traced, plan, sim))
+
+
+def _check_random_order(traced: TracedStep, plan: Plan) -> None:
+    seen: set[int] = set()
+    first = []
+    randoms = set(traced.random_nodes)
+    for i in plan.compute_order:
+        if i in randoms and i not in seen:
+            seen.add(i)
+            first.append(i)
+    if first != sorted(first):
+        k = next(k for k in range(len(first)) if first[k] != sorted(first)[k])
+        raise ScheduleError(
+            f"plan first computes random {traced.graph.describe(first[k])} before "
+            f"{traced.graph.describe(sorted(first)[k])}; random ops must first run in trace order "
+            f"so that they draw the same numbers as eager PyTorch (recomputations may go anywhere)"
+        )
+
+
+def _compile_program(traced: TracedStep, plan: Plan, sim: SimResult) -> tuple[Instruction, ...]:
+    graph = traced.graph
+    n = graph.n
+    alias = [traced.is_alias(i) for i in range(n)]
+    aliases_of: list[list[int]] = [[] for _ in range(n)]
+    for v in range(n):
+        if alias[v]:
+            for o in traced.storage_owners[v]:
+                aliases_of[o].append(v)
+    ids = {name: i for i, name in enumerate(traced.node_names)}
+    inputs = [[ids[a.name] for a in traced.fx_node(i).all_input_nodes if a.name in ids] for i in range(n)]
+    random_set = set(traced.random_nodes)
+    recomputed = {i for i in random_set if sim.compute_counts[i] > 1}
+    plan_live = [False] * n
+    phys_live = [False] * n
+    computed = [0] * n
+    program: list[Instruction] = []
+
+    def ensure(i: int, temps: list[int]) -> None:
+        """Make node i's value physically present; views dropped with their owner are
+        re-derived from the owner's live instance."""
+        if phys_live[i]:
+            return
+        if not alias[i]:
+            raise ScheduleError(f"internal: {graph.describe(i)} is needed but holds no value")
+        for a in inputs[i]:
+            ensure(a, temps)
+        program.append(Instruction(Op.RUN, i, rebuild=True))
+        phys_live[i] = True
+        if not plan_live[i]:
+            temps.append(i)
+
+    for step in plan.steps:
+        i = step.node
+        if step.kind is StepKind.COMPUTE:
+            temps: list[int] = []
+            for a in inputs[i]:
+                ensure(a, temps)
+            if i in recomputed:
+                op = Op.RUN_SAVE_RNG if computed[i] == 0 else Op.RUN_REPLAY_RNG
+            else:
+                op = Op.RUN
+            program.append(Instruction(op, i))
+            computed[i] += 1
+            plan_live[i] = phys_live[i] = True
+            for t in reversed(temps):
+                program.append(Instruction(Op.RELEASE, t, rebuild=True))
+                phys_live[t] = False
+        else:
+            if phys_live[i]:
+                program.append(Instruction(Op.RELEASE, i))
+            plan_live[i] = phys_live[i] = False
+            if not alias[i]:
+                for v in aliases_of[i]:
+                    if phys_live[v]:
+                        program.append(Instruction(Op.RELEASE, v, rebuild=True))
+                        phys_live[v] = False
+    temps = []
+    for o in graph.outputs:  # an output view dropped with an earlier instance of its owner
+        ensure(o, temps)
+    return tuple(program)

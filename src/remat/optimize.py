@@ -1,0 +1,280 @@
+"""``optimize``: trace a training step, plan it inside a memory budget, and hand back a
+``TrainingStep`` that drops into an ordinary training loop.
+
+>>> import torch
+>>> from remat.models import get_workload
+>>> w = get_workload("mlp", batch_size=4)
+>>> step = optimize(w.model, w.batch, w.loss_fn, "100%", method="checkpoint_all", cost_model=None)
+>>> opt = torch.optim.SGD(w.model.parameters(), lr=0.1)
+>>> loss = step(*w.batch); opt.step(); opt.zero_grad()
+>>> step.report.predicted_peak_bytes <= step.report.budget_bytes
+True
+
+Gradients follow ``loss.backward()``: a parameter whose ``.grad`` is None receives the new
+gradient (laid out like the parameter, as autograd does), an existing ``.grad`` is added to in
+place. So ``optimizer.zero_grad()`` (set_to_none, the default) and gradient accumulation both
+behave as usual. Buffers the step mutates (batch-norm running statistics) are updated once per
+call, after the plan has run.
+
+Plans are saved as JSON (``step.save(path)``) keyed by the traced graph's structural
+fingerprint and the budget; ``TrainingStep.load`` re-traces the model (cheap) and refuses a
+file made for another graph or budget, or one that does not parse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from remat.cost import CostModel
+from remat.errors import ScheduleError
+from remat.execute import PlannedStep, build_module
+from remat.schedule import Schedule
+from remat.simulate import simulate
+from remat.solvers import SolveStatus, solve
+from remat.trace import LossFn, TracedStep, batch_index, trace
+from remat.units import format_bytes, parse_budget
+
+PLAN_FORMAT = "remat.training_step"
+PLAN_VERSION = 1
+
+
+class PlanFileError(ScheduleError):
+    """A saved plan cannot be read (missing, not JSON, malformed)."""
+
+
+class StalePlanError(PlanFileError):
+    """A saved plan was made for a different graph or budget than the one asked for."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the plan promises. Costs are in the traced graph's unit (microseconds);
+    ``overhead`` is the plan's cost over checkpoint-all's (1.0: no recomputation)."""
+
+    method: str
+    status: SolveStatus
+    budget_bytes: int
+    predicted_peak_bytes: int
+    fixed_bytes: int
+    checkpoint_all_peak_bytes: int
+    cost_us: float
+    checkpoint_all_cost_us: float
+    overhead: float
+    recomputed_nodes: int
+    n_nodes: int
+    solve_s: float
+    fingerprint: str
+
+    def to_json(self) -> dict[str, object]:
+        record = asdict(self)
+        record["status"] = self.status.value
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, object]) -> StepReport:
+        fields = dict(record)
+        fields["status"] = SolveStatus(fields["status"])
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.method} ({self.status.value}): predicted peak {format_bytes(self.predicted_peak_bytes)} "
+            f"of budget {format_bytes(self.budget_bytes)} (checkpoint-all "
+            f"{format_bytes(self.checkpoint_all_peak_bytes)}), overhead {self.overhead:.3f}x, "
+            f"{self.recomputed_nodes} of {self.n_nodes} nodes recomputed"
+        )
+
+
+class TrainingStep:
+    """One planned training step of ``model``: ``step(*batch)`` returns the loss (detached)
+    and fills every trainable parameter's ``.grad`` as ``loss.backward()`` would."""
+
+    def __init__(
+        self, model: torch.nn.Module, traced: TracedStep, schedule: Schedule, planned: PlannedStep, report: StepReport
+    ) -> None:
+        self.model = model
+        self.traced = traced
+        self.schedule = schedule
+        self.planned = planned
+        self.report = report
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        outputs = self.traced.unpack(self.planned(*self.traced.flat_inputs(self.model, batch)))
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for key, grad in outputs.grads.items():
+                if grad is not None:
+                    _accumulate(params[key], grad)
+            for key, value in outputs.updates.items():
+                target = buffers[key] if key in buffers else batch[batch_index(key)]
+                target.copy_(value)
+        return outputs.loss
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON: which nodes each stage computes, keyed by fingerprint and
+        budget (no pickle: the file is data, safe to share)."""
+        R = self.schedule.R
+        record = {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "fingerprint": self.report.fingerprint,
+            "budget_bytes": self.report.budget_bytes,
+            "n_nodes": self.traced.graph.n,
+            "stages": [np.flatnonzero(R[t]).tolist() for t in range(R.shape[0])],
+            "report": self.report.to_json(),
+        }
+        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(record, f, separators=(",", ":"))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        model: torch.nn.Module,
+        example_inputs: torch.Tensor | Sequence[torch.Tensor],
+        loss_fn: LossFn,
+        *,
+        budget_bytes: int | None = None,
+    ) -> TrainingStep:
+        """Rebuild a saved step without solving. Raises ``StalePlanError`` if the model's
+        traced graph (or the requested budget) differs from the file's, ``PlanFileError`` if
+        the file is missing or malformed."""
+        record = _read_plan(path)
+        traced = trace(model, example_inputs, loss_fn, cost_model=None)
+        graph = traced.graph
+        fingerprint = graph.fingerprint(costs=False)
+        if record["fingerprint"] != fingerprint or record["n_nodes"] != graph.n:
+            raise StalePlanError(
+                f"saved plan {os.fspath(path)!r} was made for a different training step (graph "
+                f"fingerprint {record['fingerprint'][:12]}, {record['n_nodes']} nodes; this model "
+                f"traces to {fingerprint[:12]}, {graph.n} nodes): the model, batch shape or loss "
+                f"changed; run optimize() again and save the new plan"
+            )
+        if budget_bytes is not None and int(budget_bytes) != record["budget_bytes"]:
+            raise StalePlanError(
+                f"saved plan {os.fspath(path)!r} was made for budget {record['budget_bytes']} B, "
+                f"not {int(budget_bytes)} B; run optimize() with the new budget"
+            )
+        R = np.zeros((graph.n, graph.n), dtype=bool)
+        for t, stage in enumerate(record["stages"]):
+            if not all(isinstance(i, int) and 0 <= i <= t for i in stage):
+                raise PlanFileError(
+                    f"saved plan {os.fspath(path)!r}: stage {t} lists nodes outside 0..{t}; the "
+                    f"file is corrupt: delete it and run optimize() again"
+                )
+            R[t, stage] = True
+        try:
+            schedule = Schedule.from_compute(graph, R)
+            planned = build_module(traced, schedule.lower(graph))
+        except ScheduleError as exc:
+            raise PlanFileError(
+                f"saved plan {os.fspath(path)!r} does not replay on this graph ({exc}); the file is "
+                f"corrupt: delete it and run optimize() again"
+            ) from exc
+        try:
+            report = StepReport.from_json(record["report"])
+        except (TypeError, ValueError, KeyError) as exc:
+            raise PlanFileError(f"saved plan {os.fspath(path)!r}: unreadable report ({exc})") from exc
+        if planned.sim.peak_bytes != report.predicted_peak_bytes or planned.sim.peak_bytes > record["budget_bytes"]:
+            raise PlanFileError(
+                f"saved plan {os.fspath(path)!r}: its schedule simulates to peak "
+                f"{planned.sim.peak_bytes} B but the file promises {report.predicted_peak_bytes} B "
+                f"within {record['budget_bytes']} B; the file is corrupt: run optimize() again"
+            )
+        return cls(model, traced, schedule, planned, report)
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        # autograd's layout contract: a fresh .grad has the parameter's strides
+        if grad.stride() != param.stride():
+            grad = torch.empty_strided(param.shape, param.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+def _read_plan(path: str | os.PathLike) -> dict:
+    where = os.fspath(path)
+    try:
+        with open(where) as f:
+            record = json.load(f)
+    except FileNotFoundError as exc:
+        raise PlanFileError(f"no saved plan at {where!r}; run optimize() and step.save() first") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanFileError(
+            f"saved plan {where!r} is not readable JSON ({exc}); the file is corrupt: delete it "
+            f"and run optimize() again"
+        ) from exc
+    expected = {
+        "format": str, "version": int, "fingerprint": str, "budget_bytes": int, "n_nodes": int,
+        "stages": list, "report": dict,
+    }
+    if not isinstance(record, dict) or record.get("format") != PLAN_FORMAT:
+        raise PlanFileError(
+            f"{where!r} is not a remat plan file (no format {PLAN_FORMAT!r}); save one with step.save()"
+        )
+    for key, kind in expected.items():
+        if not isinstance(record.get(key), kind):
+            raise PlanFileError(
+                f"saved plan {where!r}: field {key!r} is missing or not a {kind.__name__}; the file "
+                f"is corrupt: delete it and run optimize() again"
+            )
+    if record["version"] != PLAN_VERSION:
+        raise PlanFileError(
+            f"saved plan {where!r} has format version {record['version']}; this remat reads version "
+            f"{PLAN_VERSION}: run optimize() again"
+        )
+    if len(record["stages"]) != record["n_nodes"] or not all(isinstance(s, list) for s in record["stages"]):
+        raise PlanFileError(f"saved plan {where!r}: expected {record['n_nodes']} stage lists; the file is corrupt")
+    return record
+
+
+def optimize(
+    model: torch.nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    loss_fn: LossFn,
+    budget_bytes: int | str,
+    *,
+    method: str = "milp",
+    cost_model: CostModel | None = CostModel.PROFILE,
+    **solver_options: object,
+) -> TrainingStep:
+    """Plan the training step ``loss_fn(model, *batch)`` to fit ``budget_bytes`` (bytes, or a
+    string such as ``"512MiB"`` or ``"60%"`` of the checkpoint-all peak) at the least compute.
+
+    Raises ``InfeasibleBudgetError`` (stating the least budget the method can meet) when the
+    budget is too small, ``TraceError`` when the step cannot be traced.
+    """
+    traced = trace(model, example_inputs, loss_fn, cost_model=cost_model)
+    graph = traced.graph
+    baseline = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
+    budget = parse_budget(budget_bytes, reference_bytes=baseline.peak_bytes)
+    result = solve(graph, budget, method=method, **solver_options)
+    planned = build_module(traced, result.plan)
+    report = StepReport(
+        method=method,
+        status=result.status,
+        budget_bytes=budget,
+        predicted_peak_bytes=planned.sim.peak_bytes,
+        fixed_bytes=graph.fixed_bytes,
+        checkpoint_all_peak_bytes=baseline.peak_bytes,
+        cost_us=planned.sim.total_cost,
+        checkpoint_all_cost_us=graph.total_cost,
+        overhead=planned.sim.total_cost / graph.total_cost if graph.total_cost > 0 else 1.0,
+        recomputed_nodes=int(sum(c > 1 for c in planned.sim.compute_counts)),
+        n_nodes=graph.n,
+        solve_s=result.solve_s,
+        fingerprint=graph.fingerprint(costs=False),
+    )
+    return TrainingStep(model, traced, result.schedule, planned, report)

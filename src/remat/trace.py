@@ -1,0 +1,645 @@
+"""Trace one training step (forward, loss and backward) into a ``Graph`` and the fx code behind it.
+
+The step is traced as one functional, aten-level fx graph: ``torch.func.functional_call`` with
+parameters, buffers and the batch as inputs, ``torch.autograd.grad`` of the loss, ``make_fx``
+with fake tensors under the python dispatcher (so batch norm shows its running-stat update and
+dropout is one ``native_dropout``), then a second pass of ``functionalize(remove="mutations")``.
+Mutated buffers (batch-norm running stats) come out as extra outputs holding the new values;
+whoever runs the step copies them into the buffers once, after the step.
+
+Memory follows storages, not nodes: a node owns the bytes of the storages it creates; a view
+(or any output sharing an existing storage) owns none and makes its users depend on the
+storage's owner, so a plan keeps the owner alive exactly as long as torch would.
+
+The loss contract: ``loss_fn(model, *batch) -> scalar tensor``. The loss function calls the
+model itself, so any signature works (keyword arguments, several calls, labels inside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import itertools
+import operator
+import os
+import traceback
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.fx.experimental.proxy_tensor as proxy_tensor
+from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils._pytree import tree_leaves
+
+from remat import cost as cost_mod
+from remat.errors import TraceError
+from remat.graph import Graph, Node, NodeKind
+
+LossFn = Callable[..., torch.Tensor]
+
+
+class InputRole(enum.Enum):
+    PARAM = "param"  # a parameter (trainable or frozen)
+    BUFFER = "buffer"
+    INPUT = "input"  # one tensor of the batch
+    CONSTANT = "constant"  # a tensor the model creates from Python data (lifted by make_fx)
+
+
+class OutputRole(enum.Enum):
+    LOSS = "loss"
+    GRAD = "grad"  # the gradient of one trainable parameter
+    UPDATE = "update"  # the new value of a buffer (or input) the step mutates
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSlot:
+    """One placeholder of the traced module: ``key`` is the parameter or buffer name as in
+    ``model.named_parameters()``, ``batch[i]`` or the constant's attribute name."""
+
+    role: InputRole
+    key: str
+    fx_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSlot:
+    """One output of the traced module. ``fx_name`` is None for the gradient of a parameter
+    the loss does not use (its ``.grad`` stays untouched, as with ``loss.backward()``)."""
+
+    role: OutputRole
+    key: str
+    fx_name: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSpec:
+        return cls(tuple(t.shape), t.dtype, t.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    """What one run of a traced step returns, by name."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    updates: dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TracedStep:
+    """A traced training step: its ``Graph`` and the map back to torch.
+
+    ``module(*flat_inputs)`` runs the whole step eagerly and returns one value per ``outputs``
+    slot. Graph node ``i`` is fx node ``node_names[i]``. ``storage_owners[i]`` are the graph
+    nodes owning the storages node i's outputs live in (i itself for storages it creates;
+    empty for views of parameters or inputs).
+    """
+
+    graph: Graph
+    module: fx.GraphModule
+    node_names: tuple[str, ...]
+    inputs: tuple[InputSlot, ...]
+    outputs: tuple[OutputSlot, ...]
+    constants: tuple[torch.Tensor, ...]
+    storage_owners: tuple[tuple[int, ...], ...]
+    random_nodes: tuple[int, ...]
+    batch_spec: tuple[TensorSpec, ...]
+    training: bool
+
+    def fx_node(self, i: int) -> fx.Node:
+        return self._fx_nodes[i]
+
+    @functools.cached_property
+    def _fx_nodes(self) -> tuple[fx.Node, ...]:
+        by_name = {n.name: n for n in self.module.graph.nodes}
+        return tuple(by_name[name] for name in self.node_names)
+
+    def is_alias(self, i: int) -> bool:
+        """Node i allocates nothing: every output shares a storage created elsewhere."""
+        return i not in self.storage_owners[i] and self.graph.nodes[i].out_bytes == 0
+
+    def flat_inputs(self, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The placeholder values for one step: the model's current parameters and buffers
+        (detached, sharing storage, so buffer updates land in the model), the batch, the
+        constants."""
+        batch = _as_batch(batch)
+        check_batch(self.batch_spec, batch)
+        if model.training != self.training:
+            mode = "train" if self.training else "eval"
+            raise TraceError(
+                f"the step was traced with the model in {mode} mode but it is now in the other "
+                f"mode; call model.{mode}() or trace again"
+            )
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        constants = iter(self.constants)
+        flat = []
+        for slot in self.inputs:
+            if slot.role is InputRole.PARAM:
+                flat.append(params[slot.key].detach())
+            elif slot.role is InputRole.BUFFER:
+                flat.append(buffers[slot.key].detach())
+            elif slot.role is InputRole.INPUT:
+                flat.append(batch[batch_index(slot.key)].detach())
+            else:
+                flat.append(next(constants))
+        return flat
+
+    def unpack(self, values: Sequence[torch.Tensor | None]) -> StepOutputs:
+        loss, grads, updates = None, {}, {}
+        for slot, value in zip(self.outputs, values, strict=True):
+            if slot.role is OutputRole.LOSS:
+                loss = value
+            elif slot.role is OutputRole.GRAD:
+                grads[slot.key] = value
+            else:
+                updates[slot.key] = value
+        assert loss is not None
+        return StepOutputs(loss=loss, grads=grads, updates=updates)
+
+
+def trace(
+    model: torch.nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    loss_fn: LossFn,
+    *,
+    cost_model: cost_mod.CostModel | None = cost_mod.CostModel.PROFILE,
+    name: str | None = None,
+    replay_rng: bool = True,
+) -> TracedStep:
+    """Trace ``loss_fn(model, *example_inputs)`` and its backward into a ``TracedStep``.
+
+    ``cost_model`` picks how node costs (microseconds) are found; None leaves every cost 0
+    (structure only, e.g. to check a saved plan). With ``replay_rng`` (default) random ops are
+    recomputable and a recomputation replays the generator state; otherwise they must run once.
+
+    >>> import torch
+    >>> m = torch.nn.Linear(4, 2)
+    >>> t = trace(m, (torch.randn(3, 4),), lambda m, x: m(x).square().mean(), cost_model=None)
+    >>> [s.key for s in t.outputs]
+    ['loss', 'weight', 'bias']
+    """
+    batch = _as_batch(example_inputs)
+    params = dict(model.named_parameters())
+    trainable = [k for k, p in params.items() if p.requires_grad]
+    frozen = [k for k, p in params.items() if not p.requires_grad]
+    buffers = dict(model.named_buffers())
+    if not trainable:
+        raise TraceError(
+            f"model {type(model).__name__} has no trainable parameter (requires_grad=True); "
+            f"there is no gradient to compute"
+        )
+    keys = trainable + frozen + list(buffers)
+    flat = [*(params[k].detach() for k in trainable + frozen), *(buffers[k].detach() for k in buffers), *batch]
+    on_meta = any(t.device.type == "meta" for t in flat)
+    if on_meta and cost_model is cost_mod.CostModel.PROFILE:
+        raise TraceError(
+            "the model or batch is on the meta device, which has no data to time; pass "
+            "cost_model=CostModel.ESTIMATE (or None)"
+        )
+    fake_mode = FakeTensorMode()
+    fakes = [_fake_input(fake_mode, t) for t in flat]
+    kinds_by_name: dict[str, NodeKind] = {}
+    gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), fakes, kinds_by_name)
+
+    roles = [InputRole.PARAM] * len(params) + [InputRole.BUFFER] * len(buffers) + [InputRole.INPUT] * len(batch)
+    slot_keys = keys + [f"batch[{i}]" for i in range(len(batch))]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [InputSlot(r, k, p.name) for r, k, p in zip(roles, slot_keys, placeholders, strict=True)]
+    constants = _lift_constants(gm, inputs)
+    outputs = _output_slots(gm, trainable, inputs)
+    _dead_code_elimination(gm)
+    _split_multi_outputs(gm, kinds_by_name)
+    outputs = _rename_outputs(gm, outputs)
+    gm.graph.lint()
+    gm.recompile()
+    FakeTensorProp(gm, fake_mode).propagate(*fakes, *constants)
+
+    graph, node_names, owners, random_nodes = _build_graph(
+        gm, kinds_by_name, name or type(model).__name__, replay_rng=replay_rng
+    )
+    traced = TracedStep(
+        graph=graph,
+        module=gm,
+        node_names=node_names,
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        constants=tuple(constants),
+        storage_owners=owners,
+        random_nodes=random_nodes,
+        batch_spec=tuple(TensorSpec.of(t) for t in batch),
+        training=model.training,
+    )
+    if cost_model is not None:
+        # (meta models are only estimated, from the fake tensors' metadata)
+        zero = frozenset(name for i, name in enumerate(node_names) if traced.is_alias(i))
+        costs = cost_mod.node_costs(gm, [*flat, *constants], cost_model, zero_cost=zero)
+        traced = dataclasses.replace(traced, graph=graph.with_costs([costs[name] for name in node_names]))
+    return traced
+
+
+# ---------------------------------------------------------------------------- batch checks
+def batch_index(key: str) -> int:
+    """``3`` for the slot key ``"batch[3]"``."""
+    return int(key[len("batch[") : -1])
+
+
+def _as_batch(example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    batch = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor):
+            raise TraceError(
+                f"batch[{i}] is a {type(t).__name__}, not a tensor; pass the batch as a tuple of "
+                f"tensors and bake other arguments into loss_fn (e.g. with functools.partial)"
+            )
+    return batch
+
+
+def check_batch(spec: Sequence[TensorSpec], batch: Sequence[torch.Tensor]) -> None:
+    """Raise ``TraceError`` unless ``batch`` has the traced shapes, dtypes and devices."""
+    if len(batch) != len(spec):
+        raise TraceError(f"the batch has {len(batch)} tensors but the step was traced with {len(spec)}")
+    for i, (s, t) in enumerate(zip(spec, batch)):
+        if TensorSpec.of(t) != s:
+            raise TraceError(
+                f"batch[{i}] has shape {tuple(t.shape)}, {t.dtype} on {t.device} but the step was "
+                f"traced with shape {s.shape}, {s.dtype} on {s.device}; plans are shape-specific: "
+                f"trace (or optimize) again with an example of this shape"
+            )
+
+
+# ---------------------------------------------------------------------------- tracing passes
+def _fake_input(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """The fake tensor a placeholder is traced with. Meta tensors become fake CPU tensors:
+    on the meta device some composite ops (``nll_loss``) bypass autograd under the python
+    dispatcher and the backward silently vanishes; fake CPU tensors allocate nothing either."""
+    if t.device.type != "meta":
+        return mode.from_tensor(t)
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+class _Wrapper(torch.nn.Module):
+    """Lets ``functional_call`` swap the model's tensors while the user's loss_fn calls it."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch: torch.Tensor) -> object:
+        return self.loss_fn(self.model, *batch)
+
+
+def _last_node_name() -> str | None:
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return None
+    last = next(reversed(mode.tracer.graph.nodes), None)
+    return None if last is None else last.name
+
+
+def _check_loss(loss: object) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise TraceError(
+            f"loss_fn returned a {type(loss).__name__}, not a tensor; it must return the loss as "
+            f"a scalar tensor, e.g. `lambda model, x, y: F.cross_entropy(model(x), y)`"
+        )
+    if loss.numel() != 1:
+        raise TraceError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; the loss must be a scalar: "
+            f"reduce it with .mean() or .sum()"
+        )
+    if not loss.dtype.is_floating_point:
+        raise TraceError(f"loss_fn returned a {loss.dtype} tensor; the loss must be floating point")
+    if not loss.requires_grad:
+        raise TraceError(
+            "the loss does not depend on any trainable parameter (it has no grad_fn); check that "
+            "loss_fn calls the model it is given and does not detach its output"
+        )
+
+
+def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, flat, kinds_by_name):
+    wrapper = _Wrapper(model, loss_fn)
+    n_train, n_frozen, n_buf = len(trainable), len(frozen), len(buffer_keys)
+    names = ["model." + k for k in trainable + frozen + buffer_keys]
+    marks: dict[str, str | None] = {}
+    depth = [0]
+
+    def enter(module, args):
+        depth[0] += 1
+
+    def leave(module, args, output):
+        depth[0] -= 1
+        if depth[0] == 0:  # the end of (the last) model call: what follows is the loss
+            marks["forward_end"] = _last_node_name()
+
+    def step(*tensors):
+        for t in tensors[:n_train]:
+            t.requires_grad_(True)
+        state = dict(zip(names, tensors[: n_train + n_frozen + n_buf]))
+        loss = torch.func.functional_call(wrapper, state, tuple(tensors[n_train + n_frozen + n_buf :]))
+        _check_loss(loss)
+        marks["backward_start"] = _last_node_name()
+        grads = torch.autograd.grad(loss, tensors[:n_train], allow_unused=True)
+        if all(g is None for g in grads):
+            raise TraceError(
+                "autograd produced no gradient for any trainable parameter although the loss "
+                "requires grad; check that the loss is computed from the model's output"
+            )
+        return (loss, *grads)
+
+    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    try:
+        with enable_python_dispatcher():
+            # detached aliases per pass: pass 1 marks its inputs requires_grad
+            first = proxy_tensor.make_fx(step, tracing_mode="fake")(*(t.detach() for t in flat))
+            phase_of = _phases(first, marks)
+            carrier = _PhaseCarrier(first, phase_of, kinds_by_name)
+            return proxy_tensor.make_fx(
+                torch.func.functionalize(carrier.run, remove="mutations"), tracing_mode="fake"
+            )(*(t.detach() for t in flat))
+    except TraceError:
+        raise
+    except Exception as exc:  # translate torch's failure into one naming the construct and module
+        raise explain_trace_failure(exc, model) from exc
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _describe_module(model: torch.nn.Module, name: str) -> str:
+    module = model.get_submodule(name)
+    return f"module {name!r} ({type(module).__name__})" if name else f"the model ({type(model).__name__})"
+
+
+def _phases(gm: fx.GraphModule, marks: dict[str, str | None]) -> dict[str, NodeKind]:
+    """Node kinds in the first trace: up to the end of the model call FORWARD, then LOSS,
+    then BACKWARD (everything ``autograd.grad`` recorded)."""
+    backward_start = marks.get("backward_start")
+    forward_end = marks.get("forward_end") or backward_start
+    kind, phase_of = NodeKind.FORWARD, {}
+    for n in gm.graph.nodes:
+        phase_of[n.name] = kind
+        if n.name == forward_end and kind is NodeKind.FORWARD:
+            kind = NodeKind.LOSS
+        if n.name == backward_start:
+            kind = NodeKind.BACKWARD
+    return phase_of
+
+
+class _PhaseCarrier(fx.Interpreter):
+    """Replays the first trace under functionalization and labels every node the second
+    trace records with the kind of the first-trace node that produced it."""
+
+    def __init__(self, gm: fx.GraphModule, phase_of: dict[str, NodeKind], out: dict[str, NodeKind]) -> None:
+        super().__init__(gm)
+        self.phase_of = phase_of
+        self.out = out
+
+    def run_node(self, n: fx.Node) -> object:
+        graph = proxy_tensor.get_proxy_mode().tracer.graph
+        before = len(graph.nodes)
+        result = super().run_node(n)
+        added = len(graph.nodes) - before
+        for new in itertools.islice(reversed(graph.nodes), max(added, 0)):
+            self.out.setdefault(new.name, self.phase_of.get(n.name, NodeKind.BACKWARD))
+        return result
+
+
+# ---------------------------------------------------------------------------- graph rewrites
+def _lift_constants(gm: fx.GraphModule, inputs: list[InputSlot]) -> list[torch.Tensor]:
+    """Turn ``get_attr`` tensor constants into trailing placeholders (role CONSTANT), so every
+    tensor a step reads is an input whose bytes count in ``fixed_bytes``."""
+    constants = []
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    last_placeholder = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for attr in attrs:
+        value = getattr(gm, attr.target)
+        with gm.graph.inserting_after(last_placeholder):
+            ph = gm.graph.placeholder(f"const_{attr.target.lstrip('_')}")
+        ph.meta.update(attr.meta)
+        attr.replace_all_uses_with(ph)
+        gm.graph.erase_node(attr)
+        delattr(gm, attr.target)
+        last_placeholder = ph
+        constants.append(value)
+        inputs.append(InputSlot(InputRole.CONSTANT, attr.target, ph.name))
+    return constants
+
+
+def _output_slots(gm: fx.GraphModule, trainable: list[str], inputs: list[InputSlot]) -> list[OutputSlot]:
+    """Name the outputs and move input mutations (``copy_`` into a placeholder at the end)
+    to extra outputs, so the graph is functional and recomputing never sees a mutated input."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    values = _output_values(gm)
+    slot_of = {s.fx_name: s for s in inputs}
+    slots = [OutputSlot(OutputRole.LOSS, "loss", values[0].name)]
+    slots += [OutputSlot(OutputRole.GRAD, k, v.name if v is not None else None) for k, v in zip(trainable, values[1:])]
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+            target, source = n.args[0], n.args[1]
+            slots.append(OutputSlot(OutputRole.UPDATE, slot_of[target.name].key, source.name))
+            values.append(source)
+            gm.graph.erase_node(n)
+        elif schema is not None and schema.is_mutable:
+            raise TraceError(
+                f"op {n.target} (node {n.name!r}) still mutates a tensor after functionalization; "
+                f"remat plans functional graphs only: replace the in-place op in the model"
+            )
+    out_node.args = (tuple(values),)
+    return slots
+
+
+def _output_values(gm: fx.GraphModule) -> list[fx.Node | None]:
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(tree_leaves(out_node.args[0], is_leaf=lambda x: x is None))
+
+
+def _rename_outputs(gm: fx.GraphModule, slots: list[OutputSlot]) -> list[OutputSlot]:
+    """Slots naming the fx nodes the output node reads now (rewrites replace some)."""
+    values = _output_values(gm)
+    return [OutputSlot(s.role, s.key, None if v is None else v.name) for s, v in zip(slots, values, strict=True)]
+
+
+def is_random(n: fx.Node) -> bool:
+    return n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
+def _dead_code_elimination(gm: fx.GraphModule) -> None:
+    """Remove unused nodes, except random ones: dropping one would shift every later random
+    number and the step would no longer match eager PyTorch."""
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op == "call_function" and not n.users and not is_random(n):
+            gm.graph.erase_node(n)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _split_multi_outputs(gm: fx.GraphModule, kinds: dict[str, NodeKind]) -> None:
+    """Clone small outputs of multi-output ops that outlive a larger sibling.
+
+    A plan frees a node's outputs together, so batch norm's saved statistics (needed in the
+    backward) would keep its large normalized output alive all step, and a weight gradient
+    would keep the input gradient of ``convolution_backward`` alive to the end. An explicit
+    clone of the small long-lived output lets the op's node be freed after the large one's
+    last use. Rule: clone an output when it is smaller than the outputs that die before it.
+    """
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+    last_use: dict[int, int] = {}
+    for n in nodes:
+        at = end if n.op == "output" else pos[n]
+        for a in n.all_input_nodes:
+            for t in _tensors(a.meta.get("val")):
+                last_use[_storage_key(t)] = max(last_use.get(_storage_key(t), 0), at)
+    for x in nodes:
+        if x.op != "call_function" or not isinstance(x.meta.get("val"), (tuple, list)):
+            continue
+        gets = [u for u in x.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
+        if len(gets) < 2:
+            continue
+        info = {  # getitem -> (last use of its storage, its bytes)
+            g: (last_use.get(_storage_key(g.meta["val"]), pos[g]), g.meta["val"].untyped_storage().nbytes())
+            for g in gets
+        }
+        for g in gets:
+            dies_before = sum(b for h, (l, b) in info.items() if l < info[g][0])
+            if info[g][1] < dies_before:
+                with gm.graph.inserting_after(g):  # before every user of g
+                    c = gm.graph.call_function(torch.ops.aten.clone.default, (g,))
+                g.replace_all_uses_with(c, delete_user_cb=lambda user: user is not c)
+                kinds[c.name] = kinds.get(x.name, NodeKind.FORWARD)
+
+
+def _build_graph(gm: fx.GraphModule, kinds: dict[str, NodeKind], name: str, *, replay_rng: bool):
+    owner: dict[int, int] = {}  # storage -> owning graph node, -1 for placeholders
+    fixed_bytes = 0
+    for ph in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        for t in _tensors(ph.meta.get("val")):
+            key = _storage_key(t)
+            if key not in owner:
+                owner[key] = -1
+                fixed_bytes += t.untyped_storage().nbytes()
+    compute = [n for n in gm.graph.nodes if n.op == "call_function"]
+    ids = {n: i for i, n in enumerate(compute)}
+    nodes, owners, random_nodes = [], [], []
+    for i, n in enumerate(compute):
+        fresh, mine = 0, set()
+        for t in _tensors(n.meta.get("val")):
+            key = _storage_key(t)
+            if key not in owner:
+                owner[key] = i
+                fresh += t.untyped_storage().nbytes()
+            if owner[key] >= 0:
+                mine.add(owner[key])
+        deps: set[int] = set()
+        for a in n.all_input_nodes:
+            if a in ids:
+                deps.add(ids[a])
+                deps.update(owners[ids[a]])
+        deps.discard(i)
+        rand = is_random(n)
+        if rand:
+            random_nodes.append(i)
+        kind = kinds.get(n.name, NodeKind.BACKWARD)
+        nodes.append(Node(n.name, kind, tuple(sorted(deps)), fresh, 0.0, recomputable=replay_rng or not rand))
+        owners.append(tuple(sorted(mine)))
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs: set[int] = set()
+    for a in out_node.all_input_nodes:
+        if a in ids:
+            outputs.add(ids[a])
+            outputs.update(owners[ids[a]])
+    graph = Graph(nodes=tuple(nodes), fixed_bytes=fixed_bytes, outputs=tuple(sorted(outputs)), name=name)
+    return graph, tuple(n.name for n in compute), tuple(owners), tuple(random_nodes)
+
+
+# ---------------------------------------------------------------------------- error translation
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)), "site-packages")
+# nn.Module's call plumbing: a frame there names the module being called, not the one failing
+_MODULE_MACHINERY = frozenset({"_call_impl", "_wrapped_call_impl", "__call__"})
+
+
+def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceError:
+    """A ``TraceError`` naming the construct torch could not trace, the module it sits in
+    (innermost ``forward`` of ``model`` on the stack) and a remedy."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    chain, cause = [], exc
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    modules = {id(m): name for name, m in model.named_modules()}
+    module_desc, user_line = None, None
+    for e in chain:
+        for frame, lineno in traceback.walk_tb(e.__traceback__):
+            code = frame.f_code
+            obj = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+            filename = code.co_filename
+            if obj is not None and id(obj) in modules and code.co_name not in _MODULE_MACHINERY:
+                module_desc = _describe_module(model, modules[id(obj)])
+            if not any(d in filename for d in _LIBRARY_DIRS):
+                code = _source_line(filename, lineno)
+                user_line = f"{os.path.basename(filename)}:{lineno}" + (f" `{code}`" if code else "")
+    where = module_desc or f"loss_fn or model {type(model).__name__}"
+    if user_line:
+        where += f" at {user_line}"
+    op = next((str(getattr(e, "func", "")) for e in chain if getattr(e, "func", None) is not None), None)
+    if any(isinstance(e, DataDependentOutputException) for e in chain) or "data-dependent" in str(exc).lower():
+        what = (
+            f"a tensor's value read in Python ({op or 'aten._local_scalar_dense'}: .item(), "
+            f"bool(tensor), `if tensor ...:`, int(tensor))"
+        )
+        remedy = (
+            "control flow and shapes must not depend on tensor values; use torch.where or "
+            "arithmetic masks instead of Python branches, and keep values as tensors"
+        )
+    elif any(isinstance(e, DynamicOutputShapeException) for e in chain):
+        what = f"op {op} whose output shape depends on tensor values (nonzero, unique, boolean masks)"
+        remedy = "use a fixed-shape formulation (torch.where, multiplying by a mask) instead"
+    elif "fake impl" in str(exc) or "register_fake" in str(exc):
+        what = f"an op with no fake-tensor implementation ({_first_line(exc)})"
+        remedy = "register one with torch.library.register_fake (or @op.register_fake) so it can be traced"
+    elif any(isinstance(e, UnsupportedOperatorException) for e in chain):
+        what = f"op {op}, which has no fake-tensor (meta) implementation"
+        remedy = "replace the op, or register a fake implementation for it (torch.library.register_fake)"
+    else:
+        what = f"{type(exc).__name__}: {_first_line(exc)}"
+        remedy = "check that loss_fn(model, *batch) runs eagerly and uses only traceable tensor operations"
+    return TraceError(f"cannot trace the training step: {what} in {where}; {remedy}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300].rstrip(".") if text else ""
+
+
+def _source_line(filename: str, lineno: int) -> str | None:
+    import linecache
+
+    line = linecache.getline(filename, lineno).strip()
+    return line or None

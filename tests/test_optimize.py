@@ -1,0 +1,247 @@
+"""optimize(): a TrainingStep that trains exactly like eager PyTorch, reports its plan, saves
+and reloads without solving, and fails clearly. Also: resolving workloads by name or spec."""
+
+from __future__ import annotations
+
+import copy
+import json
+import textwrap
+
+import pytest
+import torch
+
+import remat
+import remat.optimize as optimize_mod
+from remat.cost import CostModel
+from remat.errors import InfeasibleBudgetError, RematError, TraceError
+from remat.models import Workload, WorkloadError, get_workload, load_factory, names
+from remat.optimize import PlanFileError, StalePlanError, TrainingStep, optimize
+from remat.solvers import SolveStatus
+from torch_helpers import workload
+
+#: the method the training tests plan with: the MILP when present, else a baseline
+METHOD = "chen_greedy"
+
+
+def _train(model, step_fn, batch, make_opt, steps=10, seed=0):
+    opt = make_opt(model.parameters())
+    torch.manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(step_fn(model, batch))
+        opt.step()
+    return losses
+
+
+def _eager(w):
+    def run(model, batch):
+        loss = w.loss_fn(model, *batch)
+        loss.backward()
+        return loss.detach()
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "name,batch_size,make_opt",
+    [
+        ("cnn", 4, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+        ("gpt2-tiny", 2, lambda p: torch.optim.Adam(p, lr=1e-3)),
+    ],
+)
+def test_ten_optimizer_steps_match_eager_exactly(name, batch_size, make_opt):
+    w = workload(name, batch_size)
+    eager_model, planned_model = copy.deepcopy(w.model), copy.deepcopy(w.model)
+    step = optimize(planned_model, w.batch, w.loss_fn, "85%", method=METHOD, cost_model=CostModel.ESTIMATE)
+    assert step.report.recomputed_nodes > 0  # the plan really recomputes
+    want = _train(eager_model, _eager(w), w.batch, make_opt)
+    got = _train(planned_model, lambda m, b: step(*b), w.batch, make_opt)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (k, p), q in zip(eager_model.named_parameters(), planned_model.parameters()):
+        assert torch.equal(p, q), k
+    for (k, b), c in zip(eager_model.named_buffers(), planned_model.buffers()):
+        assert torch.equal(b, c), k
+
+
+def test_gradients_accumulate_like_backward_and_follow_the_layout_contract():
+    w = workload("mlp", 256)
+    eager_model, planned_model = copy.deepcopy(w.model), copy.deepcopy(w.model)
+    step = optimize(planned_model, w.batch, w.loss_fn, 10**9, method="checkpoint_all", cost_model=None)
+    for _ in range(2):  # no zero_grad: the second call adds to .grad
+        w.loss_fn(eager_model, *w.batch).backward()
+        step(*w.batch)
+    for p, q in zip(eager_model.parameters(), planned_model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+        assert q.grad.stride() == q.stride()
+
+
+def test_report_describes_the_plan():
+    w = workload("cnn", 4)
+    step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, "90%", method="chen_greedy", cost_model=CostModel.ESTIMATE)
+    r = step.report
+    assert r.method == "chen_greedy" and r.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
+    assert r.predicted_peak_bytes <= r.budget_bytes == int(0.9 * r.checkpoint_all_peak_bytes)
+    assert r.fixed_bytes < r.predicted_peak_bytes and r.overhead >= 1.0 and r.n_nodes == step.traced.graph.n
+    assert "chen_greedy" in str(r) and "overhead" in str(r)
+
+
+@pytest.mark.skipif("milp" not in remat.methods(), reason="MILP solver not built yet")
+def test_optimize_with_the_milp_on_a_small_model():
+    w = workload("cnn", 4)
+    model = copy.deepcopy(w.model)
+    step = optimize(model, w.batch, w.loss_fn, "85%", cost_model=CostModel.ESTIMATE, time_limit_s=30)
+    assert step.report.method == "milp" and step.report.predicted_peak_bytes <= step.report.budget_bytes
+    greedy = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, "85%", method="chen_greedy", cost_model=CostModel.ESTIMATE)
+    assert step.report.cost_us <= greedy.report.cost_us * (1 + 1e-6)  # never worse than a baseline
+    eager = copy.deepcopy(w.model)
+    loss = w.loss_fn(eager, *w.batch)
+    loss.backward()
+    assert torch.equal(step(*w.batch), loss.detach())
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(eager.parameters(), model.parameters()))
+    assert all(torch.equal(b, c) for b, c in zip(eager.buffers(), model.buffers()))
+
+
+# ---------------------------------------------------------------------------- errors
+def test_budget_below_the_minimum_is_infeasible_with_the_least_budget():
+    w = workload("cnn", 4)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, 1000, method="chen_greedy", cost_model=None)
+    err = info.value
+    assert err.budget_bytes == 1000 and err.min_budget_bytes > 1000
+    assert f"({err.min_budget_bytes} B)" in str(err) and "raise the budget" in str(err)
+
+
+def test_model_without_scalar_loss_is_a_trace_error():
+    with pytest.raises(TraceError, match="the loss must be a scalar"):
+        optimize(torch.nn.Linear(3, 2), (torch.randn(4, 3),), lambda m, x: m(x), 10**9, method="checkpoint_all")
+
+
+def test_step_refuses_a_batch_of_another_shape():
+    w = workload("mlp", 256)
+    step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, 10**9, method="checkpoint_all", cost_model=None)
+    with pytest.raises(TraceError, match="plans are shape-specific"):
+        step(*(x[:5] for x in w.batch))
+
+
+# ---------------------------------------------------------------------------- save / load
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    w = workload("cnn", 4)
+    step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, "85%", method="chen_greedy", cost_model=CostModel.ESTIMATE)
+    path = tmp_path_factory.mktemp("plans") / "cnn.json"
+    step.save(path)
+    return w, step, path
+
+
+def test_saved_plan_reloads_without_solving(saved, monkeypatch):
+    w, step, path = saved
+    record = json.loads(path.read_text())
+    assert record["format"] == "remat.training_step" and len(record["stages"]) == step.traced.graph.n
+
+    def no_solving(*args, **kwargs):
+        raise AssertionError("load must not solve")
+
+    monkeypatch.setattr(optimize_mod, "solve", no_solving)
+    model = copy.deepcopy(w.model)
+    loaded = TrainingStep.load(path, model, w.batch, w.loss_fn, budget_bytes=step.report.budget_bytes)
+    assert loaded.report == step.report
+    assert loaded.planned.plan == step.planned.plan
+    eager = copy.deepcopy(w.model)
+    loss = w.loss_fn(eager, *w.batch)
+    loss.backward()
+    assert torch.equal(loaded(*w.batch), loss.detach())
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(eager.parameters(), model.parameters()))
+
+
+def test_stale_plan_is_refused(saved):
+    w, step, path = saved
+    other = get_workload("mlp", 4)
+    with pytest.raises(StalePlanError, match="made for a different training step.*run optimize\\(\\) again"):
+        TrainingStep.load(path, other.model, other.batch, other.loss_fn)
+    smaller_batch = tuple(x[:2] for x in w.batch)
+    with pytest.raises(StalePlanError, match="different training step"):
+        TrainingStep.load(path, copy.deepcopy(w.model), smaller_batch, w.loss_fn)
+    with pytest.raises(StalePlanError, match=f"made for budget {step.report.budget_bytes} B, not 123 B"):
+        TrainingStep.load(path, copy.deepcopy(w.model), w.batch, w.loss_fn, budget_bytes=123)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda text, rec: "{not json", "not readable JSON"),
+        (lambda text, rec: text[: len(text) // 2], "not readable JSON"),
+        (lambda text, rec: json.dumps({"hello": 1}), "not a remat plan file"),
+        (lambda text, rec: json.dumps({**rec, "stages": "x"}), "field 'stages' is missing or not a list"),
+        (lambda text, rec: json.dumps({**rec, "stages": rec["stages"][:-1]}), "expected .* stage lists"),
+        (lambda text, rec: json.dumps({**rec, "stages": [[0]] + rec["stages"][1:-1] + [[10**6]]}), "outside"),
+        (lambda text, rec: json.dumps({**rec, "stages": [[t] for t in range(len(rec["stages"]))][:-1] + [[]]}), "does not replay"),
+        (lambda text, rec: json.dumps({**rec, "report": {**rec["report"], "predicted_peak_bytes": 1}}), "promises 1 B"),
+        (lambda text, rec: json.dumps({**rec, "version": 99}), "format version 99"),
+    ],
+)
+def test_corrupt_plan_file_is_refused(saved, tmp_path, mutate, message):
+    w, _, path = saved
+    text = path.read_text()
+    bad = tmp_path / "bad.json"
+    bad.write_text(mutate(text, json.loads(text)))
+    with pytest.raises(PlanFileError, match=message) as info:
+        TrainingStep.load(bad, copy.deepcopy(w.model), w.batch, w.loss_fn)
+    assert isinstance(info.value, RematError)
+
+
+def test_missing_plan_file(tmp_path):
+    w = workload("mlp", 256)
+    with pytest.raises(PlanFileError, match="no saved plan at"):
+        TrainingStep.load(tmp_path / "nope.json", w.model, w.batch, w.loss_fn)
+
+
+# ---------------------------------------------------------------------------- workloads
+def test_builtin_workloads():
+    assert names() == ("cnn", "gpt2-tiny", "mlp")
+    w = get_workload("gpt2-tiny", 2)
+    config = w.model.config
+    assert config.n_layer == 2 and config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
+    assert w.model.lm_head.weight is w.model.transformer.wte.weight
+    # same seed, same weights and batch
+    again = get_workload("gpt2-tiny", 2)
+    assert torch.equal(w.batch[0], again.batch[0])
+    assert all(torch.equal(p, q) for p, q in zip(w.model.parameters(), again.model.parameters()))
+
+
+def test_user_factory_and_bad_specs(tmp_path, monkeypatch):
+    (tmp_path / "my_factories.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from remat.models import Workload
+
+            def tiny(batch_size):
+                model = torch.nn.Linear(3, 1)
+                return Workload("tiny", model, (torch.randn(batch_size, 3),), lambda m, x: m(x).sum())
+
+            def wrong(batch_size):
+                return (1, 2)
+
+            NOT_CALLABLE = 3
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    w = get_workload("my_factories:tiny", 5)
+    assert isinstance(w, Workload) and w.batch[0].shape == (5, 3)
+    assert load_factory("my_factories:tiny")(2).name == "tiny"
+    with pytest.raises(WorkloadError, match="not of the form 'package.module:function'"):
+        load_factory("my_factories.tiny")
+    with pytest.raises(WorkloadError, match="module 'no_such_module_xyz' cannot be imported"):
+        get_workload("no_such_module_xyz:make", 2)
+    with pytest.raises(WorkloadError, match="has no attribute 'missing'.*def missing\\(batch_size: int\\)"):
+        get_workload("my_factories:missing", 2)
+    with pytest.raises(WorkloadError, match="returned a tuple; it must return a remat.models.Workload"):
+        get_workload("my_factories:wrong", 2)
+    with pytest.raises(WorkloadError, match="'NOT_CALLABLE' is a int, not a function"):
+        get_workload("my_factories:NOT_CALLABLE", 2)
+    with pytest.raises(WorkloadError, match="unknown workload 'resnet'; use one of cnn, gpt2-tiny, mlp"):
+        get_workload("resnet", 2)
+    with pytest.raises(WorkloadError, match="batch_size=0 must be a positive int"):
+        get_workload("mlp", 0)

@@ -1,0 +1,305 @@
+"""Tracing a training step: the graph's memory accounting (views, outputs, fixed bytes), the
+map back to torch, and clear errors for steps that cannot be traced."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.errors import TraceError
+from remat.graph import NodeKind
+from remat.memory import measure_peak, resident_bytes_of
+from remat.trace import InputRole, OutputRole, trace
+from torch_helpers import WORKLOADS, traced, workload
+
+
+@pytest.mark.parametrize("name,batch_size", WORKLOADS)
+def test_traced_module_matches_eager_bitwise(name, batch_size):
+    w, t = workload(name, batch_size), traced(name, batch_size)
+    model = copy.deepcopy(w.model)
+    torch.manual_seed(5)
+    loss = w.loss_fn(model, *w.batch)
+    loss.backward()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        out = t.unpack(t.module(*t.flat_inputs(copy.deepcopy(w.model), w.batch)))
+    assert torch.equal(out.loss, loss.detach())
+    for k, p in model.named_parameters():
+        assert torch.equal(out.grads[k], p.grad), k
+
+
+@pytest.mark.parametrize("name,batch_size", WORKLOADS)
+def test_views_own_no_bytes_and_their_users_depend_on_the_owner(name, batch_size):
+    t = traced(name, batch_size)
+    g = t.graph
+    ids = {n: i for i, n in enumerate(t.node_names)}
+    n_alias = 0
+    for i, node in enumerate(g.nodes):
+        if t.is_alias(i):
+            n_alias += 1
+            assert node.out_bytes == 0 and node.cost == 0.0, node.name
+        for a in t.fx_node(i).all_input_nodes:
+            if a.name in ids:
+                owners = set(t.storage_owners[ids[a.name]]) - {i}
+                assert owners <= set(node.deps), f"{node.name} reads {a.name} but does not pin {owners}"
+    assert n_alias > 0.2 * g.n  # aten graphs are full of views
+    # an output sharing storage (a transposed weight gradient) keeps its owner to the end
+    for o in g.outputs:
+        assert set(t.storage_owners[o]) <= set(g.outputs)
+
+
+@pytest.mark.parametrize("name,batch_size", WORKLOADS)
+def test_fixed_bytes_are_the_resident_inputs(name, batch_size):
+    w, t = workload(name, batch_size), traced(name, batch_size)
+    flat = t.flat_inputs(w.model, w.batch)
+    assert t.graph.fixed_bytes == resident_bytes_of(flat)
+    params = list(dict(w.model.named_parameters()).values())
+    assert t.graph.fixed_bytes >= resident_bytes_of(params, list(w.model.buffers()), w.batch)
+    roles = [s.role for s in t.inputs]
+    assert roles.count(InputRole.PARAM) == len(params)
+    assert roles.count(InputRole.INPUT) == len(w.batch)
+
+
+def test_outputs_name_loss_gradients_and_buffer_updates():
+    w, t = workload("cnn", 4), traced("cnn", 4)
+    keys = [(s.role, s.key) for s in t.outputs]
+    assert keys[0] == (OutputRole.LOSS, "loss")
+    assert [k for r, k in keys if r is OutputRole.GRAD] == [k for k, _ in w.model.named_parameters()]
+    assert sorted(k for r, k in keys if r is OutputRole.UPDATE) == sorted(k for k, _ in w.model.named_buffers())
+    # running-stat updates are outputs, not mutations: the graph is functional
+    for n in t.module.graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        assert schema is None or not schema.is_mutable, n.name
+    out_ids = {t.node_names.index(s.fx_name) for s in t.outputs}
+    assert out_ids <= set(t.graph.outputs)
+
+
+def test_checkpoint_all_is_no_larger_than_eager_pytorch():
+    # Small outputs of multi-output ops (batch-norm statistics, weight gradients) are split off
+    # so that the large ones are freed as early as eager PyTorch frees them.
+    for name, batch_size in WORKLOADS:
+        w, t = workload(name, batch_size), traced(name, batch_size)
+        model = copy.deepcopy(w.model)
+        resident = resident_bytes_of(list(model.parameters()), list(model.buffers()), w.batch)
+        eager = measure_peak(lambda: w.loss_fn(model, *w.batch).backward(), resident_bytes=resident)
+        simulated = remat.solve(t.graph, 10**15, method="checkpoint_all").peak_bytes
+        assert simulated <= 1.03 * eager.peak_bytes, (name, simulated, eager.peak_bytes)
+
+
+def test_node_kinds_follow_the_phases_of_the_step():
+    t = traced("mlp", 256)
+    kinds = [n.kind for n in t.graph.nodes]
+    first_loss = kinds.index(NodeKind.LOSS)
+    first_backward = kinds.index(NodeKind.BACKWARD)
+    assert all(k is NodeKind.FORWARD for k in kinds[:first_loss])
+    assert first_loss < first_backward
+    assert t.graph.nodes[first_loss].name.startswith("_log_softmax")
+
+
+def test_tied_weights_get_one_gradient():
+    w, t = workload("gpt2-tiny", 2), traced("gpt2-tiny", 2)
+    assert w.model.lm_head.weight is w.model.transformer.wte.weight
+    grads = [s.key for s in t.outputs if s.role is OutputRole.GRAD]
+    assert "transformer.wte.weight" in grads and "lm_head.weight" not in grads
+    assert len(grads) == len(set(grads)) == len(list(w.model.parameters()))
+
+
+def test_random_ops_are_found_and_replayable_or_pinned():
+    t = traced("gpt2-tiny", 2)
+    names = [t.node_names[i] for i in t.random_nodes]
+    assert len(names) == 7 and all(n.startswith("native_dropout") for n in names)
+    assert all(t.graph.nodes[i].recomputable for i in t.random_nodes)
+    w = workload("gpt2-tiny", 2)
+    pinned = trace(w.model, w.batch, w.loss_fn, cost_model=None, replay_rng=False)
+    assert not any(pinned.graph.nodes[i].recomputable for i in pinned.random_nodes)
+
+
+def test_fingerprint_is_stable_and_shape_specific():
+    w = workload("mlp", 256)
+    a = trace(w.model, w.batch, w.loss_fn, cost_model=None).graph
+    b = traced("mlp", 256).graph
+    assert a.fingerprint(costs=False) == b.fingerprint(costs=False)
+    other = trace(w.model, tuple(x[:8] for x in w.batch), w.loss_fn, cost_model=None).graph
+    assert other.fingerprint(costs=False) != a.fingerprint(costs=False)
+
+
+def test_frozen_and_unused_parameters():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model[0].weight.requires_grad_(False)
+    holder = nn.Module()
+    holder.net, holder.unused = model, nn.Linear(2, 2)
+    x = torch.randn(3, 4)
+    t = trace(holder, (x,), lambda m, x: m.net(x).sum(), cost_model=None)
+    grads = {s.key: s.fx_name for s in t.outputs if s.role is OutputRole.GRAD}
+    assert "net.0.weight" not in grads
+    assert grads["unused.weight"] is None and grads["net.2.weight"] is not None
+    step = remat.solve(t.graph, 10**9, method="checkpoint_all").plan
+    from remat.execute import build_module
+
+    out = t.unpack(build_module(t, step)(*t.flat_inputs(holder, (x,))))
+    assert out.grads["unused.weight"] is None
+    model(x).sum().backward()
+    assert torch.equal(out.grads["net.0.bias"], model[0].bias.grad)
+
+
+# ---------------------------------------------------------------------------- errors
+class _Inner(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gate = _Inner()
+
+    def forward(self, x):
+        return self.gate(self.lin(x))
+
+
+class _Item(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) * x.abs().max().item()
+
+
+class _Mask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y[y > 0]
+
+
+X = torch.randn(2, 3)
+
+
+def test_data_dependent_branch_names_module_line_and_remedy():
+    with pytest.raises(TraceError) as info:
+        trace(_Branchy(), (X,), lambda m, x: m(x).sum(), cost_model=None)
+    msg = str(info.value)
+    assert "module 'gate' (_Inner)" in msg
+    assert "if x.sum() > 0:" in msg and "test_trace.py" in msg
+    assert "torch.where" in msg
+
+
+def test_item_names_module_and_line():
+    with pytest.raises(TraceError) as info:
+        trace(_Item(), (X,), lambda m, x: m(x).sum(), cost_model=None)
+    msg = str(info.value)
+    assert ".item()" in msg and "the model (_Item)" in msg and "x.abs().max().item()" in msg
+
+
+def test_data_dependent_shape_names_the_op():
+    with pytest.raises(TraceError, match=r"aten.nonzero.default whose output shape depends on tensor values.*the model \(_Mask\)"):
+        trace(_Mask(), (X,), lambda m, x: m(x).sum(), cost_model=None)
+
+
+@pytest.mark.parametrize(
+    "loss_fn,message",
+    [
+        (lambda m, x: m(x), r"shape \(2, 3\); the loss must be a scalar"),
+        (lambda m, x: None, r"returned a NoneType, not a tensor"),
+        (lambda m, x: (m(x).sum(), 1), r"returned a tuple, not a tensor"),
+        (lambda m, x: m(x).sum().detach(), r"does not depend on any trainable parameter"),
+        (lambda m, x: (m(x) > 0).sum(), r"torch.int64 tensor; the loss must be floating point"),
+    ],
+)
+def test_bad_loss_is_a_clear_error(loss_fn, message):
+    with pytest.raises(TraceError, match=message):
+        trace(nn.Linear(3, 3), (X,), loss_fn, cost_model=None)
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(TraceError, match="no trainable parameter"):
+        trace(nn.ReLU(), (X,), lambda m, x: m(x).sum(), cost_model=None)
+    with pytest.raises(TraceError, match=r"batch\[1\] is a int, not a tensor"):
+        trace(nn.Linear(3, 3), (X, 3), lambda m, x, k: m(x).sum() * k, cost_model=None)
+    model = nn.Linear(3, 3)
+    t = trace(model, X, lambda m, x: m(x).sum(), cost_model=None)
+    with pytest.raises(TraceError, match=r"shape \(5, 3\).*traced with shape \(2, 3\).*trace \(or optimize\) again"):
+        t.flat_inputs(model, (torch.randn(5, 3),))
+    model.eval()
+    with pytest.raises(TraceError, match="traced with the model in train mode"):
+        t.flat_inputs(model, (X,))
+
+
+def test_random_keep_plans_stay_valid_on_traced_graphs():
+    # from_kept completes any keep matrix into a valid plan; the simulator agrees
+    t = traced("cnn", 4)
+    g = t.graph
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        plan = remat.Schedule.from_kept(g, rng.random((g.n, g.n)) < 0.5).lower(g)
+        assert remat.simulate(g, plan).ok
+
+
+@torch.library.custom_op("remat_tests::double_without_fake", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class _CustomOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return _double(self.lin(x))
+
+
+def test_op_without_fake_implementation_is_named():
+    with pytest.raises(TraceError, match=r"no fake-tensor implementation .*double_without_fake.*register_fake"):
+        trace(_CustomOp(), (X,), lambda m, x: m(x).sum(), cost_model=None)
+
+
+def test_other_failures_name_the_innermost_module():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(3, 2))  # second layer has the wrong width
+    with pytest.raises(TraceError, match=r"RuntimeError: .* in module '1' \(Linear\).*runs eagerly"):
+        trace(model, (X,), lambda m, x: m(x).sum(), cost_model=None)
+
+
+class _NoGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_a_loss_that_yields_no_gradient_is_refused():
+    with pytest.raises(TraceError, match="no gradient for any trainable parameter"):
+        trace(nn.Linear(3, 3), (X,), lambda m, x: _NoGrad.apply(m(x)).sum(), cost_model=None)
+
+
+def test_meta_device_models_trace_like_cpu_models_without_memory():
+    from remat.cost import CostModel
+    from remat.models.cnn import cnn
+
+    torch.manual_seed(0)
+    cpu = cnn(2)
+    with torch.device("meta"):
+        meta = cnn(2)
+    meta_batch = tuple(torch.empty_like(x, device="meta") for x in cpu.batch)
+    on_cpu = trace(cpu.model, cpu.batch, cpu.loss_fn, cost_model=None).graph
+    on_meta = trace(meta.model, meta_batch, meta.loss_fn, cost_model=CostModel.ESTIMATE).graph
+    assert on_meta.fingerprint(costs=False) == on_cpu.fingerprint(costs=False)
+    assert on_meta.total_cost > 0
+    with pytest.raises(TraceError, match="meta device.*CostModel.ESTIMATE"):
+        trace(meta.model, meta_batch, meta.loss_fn)
