@@ -48,7 +48,9 @@ def test_expanded_plans_match_coarse_plans(n, seed, keep_p):
     coarse_sim = simulate(c.coarse, plan)
     fine_sim = simulate(fine, c.expand(plan))
     assert coarse_sim.ok and fine_sim.ok, fine_sim.violations[:2]
-    assert fine_sim.peak_bytes == coarse_sim.peak_bytes
+    assert fine_sim.peak_bytes <= coarse_sim.peak_bytes
+    # the owner is freed no later than in the coarse plan, and owners hold all the bytes
+    assert max(fine_sim.timeline_bytes, default=0) == fine_sim.peak_bytes
     assert abs(fine_sim.total_cost - coarse_sim.total_cost) < 1e-9
 
 

@@ -137,12 +137,12 @@ def saved(tmp_path_factory):
 def test_saved_plan_reloads_without_solving(saved, monkeypatch):
     w, step, path = saved
     record = json.loads(path.read_text())
-    assert record["format"] == "remat.training_step" and len(record["stages"]) == step.traced.graph.n
+    assert record["format"] == "remat.training_step" and record["compute_order"] == list(step.plan.compute_order)
 
     def no_solving(*args, **kwargs):
         raise AssertionError("load must not solve")
 
-    monkeypatch.setattr(optimize_mod, "solve", no_solving)
+    monkeypatch.setattr(optimize_mod, "plan_graph", no_solving)
     model = copy.deepcopy(w.model)
     loaded = TrainingStep.load(path, model, w.batch, w.loss_fn, budget_bytes=step.report.budget_bytes)
     assert loaded.report == step.report
@@ -172,10 +172,10 @@ def test_stale_plan_is_refused(saved):
         (lambda text, rec: "{not json", "not readable JSON"),
         (lambda text, rec: text[: len(text) // 2], "not readable JSON"),
         (lambda text, rec: json.dumps({"hello": 1}), "not a remat plan file"),
-        (lambda text, rec: json.dumps({**rec, "stages": "x"}), "field 'stages' is missing or not a list"),
-        (lambda text, rec: json.dumps({**rec, "stages": rec["stages"][:-1]}), "expected .* stage lists"),
-        (lambda text, rec: json.dumps({**rec, "stages": [[0]] + rec["stages"][1:-1] + [[10**6]]}), "outside"),
-        (lambda text, rec: json.dumps({**rec, "stages": [[t] for t in range(len(rec["stages"]))][:-1] + [[]]}), "does not replay"),
+        (lambda text, rec: json.dumps({**rec, "compute_order": "x"}), "field 'compute_order' is missing or not a list"),
+        (lambda text, rec: json.dumps({**rec, "compute_order": []}), "compute order names node None"),
+        (lambda text, rec: json.dumps({**rec, "compute_order": rec["compute_order"] + [10**6]}), "names node 1000000, outside"),
+        (lambda text, rec: json.dumps({**rec, "compute_order": rec["compute_order"][1:]}), "does not replay"),
         (lambda text, rec: json.dumps({**rec, "report": {**rec["report"], "predicted_peak_bytes": 1}}), "promises 1 B"),
         (lambda text, rec: json.dumps({**rec, "version": 99}), "format version 99"),
     ],

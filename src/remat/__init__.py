@@ -21,7 +21,27 @@ from remat.solvers import SolveResult, SolverStats, SolveStatus, methods, solve
 
 __version__ = "0.1.0"
 
+# The PyTorch front end loads on first use, so that planning on graphs never imports torch.
+_LAZY = {
+    "trace": "remat.trace",
+    "TracedStep": "remat.trace",
+    "optimize": "remat.optimize",
+    "TrainingStep": "remat.optimize",
+    "CostModel": "remat.cost",
+    "measure_peak": "remat.memory",
+    "plan_graph": "remat.planning",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'remat' has no attribute {name!r}")
+
 __all__ = [
+    "CostModel",
     "Graph",
     "GraphError",
     "InfeasibleBudgetError",
@@ -39,9 +59,15 @@ __all__ = [
     "Step",
     "StepKind",
     "TraceError",
+    "TracedStep",
+    "TrainingStep",
     "UnsupportedGraphError",
     "Violation",
+    "measure_peak",
     "methods",
+    "optimize",
+    "plan_graph",
     "simulate",
     "solve",
+    "trace",
 ]

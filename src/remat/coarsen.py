@@ -6,7 +6,7 @@ costs the MILP O(n) variables. A zero-byte node with a single dependency can alw
 computed right after that dependency and kept exactly as long as it: its memory is zero, so
 merging it into its dependency's group changes no peak, and computing the whole group
 together changes no cost. The reduction is therefore exact: a plan for the coarse graph
-expands to a plan for the original graph with the same peak bytes and the same total cost.
+expands to a plan for the original graph with the same total cost and no higher a peak.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from remat.graph import Graph, Node
-from remat.schedule import Plan, Step, StepKind
+from remat.schedule import Plan, plan_from_order
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,11 @@ class Coarsening:
         return tuple(owner)
 
     def expand(self, plan: Plan) -> Plan:
-        """The original-graph plan of a coarse plan: a coarse compute runs its members in
-        order, a coarse free releases them in reverse order."""
-        steps: list[Step] = []
-        for step in plan.steps:
-            members = self.groups[step.node]
-            if step.kind is StepKind.COMPUTE:
-                steps.extend(Step(StepKind.COMPUTE, i) for i in members)
-            else:
-                steps.extend(Step(StepKind.FREE, i) for i in reversed(members))
-        return Plan(tuple(steps))
+        """The original-graph plan of a coarse plan: each coarse compute runs its members in
+        order, and every value is freed at its own last use. Same cost; a peak no higher
+        than the coarse plan's (members outside the owner hold no bytes)."""
+        order = [i for c in plan.compute_order for i in self.groups[c]]
+        return plan_from_order(self.fine, order)
 
 
 def coarsen(graph: Graph) -> Coarsening:

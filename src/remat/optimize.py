@@ -34,14 +34,15 @@ import torch
 from remat.cost import CostModel
 from remat.errors import ScheduleError
 from remat.execute import PlannedStep, build_module
-from remat.schedule import Schedule
+from remat.planning import plan_graph
+from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
-from remat.solvers import SolveStatus, solve
+from remat.solvers import SolveStatus
 from remat.trace import LossFn, TracedStep, batch_index, trace
 from remat.units import format_bytes, parse_budget
 
 PLAN_FORMAT = "remat.training_step"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 class PlanFileError(ScheduleError):
@@ -96,11 +97,11 @@ class TrainingStep:
     and fills every trainable parameter's ``.grad`` as ``loss.backward()`` would."""
 
     def __init__(
-        self, model: torch.nn.Module, traced: TracedStep, schedule: Schedule, planned: PlannedStep, report: StepReport
+        self, model: torch.nn.Module, traced: TracedStep, plan: Plan, planned: PlannedStep, report: StepReport
     ) -> None:
         self.model = model
         self.traced = traced
-        self.schedule = schedule
+        self.plan = plan
         self.planned = planned
         self.report = report
 
@@ -119,16 +120,15 @@ class TrainingStep:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> None:
-        """Write the plan as JSON: which nodes each stage computes, keyed by fingerprint and
-        budget (no pickle: the file is data, safe to share)."""
-        R = self.schedule.R
+        """Write the plan as JSON: the order in which nodes are computed (values are freed at
+        their last use), keyed by fingerprint and budget (no pickle: the file is data)."""
         record = {
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
             "fingerprint": self.report.fingerprint,
             "budget_bytes": self.report.budget_bytes,
             "n_nodes": self.traced.graph.n,
-            "stages": [np.flatnonzero(R[t]).tolist() for t in range(R.shape[0])],
+            "compute_order": list(self.plan.compute_order),
             "report": self.report.to_json(),
         }
         tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
@@ -165,17 +165,16 @@ class TrainingStep:
                 f"saved plan {os.fspath(path)!r} was made for budget {record['budget_bytes']} B, "
                 f"not {int(budget_bytes)} B; run optimize() with the new budget"
             )
-        R = np.zeros((graph.n, graph.n), dtype=bool)
-        for t, stage in enumerate(record["stages"]):
-            if not all(isinstance(i, int) and 0 <= i <= t for i in stage):
-                raise PlanFileError(
-                    f"saved plan {os.fspath(path)!r}: stage {t} lists nodes outside 0..{t}; the "
-                    f"file is corrupt: delete it and run optimize() again"
-                )
-            R[t, stage] = True
+        order = record["compute_order"]
+        bad = next((i for i in order if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < graph.n), None)
+        if bad is not None or not order:
+            raise PlanFileError(
+                f"saved plan {os.fspath(path)!r}: compute order names node {bad!r}, outside "
+                f"0..{graph.n - 1}; the file is corrupt: delete it and run optimize() again"
+            )
+        plan = plan_from_order(graph, order)
         try:
-            schedule = Schedule.from_compute(graph, R)
-            planned = build_module(traced, schedule.lower(graph))
+            planned = build_module(traced, plan)
         except ScheduleError as exc:
             raise PlanFileError(
                 f"saved plan {os.fspath(path)!r} does not replay on this graph ({exc}); the file is "
@@ -191,7 +190,7 @@ class TrainingStep:
                 f"{planned.sim.peak_bytes} B but the file promises {report.predicted_peak_bytes} B "
                 f"within {record['budget_bytes']} B; the file is corrupt: run optimize() again"
             )
-        return cls(model, traced, schedule, planned, report)
+        return cls(model, traced, plan, planned, report)
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -218,7 +217,7 @@ def _read_plan(path: str | os.PathLike) -> dict:
         ) from exc
     expected = {
         "format": str, "version": int, "fingerprint": str, "budget_bytes": int, "n_nodes": int,
-        "stages": list, "report": dict,
+        "compute_order": list, "report": dict,
     }
     if not isinstance(record, dict) or record.get("format") != PLAN_FORMAT:
         raise PlanFileError(
@@ -235,8 +234,6 @@ def _read_plan(path: str | os.PathLike) -> dict:
             f"saved plan {where!r} has format version {record['version']}; this remat reads version "
             f"{PLAN_VERSION}: run optimize() again"
         )
-    if len(record["stages"]) != record["n_nodes"] or not all(isinstance(s, list) for s in record["stages"]):
-        raise PlanFileError(f"saved plan {where!r}: expected {record['n_nodes']} stage lists; the file is corrupt")
     return record
 
 
@@ -260,8 +257,9 @@ def optimize(
     graph = traced.graph
     baseline = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
     budget = parse_budget(budget_bytes, reference_bytes=baseline.peak_bytes)
-    result = solve(graph, budget, method=method, **solver_options)
-    planned = build_module(traced, result.plan)
+    planned_graph = plan_graph(graph, budget, method=method, **solver_options)
+    result = planned_graph.result
+    planned = build_module(traced, planned_graph.plan)
     report = StepReport(
         method=method,
         status=result.status,
@@ -277,4 +275,4 @@ def optimize(
         solve_s=result.solve_s,
         fingerprint=graph.fingerprint(costs=False),
     )
-    return TrainingStep(model, traced, result.schedule, planned, report)
+    return TrainingStep(model, traced, planned_graph.plan, planned, report)
