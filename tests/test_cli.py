@@ -79,3 +79,46 @@ def test_sweep_writes_json_and_plot(capsys, tmp_path):
     png = out_json.with_suffix(".png")
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "overhead by budget" in out
+
+
+def test_solve_model_run_json_reports_measured_peak_and_gradients(capsys):
+    code, out, _ = run(capsys, "solve", "--model", "mlp", "--batch", "256", "--costs", "estimate", "--budget", "80%",
+                       "--method", "chen_greedy", "--run", "--json")
+    assert code == 0
+    record = json.loads(out)
+    assert record["method"] == "chen_greedy" and record["peak_bytes"] <= record["budget_bytes"]
+    assert record["measured_peak_bytes"] == record["predicted_peak_bytes"]
+    assert record["bitwise_equal"] is True and record["n_nodes"] > record["n_nodes_reduced"]
+
+
+def test_solve_model_infeasible_exits_1(capsys):
+    code, _, err = run(capsys, "solve", "--model", "mlp", "--costs", "estimate", "--budget", "1KiB",
+                       "--method", "checkpoint_all")
+    assert code == 1 and "needs at least" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["solve", "--model", "resnet9000", "--budget", "50%", "--method", "checkpoint_all"], "unknown workload 'resnet9000'"),
+        (["solve", "--model", "mlp", "--graph", "chain:3", "--budget", "50%"], "not both"),
+        (["solve", "--graph", "chain:3", "--budget", "50%", "--method", "checkpoint_all", "--run"], "--run needs --model"),
+        (["solve", "--model", "nosuchpkg.mod:make", "--budget", "50%"], "cannot be imported"),
+    ],
+)
+def test_model_usage_errors(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err
+
+
+def test_demo_writes_table_json_and_plot(capsys, tmp_path):
+    out_json = tmp_path / "demo.json"
+    code, out, _ = run(capsys, "demo", "--model", "mlp", "--batch", "16", "--costs", "estimate", "--budgets", "100%,60%",
+                       "--methods", "checkpoint_all,chen_greedy", "--out", str(out_json))
+    assert code == 0
+    record = json.loads(out_json.read_text())
+    assert len(record["runs"]) == 4
+    ran = [r for r in record["runs"] if r["measured_peak_bytes"] is not None]
+    assert ran and all(r["bitwise_equal"] and abs(r["peak_error"]) <= 0.02 for r in ran)
+    assert out_json.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "bitwise equal" in out and "eager PyTorch peak" in out

@@ -4,9 +4,7 @@ well under four minutes on two cores."""
 
 from __future__ import annotations
 
-import copy
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,7 +13,9 @@ import remat
 from remat.cost import CostModel
 from remat.errors import InfeasibleBudgetError, UnsupportedGraphError
 from remat.execute import PlannedStep, build_module
-from remat.memory import MemoryReport, measure_peak
+from remat import verify
+from remat.memory import MemoryReport
+from remat.verify import StepState
 from remat.models import Workload, get_workload
 from remat.schedule import Plan, Schedule
 from remat.trace import TracedStep, trace
@@ -45,48 +45,13 @@ def traced(name: str, batch_size: int) -> TracedStep:
     return trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE)
 
 
-@dataclass(frozen=True, eq=False)
-class StepState:
-    """Everything a step changes: loss, gradients, buffers, the random generator."""
-
-    loss: torch.Tensor
-    grads: dict[str, torch.Tensor | None]
-    buffers: dict[str, torch.Tensor]
-    rng_state: torch.Tensor
-
-
 def eager_step(w: Workload, seed: int = 0) -> StepState:
-    model = copy.deepcopy(w.model)
-    torch.manual_seed(seed)
-    loss = w.loss_fn(model, *w.batch)
-    loss.backward()
-    return StepState(
-        loss=loss.detach(),
-        grads={k: p.grad for k, p in model.named_parameters()},
-        buffers={k: b.clone() for k, b in model.named_buffers()},
-        rng_state=torch.get_rng_state(),
-    )
+    return verify.eager_step(w.model, w.batch, w.loss_fn, seed=seed)[0]
 
 
 def planned_step(w: Workload, t: TracedStep, step: PlannedStep, seed: int = 0) -> tuple[StepState, MemoryReport]:
     """Run ``step`` once under the memory tracker on a fresh copy of the model."""
-    model = copy.deepcopy(w.model)
-    flat = t.flat_inputs(model, w.batch)
-    kept: list = []
-    torch.manual_seed(seed)
-    report = measure_peak(lambda *a: kept.append(step(*a)), *flat)
-    rng_state = torch.get_rng_state()
-    out = t.unpack(kept.pop())
-    buffers = dict(model.named_buffers())
-    for k, v in out.updates.items():
-        buffers[k].copy_(v)
-    state = StepState(
-        loss=out.loss,
-        grads=out.grads,
-        buffers={k: b.clone() for k, b in buffers.items()},
-        rng_state=rng_state,
-    )
-    return state, report
+    return verify.planned_step(w.model, w.batch, t, step, seed=seed)
 
 
 def assert_same_step(got: StepState, want: StepState, label: str) -> None:

@@ -27,8 +27,12 @@ from remat.units import format_bytes, parse_budget
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE = 0, 1, 2
 DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,griewank,lp_round,milp"
+DEMO_METHODS = "checkpoint_all,chen_sqrtn,chen_greedy,lp_round,milp"
+DEMO_BUDGETS = "100%,80%,60%,45%"
+DEMO_BATCH = 8
 
-out = Console()
+# Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
+out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -47,10 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True, help="bytes, a unit (2GiB, 512MB) or a % of the checkpoint-all peak")
     p.add_argument("--method", default="milp", help="planning method (see `remat methods`)")
     _add_solver_options(p)
+    p.add_argument("--run", action="store_true",
+                   help="with --model: run the plan once, measure its peak and check gradients against eager")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     p = sub.add_parser("sweep", help="several methods over a range of budgets; JSON and a plot")
-    _add_target(p)
+    _add_target(p, models=False)
     p.add_argument("--methods", default=DEFAULT_SWEEP_METHODS, help="comma-separated methods")
     p.add_argument("--budgets", default="30%:100%:8",
                    help="comma-separated budgets, or LOW:HIGH:COUNT (e.g. 30%%:100%%:8) evenly spaced")
@@ -58,12 +64,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="sweep.json", help="where to write the JSON records")
     p.add_argument("--plot", default=None, help="where to write the plot (default: next to --out, .png)")
 
+    p = sub.add_parser("demo", help="optimize a real model with every method; table, JSON and plot")
+    p.add_argument("--model", default="gpt2-tiny", help="built-in model or package.module:function")
+    p.add_argument("--batch", type=int, default=DEMO_BATCH)
+    p.add_argument("--budgets", default=DEMO_BUDGETS, help="comma-separated budgets (bytes, units or %%)")
+    p.add_argument("--methods", default=DEMO_METHODS, help="comma-separated methods")
+    p.add_argument("--costs", choices=("profile", "estimate"), default="profile")
+    _add_solver_options(p)
+    p.add_argument("--out", default="out/demo.json", help="where to write the JSON (the plot goes next to it)")
+
     sub.add_parser("methods", help="list the planning methods")
     return parser
 
 
-def _add_target(p: argparse.ArgumentParser) -> None:
+def _add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
     p.add_argument("--graph", help="a built-in graph: chain:N, unet:D, random:N:SEED")
+    if models:
+        p.add_argument("--model", help="a built-in model (mlp, cnn, gpt2-tiny) or package.module:function")
+        p.add_argument("--batch", type=int, default=8, help="batch size for --model (default 8)")
+        p.add_argument("--costs", choices=("profile", "estimate"), default="profile",
+                       help="node costs for --model: timed on this machine or FLOP/bytes estimate")
 
 
 def _add_solver_options(p: argparse.ArgumentParser) -> None:
@@ -83,12 +103,46 @@ def _solver_options(method: str, args: argparse.Namespace) -> dict[str, object]:
 
 
 def _load_graph(args: argparse.Namespace) -> Graph:
+    if getattr(args, "model", None):
+        if args.graph:
+            raise UsageError("give --graph or --model, not both")
+        return _traced(args).graph
     if not args.graph:
-        raise UsageError("say what to plan: --graph chain:32 (or unet:4, random:60:7)")
+        raise UsageError("say what to plan: --graph chain:32 (or unet:4, random:60:7) or --model gpt2-tiny")
     try:
         return graph_from_spec(args.graph)
     except GraphError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _workload(args: argparse.Namespace):
+    from remat.models import WorkloadError, get_workload
+
+    try:
+        return get_workload(args.model, args.batch)
+    except WorkloadError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _cost_model(args: argparse.Namespace):
+    from remat.cost import CostModel
+
+    return CostModel.PROFILE if args.costs == "profile" else CostModel.ESTIMATE
+
+
+def _traced(args: argparse.Namespace):
+    if not hasattr(args, "_traced"):
+        from remat.trace import trace
+
+        w = _workload(args)
+        args._workload = w
+        with _status(f"tracing {args.model} (batch {args.batch}) and measuring node costs"):
+            args._traced = trace(w.model, w.batch, w.loss_fn, cost_model=_cost_model(args))
+    return args._traced
+
+
+def _status(message: str):
+    return err.status(message, spinner="dots")
 
 
 def _budget(text: str, graph: Graph) -> int:
@@ -124,7 +178,31 @@ def cmd_solve(args: argparse.Namespace) -> int:
     graph = _load_graph(args)
     _check_methods([args.method])
     budget = _budget(args.budget, graph)
-    result = solve(graph, budget, method=args.method, **_solver_options(args.method, args))
+    options = {args.method: _solver_options(args.method, args)}
+    if args.run and not args.model:
+        raise UsageError("--run needs --model: built-in graphs have no tensors to run")
+    if args.model:
+        from remat.compare import compare_methods
+
+        with _status(f"planning with {args.method}" + (" and running the plan" if args.run else "")):
+            comparison = compare_methods(args._workload, [budget], [args.method], options=options,
+                                         run=args.run, traced=_traced(args))
+        record = comparison.runs[0]
+        if record.status == "infeasible":
+            err.print(f"[red]no plan fits:[/red] budget {format_bytes(budget)} ({budget} B) is infeasible for "
+                      f"method {args.method!r} on {args.model}: {record.note}", highlight=False)
+            return EXIT_INFEASIBLE
+        if record.status == "not applicable":
+            raise UsageError(record.note)
+        payload = {**comparison.to_json(), **comparison.to_json()["runs"][0], "peak_bytes": record.predicted_peak_bytes,
+                   "cost": record.overhead * comparison.checkpoint_all_cost_us}
+        payload.pop("runs")
+        if args.json:
+            print(json.dumps(payload))
+        else:
+            _print_runs(comparison)
+        return EXIT_OK if record.bitwise_equal is not False else EXIT_INFEASIBLE
+    result = solve(graph, budget, method=args.method, **options[args.method])
     record = result.summary()
     if args.json:
         print(json.dumps(record))
@@ -138,6 +216,54 @@ def cmd_solve(args: argparse.Namespace) -> int:
     )
     out.print(table)
     return EXIT_OK
+
+
+def _print_runs(comparison) -> None:
+    table = Table(title=(f"{comparison.workload}, batch {comparison.batch_size}: {comparison.n_nodes} nodes "
+                         f"({comparison.n_nodes_reduced} after alias folding); eager PyTorch peak "
+                         f"{format_bytes(comparison.eager_peak_bytes)}, checkpoint-all "
+                         f"{format_bytes(comparison.checkpoint_all_peak_bytes)}"))
+    for col in ("budget", "method", "status", "predicted peak", "measured peak", "overhead", "solve", "gradients"):
+        table.add_column(col, justify="right")
+    for r in comparison.runs:
+        if r.predicted_peak_bytes is None:
+            table.add_row(format_bytes(r.budget_bytes), r.method, r.status, "-", "-", "-", "-", r.note)
+            continue
+        measured = "-" if r.measured_peak_bytes is None else (
+            f"{format_bytes(r.measured_peak_bytes)} ({r.peak_error:+.2%})")
+        grads = "-" if r.bitwise_equal is None else "bitwise equal" if r.bitwise_equal else f"DIFFER ({r.note})"
+        status = r.status if r.gap is None or r.gap < 1e-4 else f"{r.status} (gap {r.gap:.1%})"
+        table.add_row(format_bytes(r.budget_bytes), r.method, status, format_bytes(r.predicted_peak_bytes), measured,
+                      f"{r.overhead:.3f}x", f"{r.solve_s:.1f} s", grads)
+    out.print(table)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from remat.compare import compare_methods
+    from remat.plotting import plot_comparison
+
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    _check_methods(names)
+    traced = _traced(args)
+    budgets = [_budget(b, traced.graph) for b in args.budgets.split(",") if b.strip()]
+    options = {m: _solver_options(m, args) for m in names}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task("planning and running", total=len(budgets) * len(names))
+        comparison = compare_methods(
+            args._workload, budgets, names, options=options, traced=traced,
+            on_run=lambda r: progress.update(task, advance=1, description=f"{r.method} @ {format_bytes(r.budget_bytes)}"),
+        )
+    _print_runs(comparison)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(comparison.to_json(), indent=1))
+    plot_path = plot_comparison(comparison, out_path.with_suffix(".png"))
+    out.print(f"wrote {out_path} and {plot_path}")
+    ok = all(r.bitwise_equal is not False for r in comparison.runs)
+    if not ok:
+        err.print("[red]some plans did not reproduce eager gradients bitwise[/red]")
+    return EXIT_OK if ok else EXIT_INFEASIBLE
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -189,7 +315,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"solve": cmd_solve, "sweep": cmd_sweep, "methods": cmd_methods}
+COMMANDS = {"solve": cmd_solve, "sweep": cmd_sweep, "demo": cmd_demo, "methods": cmd_methods}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,3 +40,47 @@ def plot_overhead(points: Sequence[SweepPoint], path: str | Path, *, title: str)
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def plot_comparison(comparison, path: str | Path) -> Path:
+    """Two panels for one model: compute overhead against budget for each method, and the
+    measured peak of every executed plan against the simulator's prediction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    ref = comparison.checkpoint_all_peak_bytes
+    mib = 2**20
+    for method in dict.fromkeys(r.method for r in comparison.runs):
+        runs = sorted((r for r in comparison.runs if r.method == method and r.overhead is not None),
+                      key=lambda r: r.budget_bytes)
+        if not runs:
+            continue
+        (line,) = left.plot([100 * r.budget_bytes / ref for r in runs], [r.overhead for r in runs], marker="o",
+                            label=method)
+        measured = [r for r in runs if r.measured_peak_bytes is not None]
+        right.scatter([r.predicted_peak_bytes / mib for r in measured], [r.measured_peak_bytes / mib for r in measured],
+                      color=line.get_color(), label=method)
+    left.set_xlabel("memory budget (% of checkpoint-all peak)")
+    left.set_ylabel("compute overhead (x checkpoint-all)")
+    left.set_title(f"{comparison.workload}, batch {comparison.batch_size}")
+    left.grid(alpha=0.3)
+    left.legend()
+    lims = [p.predicted_peak_bytes / mib for p in comparison.runs if p.predicted_peak_bytes]
+    if lims:
+        lo, hi = min(lims) * 0.95, max(lims) * 1.05
+        right.plot([lo, hi], [lo, hi], color="grey", linestyle="--", label="measured = predicted")
+    right.axhline(comparison.eager_peak_bytes / mib, color="black", linestyle=":", label="eager PyTorch")
+    right.set_xlabel("predicted peak (MiB)")
+    right.set_ylabel("measured peak (MiB)")
+    right.set_title("simulator vs measured run")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

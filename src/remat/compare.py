@@ -1,0 +1,138 @@
+"""Every method on one real model: plan, run, measure, and check against plain PyTorch.
+
+This is what ``remat demo`` and ``remat solve --model ... --run`` show: for each method and
+budget, the predicted peak (simulator), the measured peak of a real step, the compute
+overhead, and whether loss and gradients are bitwise those of eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from remat.coarsen import coarsen
+from remat.cost import CostModel
+from remat.errors import InfeasibleBudgetError, UnsupportedGraphError
+from remat.execute import build_module
+from remat.models import Workload
+from remat.planning import plan_graph
+from remat.schedule import Schedule
+from remat.simulate import simulate
+from remat.trace import TracedStep, trace
+from remat.units import format_bytes, parse_budget
+from remat.verify import compare, eager_step, planned_step
+
+log = logging.getLogger("remat.compare")
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One method at one budget. ``status`` is the solver's status, or ``infeasible`` /
+    ``not applicable`` when the method has no plan (``note`` says why)."""
+
+    method: str
+    budget_bytes: int
+    status: str
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    overhead: float | None = None
+    solve_s: float | None = None
+    gap: float | None = None
+    bitwise_equal: bool | None = None
+    max_abs_diff: float | None = None
+    note: str = ""
+
+    @property
+    def peak_error(self) -> float | None:
+        """Relative difference of measured and predicted peak."""
+        if self.measured_peak_bytes is None or not self.predicted_peak_bytes:
+            return None
+        return (self.measured_peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
+
+
+@dataclass(frozen=True)
+class Comparison:
+    workload: str
+    batch_size: int
+    n_nodes: int
+    n_nodes_reduced: int
+    fixed_bytes: int
+    checkpoint_all_peak_bytes: int
+    checkpoint_all_cost_us: float
+    eager_peak_bytes: int
+    runs: tuple[MethodRun, ...]
+
+    def to_json(self) -> dict[str, object]:
+        record = asdict(self)
+        record["runs"] = [{**asdict(r), "peak_error": r.peak_error} for r in self.runs]
+        return record
+
+
+def compare_methods(
+    workload: Workload,
+    budgets: Sequence[int | str],
+    methods: Sequence[str],
+    *,
+    cost_model: CostModel = CostModel.PROFILE,
+    options: dict[str, dict[str, object]] | None = None,
+    run: bool = True,
+    on_run: Callable[[MethodRun], None] | None = None,
+    traced: TracedStep | None = None,
+) -> Comparison:
+    """Trace ``workload`` once, then plan it with every method at every budget; with ``run``,
+    execute each plan once and compare it with an eager step.
+
+    Budgets are bytes or strings (``"60%"`` of the checkpoint-all peak, ``"64MiB"``).
+    """
+    traced = traced or trace(workload.model, workload.batch, workload.loss_fn, cost_model=cost_model)
+    graph = traced.graph
+    reference = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
+    want, eager_memory = eager_step(workload.model, workload.batch, workload.loss_fn)
+    runs: list[MethodRun] = []
+    for budget_text in budgets:
+        budget = parse_budget(budget_text, reference.peak_bytes)
+        for method in methods:
+            outcome = _one(workload, traced, budget, method, (options or {}).get(method, {}), run, want)
+            runs.append(outcome)
+            if on_run is not None:
+                on_run(outcome)
+    return Comparison(
+        workload=workload.name,
+        batch_size=int(workload.batch[0].shape[0]) if workload.batch and workload.batch[0].dim() else 1,
+        n_nodes=graph.n,
+        n_nodes_reduced=coarsen(graph).coarse.n,
+        fixed_bytes=graph.fixed_bytes,
+        checkpoint_all_peak_bytes=reference.peak_bytes,
+        checkpoint_all_cost_us=graph.total_cost,
+        eager_peak_bytes=eager_memory.peak_bytes,
+        runs=tuple(runs),
+    )
+
+
+def _one(workload: Workload, traced: TracedStep, budget: int, method: str, options: dict[str, object],
+         run: bool, want) -> MethodRun:
+    try:
+        planned_graph = plan_graph(traced.graph, budget, method, **options)
+    except InfeasibleBudgetError as exc:
+        return MethodRun(method, budget, "infeasible", note=f"needs at least {format_bytes(exc.min_budget_bytes)}")
+    except UnsupportedGraphError as exc:
+        return MethodRun(method, budget, "not applicable", note=str(exc).split(";")[0])
+    result = planned_graph.result
+    fields = dict(
+        method=method, budget_bytes=budget, status=result.status.value,
+        predicted_peak_bytes=planned_graph.sim.peak_bytes, overhead=planned_graph.overhead,
+        solve_s=result.solve_s, gap=result.gap,
+    )
+    if not run:
+        return MethodRun(**fields)
+    step = build_module(traced, planned_graph.plan)
+    got, memory = planned_step(workload.model, workload.batch, traced, step)
+    agreement = compare(got, want)
+    log.info("%s @ %d B: measured %d B, predicted %d B, bitwise %s", method, budget, memory.peak_bytes,
+             planned_graph.sim.peak_bytes, agreement.bitwise)
+    return MethodRun(**fields, measured_peak_bytes=memory.peak_bytes, bitwise_equal=agreement.bitwise,
+                     max_abs_diff=agreement.max_abs_diff,
+                     note="; ".join(agreement.mismatches[:2]))

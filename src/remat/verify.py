@@ -1,0 +1,114 @@
+"""Checking a planned step against plain PyTorch: same loss, gradients, buffers and random
+state, and the measured peak next to the simulated one."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from remat.execute import PlannedStep
+from remat.memory import MemoryReport, measure_peak, resident_bytes_of
+from remat.trace import TracedStep
+
+
+@dataclass(frozen=True, eq=False)
+class StepState:
+    """Everything a training step changes: loss, gradients, buffers, the random generator."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    rng_state: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How a step compares to a reference: ``bitwise`` when every tensor is ``torch.equal``;
+    ``max_abs_diff`` over the floating-point tensors."""
+
+    bitwise: bool
+    max_abs_diff: float
+    mismatches: tuple[str, ...]
+
+
+def eager_step(
+    model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor], *, seed: int = 0
+) -> tuple[StepState, MemoryReport]:
+    """One plain PyTorch step (``loss_fn(model, *batch).backward()``) on a copy of ``model``,
+    with its measured peak (parameters, buffers and batch counted as resident)."""
+    model = copy.deepcopy(model)
+    resident = resident_bytes_of(list(model.parameters()), list(model.buffers()), list(batch))
+    torch.manual_seed(seed)
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        kept.append(loss.detach())
+
+    report = measure_peak(step, resident_bytes=resident)
+    state = StepState(
+        loss=kept[0],
+        grads={k: p.grad for k, p in model.named_parameters()},
+        buffers={k: b.clone() for k, b in model.named_buffers()},
+        rng_state=torch.get_rng_state(),
+    )
+    return state, report
+
+
+def planned_step(
+    model: torch.nn.Module, batch: Sequence[torch.Tensor], traced: TracedStep, step: PlannedStep, *, seed: int = 0
+) -> tuple[StepState, MemoryReport]:
+    """Run a planned step once, measured, on a fresh copy of ``model``."""
+    model = copy.deepcopy(model)
+    flat = traced.flat_inputs(model, batch)
+    kept: list = []
+    torch.manual_seed(seed)
+    report = measure_peak(lambda *a: kept.append(step(*a)), *flat)
+    rng_state = torch.get_rng_state()
+    out = traced.unpack(kept.pop())
+    buffers = dict(model.named_buffers())
+    for k, v in out.updates.items():
+        buffers[k].copy_(v)
+    state = StepState(
+        loss=out.loss,
+        grads=out.grads,
+        buffers={k: b.clone() for k, b in buffers.items()},
+        rng_state=rng_state,
+    )
+    return state, report
+
+
+def compare(got: StepState, want: StepState) -> Agreement:
+    """Compare two steps tensor by tensor."""
+    mismatches: list[str] = []
+    worst = 0.0
+
+    def check(label: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        nonlocal worst
+        if a is None or b is None:
+            if a is not b:
+                mismatches.append(f"{label}: present in one step only")
+            return
+        if a.shape != b.shape:
+            mismatches.append(f"{label}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+            return
+        if torch.equal(a, b):
+            return
+        if a.is_floating_point():
+            diff = float((a.double() - b.double()).abs().max())
+            worst = max(worst, diff)
+            mismatches.append(f"{label}: max |diff| {diff:.3g}")
+        else:
+            mismatches.append(f"{label}: differs")
+
+    check("loss", got.loss, want.loss)
+    for key in sorted(set(got.grads) | set(want.grads)):
+        check(f"grad {key}", got.grads.get(key), want.grads.get(key))
+    for key in sorted(set(got.buffers) | set(want.buffers)):
+        check(f"buffer {key}", got.buffers.get(key), want.buffers.get(key))
+    check("random generator state", got.rng_state, want.rng_state)
+    return Agreement(bitwise=not mismatches, max_abs_diff=worst, mismatches=tuple(mismatches))
