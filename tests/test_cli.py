@@ -82,7 +82,7 @@ def test_sweep_writes_json_and_plot(capsys, tmp_path):
 
 
 def test_solve_model_run_json_reports_measured_peak_and_gradients(capsys):
-    code, out, _ = run(capsys, "solve", "--model", "mlp", "--batch", "256", "--costs", "estimate", "--budget", "80%",
+    code, out, _ = run(capsys, "solve", "--model", "mlp", "--batch", "256", "--costs", "estimate", "--budget", "90%",
                        "--method", "chen_greedy", "--run", "--json")
     assert code == 0
     record = json.loads(out)
