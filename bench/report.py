@@ -1,0 +1,55 @@
+"""Regenerate BENCHMARKS.md from the JSON the benchmark scripts wrote.
+
+Each benchmark script in this folder writes ``bench/results/<name>.json`` and exposes
+``markdown(results) -> str``; this script stitches the sections together in a fixed order.
+Run it after any benchmark: ``python bench/report.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SECTIONS = ("demo_gpt2", "solver_scaling")
+
+HEADER = """# Benchmarks
+
+Every number here is regenerated from the JSON under `bench/results/` by
+`python bench/report.py`; each section names the script and command that produced its JSON.
+Machine for CPU results: 2 cores, no GPU, PyTorch 2.13.0 CPU build, unless a section says
+otherwise.
+"""
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def render() -> str:
+    parts = [HEADER]
+    for name in SECTIONS:
+        result_path = HERE / "results" / f"{name}.json"
+        if not result_path.exists() or not (HERE / f"{name}.py").exists():
+            continue
+        results = json.loads(result_path.read_text())
+        parts.append(_load(name).markdown(results).strip() + "\n")
+    return "\n".join(parts)
+
+
+def main() -> int:
+    (ROOT / "BENCHMARKS.md").write_text(render())
+    print(f"wrote {ROOT / 'BENCHMARKS.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
