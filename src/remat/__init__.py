@@ -30,6 +30,7 @@ _LAZY = {
     "CostModel": "remat.cost",
     "measure_peak": "remat.memory",
     "plan_graph": "remat.planning",
+    "backend": "remat.backend",
 }
 
 
@@ -63,6 +64,7 @@ __all__ = [
     "TrainingStep",
     "UnsupportedGraphError",
     "Violation",
+    "backend",
     "measure_peak",
     "methods",
     "optimize",

@@ -1,0 +1,510 @@
+"""remat's torch.compile backend against what PyTorch offers, measured in one run.
+
+For GPT-2 (transformers, random weights: 4 layers by default, width 256, 4 heads, sequence
+256, batch 8, vocabulary 8192; dropout 0 and 0.1) and the paper's ResNet50 (batch 2 at 224),
+every variant runs the same training step (forward, loss, backward) from the same weights:
+
+* eager PyTorch;
+* remat's backend (``torch.compile(backend=remat.backend(budget, method=...))``) at several
+  budgets, fractions of the step's unoptimized peak as remat simulates it;
+* ``torch.utils.checkpoint`` (non-reentrant) on every block and on every other block;
+* selective activation checkpointing on every block, saving matmuls, convolutions and
+  attention (``create_selective_checkpoint_contexts``);
+* ``torch.compile`` with aot_eager and ``torch._functorch.config.activation_memory_budget``
+  1.0, 0.5 and 0.1 (PyTorch's min-cut partitioner; its calls are counted).
+
+Measured per variant: the peak memory of one step (``remat.memory.measure_peak`` with the
+profiler's allocation events: the dispatch-mode tracker cannot see inside compiled code,
+because dynamo runs frames eagerly under a dispatch mode), the median step time over rounds
+that interleave all variants, and the largest absolute difference of every gradient (and
+buffer) from eager PyTorch after the first step from the same weights and seed. Compiled
+variants compile from scratch (AOTAutograd and FX graph caches off); a variant whose
+partitioner did not run is an error.
+
+Timing hygiene: one intra-op thread (``--threads``), glibc's malloc told not to return memory
+to the system (``GLIBC_TUNABLES``, set by re-executing this script), medians.
+
+    python bench/vs_pytorch.py --quick                 # smoke run, a few minutes
+    python bench/vs_pytorch.py                         # the full run (~20 minutes on 2 cores)
+    python bench/vs_pytorch.py --layers 12 --models gpt2-d0
+
+Results go to ``bench/results/vs_pytorch.json`` (rewritten after every measurement) and
+``bench/plots/vs_pytorch_<model>.png``; ``markdown(results)`` renders the BENCHMARKS.md table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "vs_pytorch.json"
+QUICK_RESULTS = HERE / "results" / "vs_pytorch_quick.json"
+PLOTS = HERE / "plots"
+#: glibc malloc: never map big blocks fresh nor trim: 67k page faults per GPT-2 step otherwise.
+GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+MODELS = ("gpt2-d0", "gpt2-d0.1", "resnet50")
+#: remat budgets (fractions of its unoptimized peak) per model family; a budget below what the
+#: method can meet falls back to PyTorch's partitioner and is reported as such.
+REMAT_BUDGETS = {"gpt2": (1.0, 0.9, 0.75, 0.62), "resnet50": (1.0, 0.9, 0.82)}
+AOT_BUDGETS = (1.0, 0.5, 0.1)
+MIB = 2**20
+#: A gradient further than this from eager's (max abs) counts as wrong (all correct variants here
+#: are bitwise equal: 0).
+WRONG_GRAD = 1e-3
+
+
+def _reexec_with_tunables() -> None:
+    """glibc reads GLIBC_TUNABLES at process start only: restart with it set."""
+    if os.environ.get("GLIBC_TUNABLES") != GLIBC_TUNABLES:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": GLIBC_TUNABLES})
+
+
+# ---------------------------------------------------------------------------- workloads
+@dataclass
+class Workload:
+    label: str
+    config: dict
+    model: object  # torch.nn.Module (torch is imported after the re-exec)
+    batch: tuple
+    loss_fn: object
+    block_slots: list  # (container, index) of every block, for checkpoint wrappers
+
+
+def gpt2_workload(layers: int, dropout: float, *, seq: int, batch: int) -> Workload:
+    import torch
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cfg = dict(vocab_size=8192, n_positions=seq, n_embd=256, n_layer=layers, n_head=4, resid_pdrop=dropout,
+               embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**cfg)).train()
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+
+    def loss_fn(model, ids):
+        # own loss (transformers' labels= path logs once, which breaks the graph), an explicit
+        # mask (the default masking branches on tensor values) and no key/value cache (it is
+        # state the forward mutates: a recomputed block would see it changed)
+        logits = model(ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    label = f"gpt2-{layers}L-d{dropout:g}"
+    slots = [(model.transformer.h, i) for i in range(layers)]
+    return Workload(label, {**cfg, "batch": batch, "seq": seq}, model, (ids,), loss_fn, slots)
+
+
+def resnet_workload(*, side: int, batch: int) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    from remat.models.paper_cnns import Bottleneck, resnet50
+
+    torch.manual_seed(0)
+    model = resnet50().train()
+    x, y = torch.randn(batch, 3, side, side), torch.randint(0, 1000, (batch,))
+    slots = [(model, i) for i, m in enumerate(model) if isinstance(m, Bottleneck)]
+    return Workload(f"resnet50-b{batch}-{side}px", {"batch": batch, "side": side}, model, (x, y),
+                    lambda m, x, y: F.cross_entropy(m(x), y), slots)
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    seq, batch = (128, 4) if args.quick else (256, 8)
+    made = []
+    for name in args.models:
+        if name.startswith("gpt2"):
+            made.append(gpt2_workload(args.layers, float(name.split("-d")[1]), seq=seq, batch=batch))
+        elif name == "resnet50":
+            made.append(resnet_workload(side=112 if args.quick else 224, batch=2))
+        else:
+            raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    if args.quick:
+        for w in made:
+            w.label += "-quick"
+    return made
+
+
+# ---------------------------------------------------------------------------- variants
+class _Checkpointed:
+    """A block run under non-reentrant ``torch.utils.checkpoint`` (optionally selective)."""
+
+    def __new__(cls, block, context_fn=None):
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        class Wrapper(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.block = block
+
+            def forward(self, *args, **kwargs):
+                extra = {"context_fn": context_fn} if context_fn is not None else {}
+                return checkpoint(self.block, *args, use_reentrant=False, **extra, **kwargs)
+
+        return Wrapper()
+
+
+def _sac_context():
+    import torch
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    saved = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default]
+    return functools.partial(create_selective_checkpoint_contexts, saved)
+
+
+@dataclass
+class Variant:
+    name: str
+    family: str  # eager | remat | checkpoint | sac | aot
+    setting: float | None = None
+    backend: object = None
+    partitions: list = field(default_factory=list)
+    result: dict = field(default_factory=dict)
+
+
+def variants(args: argparse.Namespace, w: Workload) -> list[Variant]:
+    family = "gpt2" if w.label.startswith("gpt2") else "resnet50"
+    budgets = REMAT_BUDGETS[family][:2] if args.quick else REMAT_BUDGETS[family]
+    out = [Variant("eager", "eager")]
+    out += [Variant(f"remat {args.method} {b:.0%}", "remat", b) for b in budgets]
+    if args.milp:
+        out.append(Variant(f"remat milp {budgets[-2]:.0%}", "remat-milp", budgets[-2]))
+    out += [Variant("checkpoint every block", "checkpoint", 1), Variant("checkpoint every other block", "checkpoint", 2),
+            Variant("selective checkpointing (save matmuls)", "sac")]
+    out += [Variant(f"aot_eager budget {b:g}", "aot", b) for b in AOT_BUDGETS]
+    return out
+
+
+def prepare(v: Variant, w: Workload, model, args: argparse.Namespace):
+    """The step function of variant ``v`` on ``model`` (a fresh copy): ``fn(*batch) -> loss``."""
+    import torch
+
+    import remat
+    from remat.cost import CostModel
+
+    loss_fn = w.loss_fn
+    if v.family == "eager":
+        return lambda *b: loss_fn(model, *b)
+    if v.family in ("checkpoint", "sac"):
+        stride = v.setting if v.family == "checkpoint" else 1
+        context = _sac_context() if v.family == "sac" else None
+        slots = [(getattr_path(model, w, c), i) for c, i in w.block_slots]
+        for k, (container, i) in enumerate(slots):
+            if k % stride == 0:
+                container[i] = _Checkpointed(container[i], context)
+        return lambda *b: loss_fn(model, *b)
+    if v.family in ("remat", "remat-milp"):
+        method, options = (args.method, {}) if v.family == "remat" else ("milp", {"time_limit_s": args.milp_time_limit_s})
+        v.backend = remat.backend(v.setting, method=method, cost_model=CostModel.PROFILE, cache_dir=None, **options)
+        return torch.compile(lambda *b: loss_fn(model, *b), backend=v.backend)
+    if v.family == "aot":
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def counted(*a, **k):
+            v.partitions.append(torch._functorch.config.activation_memory_budget)
+            return min_cut_rematerialization_partition(*a, **k)
+
+        be = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=counted,
+                          keep_inference_input_mutations=True)
+        compiled = torch.compile(lambda *b: loss_fn(model, *b), backend=be)
+
+        def step(*b):
+            with torch._functorch.config.patch(activation_memory_budget=v.setting):
+                return compiled(*b)
+
+        return step
+    raise ValueError(v.family)
+
+
+def getattr_path(model, w: Workload, container):
+    """The container in ``model`` (a deep copy) that corresponds to ``container`` in w.model."""
+    for name, module in w.model.named_modules():
+        if module is container:
+            return model.get_submodule(name)
+    raise LookupError("block container not found")
+
+
+# ---------------------------------------------------------------------------- measuring
+def run_step(fn, model, batch, seed: int):
+    import torch
+
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = fn(*batch)
+    loss.backward()
+    return loss.detach()
+
+
+def max_abs_diff(a: list, b: list) -> float:
+    """Largest |x - y| over paired tensors (checkpoint wrappers rename parameters, not their order)."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if (x is None) != (y is None):
+            return float("inf")
+        if x is not None:
+            worst = max(worst, float((x.float() - y.float()).abs().max()))
+    return worst
+
+
+def measure_model(w: Workload, args: argparse.Namespace, results: dict, save) -> None:
+    import torch
+
+    from remat.memory import MemoryMethod, measure_peak
+
+    record = results["models"].setdefault(w.label, {})
+    record.update(config=w.config, variants={})
+    reference = copy.deepcopy(w.model)
+    run_step(lambda *b: w.loss_fn(reference, *b), reference, w.batch, seed=1)
+    want_grads = [p.grad for p in reference.parameters()]
+    want_buffers = [b.clone() for b in reference.buffers()]
+    vs = variants(args, w)
+    runnable = []
+    for v in vs:
+        model = copy.deepcopy(w.model)
+        started = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                fn = prepare(v, w, model, args)
+                run_step(fn, model, w.batch, seed=1)
+            except Exception as exc:  # a variant that cannot run is reported, not fatal
+                v.result = {"name": v.name, "family": v.family, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                record["variants"][v.name] = v.result
+                save()
+                print(f"  {v.name}: ERROR {v.result['error']}", flush=True)
+                continue
+        compile_s = time.perf_counter() - started
+        grads = [p.grad for p in model.parameters()]
+        buffers = [b.clone() for b in model.buffers()]
+        v.result = {
+            "name": v.name,
+            "family": v.family,
+            "setting": v.setting,
+            "first_step_s": compile_s,
+            "grad_max_abs_diff": max_abs_diff(grads, want_grads),
+            "buffer_max_abs_diff": max_abs_diff(buffers, want_buffers),
+            "warnings": sorted({str(c.message)[:300] for c in caught if "remat" in str(c.message)}),
+        }
+        _partition_facts(v)
+        args_resident = [*model.parameters(), *model.buffers(), *w.batch]
+        report = measure_peak(lambda *a: run_step(fn, model, w.batch, seed=2), *args_resident, method=MemoryMethod.PROFILER)
+        v.result.update(peak_bytes=report.peak_bytes, resident_bytes=report.resident_bytes)
+        record["variants"][v.name] = v.result
+        runnable.append((v, model, fn))
+        save()
+        print(f"  {v.name}: peak {report.peak_bytes / MIB:.1f} MiB, first step {compile_s:.1f} s, "
+              f"grad diff {v.result['grad_max_abs_diff']:.3g}", flush=True)
+    times: dict[str, list[float]] = {v.name: [] for v, _, _ in runnable}
+    for r in range(args.rounds):
+        for v, model, fn in runnable:
+            for p in model.parameters():
+                p.grad = None
+            torch.manual_seed(100 + r)
+            started = time.perf_counter()
+            fn(*w.batch).backward()
+            times[v.name].append(time.perf_counter() - started)
+        print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    for v, _, _ in runnable:
+        v.result.update(step_s=statistics.median(times[v.name]), step_s_all=times[v.name])
+    save()
+
+
+def _partition_facts(v: Variant) -> None:
+    if v.family.startswith("remat"):
+        reports = v.backend.reports
+        if not reports:
+            raise RuntimeError(f"{v.name}: remat's partitioner never ran")
+        v.result["partitions"] = [
+            {k: getattr(r, k) for k in ("method", "fallback", "note", "predicted_peak_bytes", "unoptimized_peak_bytes",
+                                        "budget_bytes", "overhead", "backward_recomputes", "replayed_random_ops",
+                                        "saved_values", "solve_s", "n_nodes")}
+            for r in reports
+        ]
+        planned = [r for r in reports if r.fallback is None]
+        v.result["predicted_peak_bytes"] = sum(r.predicted_peak_bytes for r in planned) if planned else None
+        v.result["fell_back"] = any(r.fallback for r in reports)
+    elif v.family == "aot":
+        if not v.partitions:
+            raise RuntimeError(f"{v.name}: the min-cut partitioner never ran (a cached graph was reused?)")
+        v.result["partitions"] = [{"activation_memory_budget": b} for b in v.partitions]
+
+
+# ---------------------------------------------------------------------------- reporting
+def pareto(variants: list[dict]) -> set[str]:
+    """Names of the variants no other variant beats on both peak and step time (variants whose
+    gradients differ from eager's take no part)."""
+    ok = [v for v in variants if "peak_bytes" in v and "step_s" in v and v.get("grad_max_abs_diff", 0) <= WRONG_GRAD]
+    front = set()
+    for v in ok:
+        if not any(o is not v and o["peak_bytes"] <= v["peak_bytes"] and o["step_s"] <= v["step_s"]
+                   and (o["peak_bytes"] < v["peak_bytes"] or o["step_s"] < v["step_s"]) for o in ok):
+            front.add(v["name"])
+    return front
+
+
+def markdown(results: dict) -> str:
+    """The BENCHMARKS.md section: one table per model."""
+    meta = results.get("meta", {})
+    lines = [
+        "## remat's torch.compile backend vs PyTorch's memory savers (`bench/vs_pytorch.py`)",
+        "",
+        f"Command: `{meta.get('command', 'python bench/vs_pytorch.py')}`; {meta.get('threads', 1)} thread(s), "
+        f"{meta.get('rounds', '?')} interleaved rounds, median step time; peak = profiler allocation events of one "
+        f"step (parameters, buffers and batch included); gradient difference = max |grad - eager grad| after one "
+        f"step from the same weights and seed. ★ = on the Pareto front (no variant with correct gradients "
+        f"is both smaller and faster).",
+        "",
+    ]
+    for label, record in results.get("models", {}).items():
+        vs = list(record.get("variants", {}).values())
+        eager = next((v for v in vs if v["name"] == "eager" and "step_s" in v), None)
+        front = pareto(vs)
+        lines += [f"### {label}", "", "| variant | peak MiB | peak vs eager | step s | time vs eager | remat predicted MiB | grad max abs diff | notes |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for v in vs:
+            if "error" in v:
+                lines.append(f"| {v['name']} | | | | | | | error: {v['error'][:120]} |")
+                continue
+            peak, step = v.get("peak_bytes"), v.get("step_s")
+            rel_peak = f"{peak / eager['peak_bytes']:.2f}" if eager and peak else ""
+            rel_time = f"{step / eager['step_s']:.2f}" if eager and step else ""
+            predicted = f"{v['predicted_peak_bytes'] / MIB:.1f}" if v.get("predicted_peak_bytes") else ""
+            notes = []
+            if v.get("fell_back"):
+                notes.append("fell back to min-cut: " + "; ".join(p["fallback"] for p in v["partitions"] if p["fallback"])[:160])
+            for p in v.get("partitions", []):
+                if p.get("note"):
+                    notes.append(p["note"][:120])
+            if v.get("buffer_max_abs_diff"):
+                notes.append(f"buffers differ by {v['buffer_max_abs_diff']:.3g}")
+            name = ("★ " if v["name"] in front else "") + v["name"]
+            lines.append(f"| {name} | {peak / MIB:.1f} | {rel_peak} | {step:.3f} | {rel_time} | {predicted} | "
+                         f"{v['grad_max_abs_diff']:.3g} | {'; '.join(notes)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, suffix: str = "") -> list[Path]:
+    """One Pareto plot per model: peak memory against median step time, one legend entry per
+    variant (crosses: gradients differ from eager); remat's budget sweep joined by a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"eager": "black", "remat": "tab:red", "remat-milp": "tab:pink", "checkpoint": "tab:blue",
+              "sac": "tab:green", "aot": "tab:orange"}
+    markers = "osD^v<>p"
+    written = []
+    for label, record in results.get("models", {}).items():
+        vs = [v for v in record.get("variants", {}).values() if "step_s" in v and "peak_bytes" in v]
+        if not vs:
+            continue
+        fig, ax = plt.subplots(figsize=(9, 5.2))
+        sweep = sorted((v for v in vs if v["family"] == "remat"), key=lambda v: v["peak_bytes"])
+        if sweep:
+            ax.plot([v["step_s"] for v in sweep], [v["peak_bytes"] / MIB for v in sweep], color="tab:red", alpha=0.35)
+        seen: dict[str, int] = {}
+        for v in vs:
+            k = seen[v["family"]] = seen.get(v["family"], -1) + 1
+            wrong = v.get("grad_max_abs_diff", 0) > WRONG_GRAD
+            ax.scatter(v["step_s"], v["peak_bytes"] / MIB, color=colors.get(v["family"], "gray"), s=55, zorder=3,
+                       marker="x" if wrong else markers[k % len(markers)],
+                       label=v["name"] + (" (wrong gradients)" if wrong else ""))
+        ax.set_xlabel("step time (s, median of interleaved rounds)")
+        ax.set_ylabel("peak memory (MiB)")
+        ax.set_title(f"{label}: peak memory vs step time (lower left is better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        fig.tight_layout()
+        out = PLOTS / f"vs_pytorch_{label}{suffix}.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller batch, fewer budgets and rounds; own JSON")
+    parser.add_argument("--layers", type=int, default=4, choices=range(4, 13), metavar="4..12")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--method", default="chen_greedy", help="remat method for the budget sweep")
+    parser.add_argument("--milp", action="store_true", help="also try method milp at one budget per model")
+    parser.add_argument("--milp-time-limit-s", type=float, default=60.0)
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5, quick 2)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--replot", action="store_true", help="only redraw the plots and print the table from the JSON")
+    args = parser.parse_args(argv)
+    if args.replot:
+        results = json.loads((QUICK_RESULTS if args.quick else RESULTS).read_text())
+        for path in plot(results):
+            print(f"wrote {path}")
+        print(markdown(results))
+        return 0
+    args.models = [m for m in args.models.split(",") if m]
+    args.rounds = args.rounds or (2 if args.quick else 5)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch._dynamo.config.recompile_limit = 64  # every variant compiles the same lambda anew
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never run a "compiled" variant eagerly
+    torch._functorch.config.enable_autograd_cache = False
+    torch._inductor.config.fx_graph_cache = False
+
+    out_path = QUICK_RESULTS if args.quick else RESULTS
+    results = {
+        "meta": {
+            "command": "python bench/vs_pytorch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "threads": args.threads,
+            "rounds": args.rounds,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "models": {},
+    }
+
+    def save() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        os.replace(tmp, out_path)
+
+    for w in workloads(args):
+        print(f"{w.label}:", flush=True)
+        measure_model(w, args, results, save)
+        plot(results)
+    results["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    save()
+    for path in plot(results):
+        print(f"wrote {path}")
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    _reexec_with_tunables()
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""An AOTAutograd joint graph as a remat ``Graph``, for the ``torch.compile`` backend.
+
+AOTAutograd hands a partitioner one functional, aten-level fx graph of forward and backward:
+placeholders ``primals_*`` (parameters, buffers, inputs) and ``tangents_*`` (the gradients
+flowing into the forward's outputs), and one output tuple whose first ``num_fwd_outputs``
+values are the forward's outputs (user outputs, updated buffers) and the rest the input
+gradients. ``prepare`` turns it into a planning copy whose node ids are a topological order
+with every forward node first:
+
+* forward nodes: the ancestors of the forward outputs (and random ops that depend on no
+  tangent, so that the random stream advances as in eager PyTorch);
+* one marker node per used tangent, which owns the tangent's bytes (a tangent exists only
+  once the backward starts, so it is not ``fixed_bytes``), and cannot be recomputed;
+* backward nodes: every other ancestor of the gradients.
+
+Frontier-advancing stages then split exactly where AOTAutograd splits: stages up to the
+last forward node run in the forward graph, later stages in the backward graph. Storages,
+views and multi-output ops follow the tracer's rules (``trace._build_graph``,
+``trace._split_multi_outputs``), so the simulator counts what torch allocates.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+
+from remat import trace as trace_mod
+from remat.errors import RematError
+from remat.graph import Graph, NodeKind
+
+
+class UnsupportedJointGraph(RematError):
+    """A joint graph the backend does not plan; the message is the reason (the backend then
+    warns and uses PyTorch's partitioner)."""
+
+
+def tangent_marker(x: torch.Tensor) -> torch.Tensor:
+    """Identity standing for "the tangent arrives here" in planning copies (never in the
+    graphs that run)."""
+    return x
+
+
+@dataclass(frozen=True, eq=False)
+class JointStep:
+    """A joint graph prepared for planning.
+
+    ``module`` is the planning copy; graph node i is its call_function node
+    ``node_names[i]``. Ids below ``n_forward`` are forward nodes. ``tangent_dependent``: ids
+    that read a tangent directly or indirectly (never computable in the forward).
+    ``fwd_outputs``/``bwd_outputs`` are the planning copy's output values (fx nodes, None or
+    constants) with AOTAutograd's descriptors. ``constants``: (placeholder name, attribute)
+    for tensors the joint graph reads with get_attr. ``mutations``: (primal name, node of its
+    new value) for the input mutations the forward ends with. ``mutated_inputs``: every primal
+    overwritten after the forward (by those copies or by AOTAutograd's runtime).
+    """
+
+    graph: Graph
+    module: fx.GraphModule
+    node_names: tuple[str, ...]
+    storage_owners: tuple[tuple[int, ...], ...]
+    random_nodes: tuple[int, ...]
+    n_forward: int
+    tangent_dependent: frozenset[int]
+    primals: tuple[fx.Node, ...]
+    tangents: tuple[fx.Node, ...]
+    constants: tuple[tuple[str, str], ...]
+    mutations: tuple[tuple[str, fx.Node], ...]
+    mutated_inputs: frozenset[str]
+    fwd_outputs: tuple[object, ...]
+    bwd_outputs: tuple[object, ...]
+    fwd_output_descs: tuple[object, ...]
+    bwd_output_descs: tuple[object, ...]
+    joint_placeholders: tuple[fx.Node, ...]
+    joint: fx.GraphModule
+
+    def fx_node(self, i: int) -> fx.Node:
+        return self._fx_nodes[i]
+
+    def node_id(self, n: fx.Node) -> int | None:
+        return self._ids.get(n)
+
+    def is_alias(self, i: int) -> bool:
+        """Node i allocates nothing: every output shares a storage created elsewhere."""
+        return i not in self.storage_owners[i] and self.graph.nodes[i].out_bytes == 0
+
+    @functools.cached_property
+    def _fx_nodes(self) -> tuple[fx.Node, ...]:
+        by_name = {n.name: n for n in self.module.graph.nodes}
+        return tuple(by_name[name] for name in self.node_names)
+
+    @functools.cached_property
+    def _ids(self) -> dict[fx.Node, int]:
+        return {n: i for i, n in enumerate(self._fx_nodes)}
+
+
+# ---------------------------------------------------------------------------- checks
+_HARMLESS_IMPURE = frozenset(
+    {
+        torch.ops.aten._assert_scalar.default,
+        torch.ops.aten._assert_async.default,
+        torch.ops.aten._assert_async.msg,
+        torch.ops.aten.sym_constrain_range_for_size.default,
+    }
+)
+
+
+def _is_tangent(n: fx.Node) -> bool:
+    return n.op == "placeholder" and "tangents" in str(n.target)
+
+
+def _is_epilogue_copy(n: fx.Node) -> bool:
+    """``copy_(primal, new_value)`` with no user: AOTAutograd keeping an input mutation (batch
+    norm's running statistics) in the graph, to run once at the end of the forward."""
+    return (
+        n.op == "call_function"
+        and n.target is torch.ops.aten.copy_.default
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "placeholder"
+        and not _is_tangent(n.args[0])
+        and not n.users
+    )
+
+
+def _check_supported(joint: fx.GraphModule) -> None:
+    for n in joint.graph.nodes:
+        if n.op == "placeholder":
+            target = str(n.target)
+            if any(k in target for k in ("fwd_seed", "fwd_base_offset", "bwd_seed", "bwd_base_offset")):
+                raise UnsupportedJointGraph(
+                    f"the joint graph has functionalized-rng inputs ({n.name}) because "
+                    f"torch._functorch.config.functionalize_rng_ops is on; remat replays random ops "
+                    f"itself: turn that option off"
+                )
+        if n.op == "get_attr" and not isinstance(getattr(joint, str(n.target), None), torch.Tensor):
+            raise UnsupportedJointGraph(f"node {n.name!r} reads a submodule (get_attr {n.target}: a higher-order op)")
+        if n.op == "call_module":
+            raise UnsupportedJointGraph(f"node {n.name!r} calls a submodule")
+        for t in pytree.tree_leaves(n.meta.get("val")):
+            if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool)) or (
+                isinstance(t, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride()))
+            ):
+                raise UnsupportedJointGraph(
+                    f"node {n.name!r} has symbolic (dynamic) shapes, which remat cannot size; compile "
+                    f"with torch.compile(..., dynamic=False)"
+                )
+        if n.op != "call_function":
+            continue
+        if "val" not in n.meta:
+            raise UnsupportedJointGraph(f"node {n.name!r} ({n.target}) has no fake-tensor metadata to size it")
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable and not _is_epilogue_copy(n):
+            raise UnsupportedJointGraph(f"node {n.name!r} runs the mutating op {n.target}; remat plans functional graphs only")
+        if n.target is torch.ops.higher_order.run_and_save_rng_state or n.target is torch.ops.higher_order.run_with_rng_state:
+            raise UnsupportedJointGraph(f"node {n.name!r} already replays random state ({n.target})")
+
+
+# ---------------------------------------------------------------------------- preparation
+def _closure(roots: list[fx.Node]) -> set[fx.Node]:
+    """The call_function nodes among ``roots`` and all their ancestors."""
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _depends_on(sources: set[fx.Node], nodes: list[fx.Node]) -> set[fx.Node]:
+    """Nodes (in topological order ``nodes``) that read one of ``sources`` transitively."""
+    hit = set(sources)
+    for n in nodes:
+        if any(a in hit for a in n.all_input_nodes):
+            hit.add(n)
+    return hit - set(sources)
+
+
+def _fake_like(val: torch.Tensor) -> torch.Tensor:
+    """A fake tensor with ``val``'s metadata and a storage of its own."""
+    with val.fake_mode:
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+
+
+def _fill_missing_vals(gm: fx.GraphModule) -> None:
+    """Fake values for the clones ``_split_multi_outputs`` inserted."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "val" not in n.meta:
+            args = pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], (n.args, n.kwargs))
+            fake = next(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)).fake_mode
+            with fake:
+                n.meta["val"] = n.target(*args[0], **args[1])
+
+
+def replayable(n: fx.Node) -> bool:
+    """Can a recomputation of random node ``n`` replay its generator state? Only ops that
+    draw from the device's default generator on CPU or CUDA."""
+    if n.kwargs.get("generator") is not None or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    devices = {t.device.type for t in pytree.tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)}
+    return devices <= {"cpu", "cuda"} and bool(devices)
+
+
+def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") -> JointStep:
+    """The planning copy of ``joint`` and its ``Graph`` (all costs 0; the backend sets them).
+
+    Raises ``UnsupportedJointGraph`` naming what the backend cannot plan.
+    """
+    _check_supported(joint)
+    nodes = list(joint.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    out_node = next(n for n in nodes if n.op == "output")
+    outputs = pytree.arg_tree_leaves(*out_node.args)
+    descs = list(out_node.meta.get("desc") or [None] * len(outputs))
+    fwd_outs, bwd_outs = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
+    tangents = [p for p in placeholders if _is_tangent(p)]
+    used_tangents = [t for t in tangents if t.users]
+    if not used_tangents or not any(isinstance(o, fx.Node) for o in bwd_outs):
+        raise UnsupportedJointGraph("the graph has no backward to plan (no gradient reads a tangent)")
+    epilogue = [n for n in nodes if _is_epilogue_copy(n)]
+    # inputs mutated after the forward: in the graph (epilogue copies) or by AOTAutograd's
+    # runtime (forward outputs describing an input mutation)
+    mutated_descs = [d.mutated_input for d in descs[:num_fwd_outputs] if isinstance(d, InputMutationAOTOutput)]
+    mutated = {c.args[0].name for c in epilogue} | {p.name for p in placeholders if p.meta.get("desc") in mutated_descs}
+    compute = [n for n in nodes if n.op == "call_function" and n not in epilogue]
+    tangent_dep = _depends_on(set(tangents), compute)
+    if any(c.args[1] in tangent_dep for c in epilogue):
+        raise UnsupportedJointGraph("an input mutation depends on the backward (a mutation in a custom backward)")
+    random_free = [n for n in compute if trace_mod.is_random(n) and n not in tangent_dep]
+    sources = [c.args[1] for c in epilogue]
+    forward = _closure([*fwd_outs, *sources, *random_free])
+    # outputs of forward multi-output ops that only the backward reads (dropout's mask, batch
+    # norm's statistics) are picked in the forward, so that their clones (below) run there and
+    # the op's other outputs can be freed before the backward
+    forward |= {n for n in compute if n.target is operator.getitem and n.args[0] in forward}
+    if forward & tangent_dep:
+        bad = next(n for n in compute if n in forward and n in tangent_dep)
+        raise UnsupportedJointGraph(f"forward node {bad.name!r} reads a tangent")
+    needed = forward | _closure(bwd_outs)
+    for n in compute:
+        if n not in needed and n.is_impure() and n.target not in _HARMLESS_IMPURE and not trace_mod.is_random(n):
+            raise UnsupportedJointGraph(f"node {n.name!r} ({n.target}) has side effects and no use")
+
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in placeholders:
+        env[p] = g.node_copy(p)
+        if _is_tangent(p):  # the marker owns the tangent's bytes, not the placeholder
+            env[p].meta = {k: v for k, v in p.meta.items() if k not in ("val", "tensor_meta")}
+    constants = []
+    for c in (n for n in nodes if n.op == "get_attr"):  # lifted like trace does: fixed bytes
+        env[c] = g.placeholder(f"const_{c.name}")
+        env[c].meta = dict(c.meta)
+        constants.append((env[c].name, str(c.target)))
+    kinds: dict[str, NodeKind] = {}
+    for n in compute:
+        if n in forward:
+            env[n] = g.node_copy(n, lambda a: env[a])
+            kinds[env[n].name] = NodeKind.FORWARD
+    marker_of: dict[fx.Node, fx.Node] = {}
+    for t in used_tangents:
+        m = g.create_node("call_function", tangent_marker, (env[t],), name=f"{t.name}_arrives")
+        m.meta["val"] = _fake_like(t.meta["val"])
+        marker_of[t] = m
+        kinds[m.name] = NodeKind.BACKWARD
+    for n in compute:
+        if n in needed and n not in forward:
+            env[n] = g.node_copy(n, lambda a: marker_of.get(a) or env[a])
+            kinds[env[n].name] = NodeKind.BACKWARD
+    # mutation sources are outputs of the plan: live until the forward's end copies them
+    mapped = [env[o] if isinstance(o, fx.Node) else o for o in [*outputs, *sources]]
+    g.output(tuple(mapped))
+    gm = fx.GraphModule(joint, g)
+    trace_mod._split_multi_outputs(gm, kinds)
+    _fill_missing_vals(gm)
+    gm.graph.lint()
+    gm.recompile()
+    graph, node_names, owners, random_nodes = trace_mod._build_graph(gm, kinds, name, replay_rng=True)
+    fx_by_name = {n.name: n for n in gm.graph.nodes}
+    markers = {m.name for m in marker_of.values()}
+    nodes_out = list(graph.nodes)
+    for i, nm in enumerate(node_names):  # tangents arrive once; some random ops cannot replay
+        if nm in markers or (i in random_nodes and not replayable(fx_by_name[nm])):
+            nodes_out[i] = replace(nodes_out[i], recomputable=False)
+    graph = Graph(nodes=tuple(nodes_out), fixed_bytes=graph.fixed_bytes, outputs=graph.outputs, name=name)
+    n_forward = next((i for i, nm in enumerate(node_names) if kinds[nm] is NodeKind.BACKWARD), len(node_names))
+    ids = {nm: i for i, nm in enumerate(node_names)}
+    final_outs = pytree.arg_tree_leaves(*next(n for n in gm.graph.nodes if n.op == "output").args)
+    n_out = len(outputs)
+    dep = _depends_on({fx_by_name[m] for m in markers}, [fx_by_name[nm] for nm in node_names])
+    return JointStep(
+        graph=graph,
+        module=gm,
+        node_names=node_names,
+        storage_owners=owners,
+        random_nodes=random_nodes,
+        n_forward=n_forward,
+        tangent_dependent=frozenset({ids[m] for m in markers} | {ids[n.name] for n in dep}),
+        primals=tuple(env[p] for p in placeholders if not _is_tangent(p)),
+        tangents=tuple(env[t] for t in tangents),
+        constants=tuple(constants),
+        mutations=tuple((c.args[0].name, src) for c, src in zip(epilogue, final_outs[n_out:])),
+        mutated_inputs=frozenset(mutated),
+        fwd_outputs=tuple(final_outs[:num_fwd_outputs]),
+        bwd_outputs=tuple(final_outs[num_fwd_outputs:n_out]),
+        fwd_output_descs=tuple(descs[:num_fwd_outputs]),
+        bwd_output_descs=tuple(descs[num_fwd_outputs:]),
+        joint_placeholders=tuple(placeholders),
+        joint=joint,
+    )
+
+
+# ---------------------------------------------------------------------------- real inputs
+def example_inputs(step: JointStep) -> list[torch.Tensor]:
+    """Real values for the planning copy's placeholders, to time nodes with: normal floats,
+    zero integers (valid indices and labels), false booleans; the graph's own constants."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    fake_of = {p.name: p.meta["val"] for p in step.joint_placeholders}
+    constant_of = dict(step.constants)
+    values = []
+    with unset_fake_temporarily(), torch.utils._mode_utils.no_dispatch():
+        gen = torch.Generator().manual_seed(0)
+        for p in step.module.graph.find_nodes(op="placeholder"):
+            if p.name in constant_of:
+                values.append(getattr(step.joint, constant_of[p.name]))
+                continue
+            val = fake_of[p.name]
+            t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+            if val.dtype.is_floating_point or val.dtype.is_complex:
+                t.copy_(torch.randn(val.shape, generator=gen, dtype=val.dtype))
+            else:
+                t.zero_()
+            values.append(t)
+    return values
