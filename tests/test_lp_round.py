@@ -1,0 +1,92 @@
+"""LP relaxation and two-phase rounding: a valid bound, plans that fit, a seeded and
+deterministic rounding, and the baseline fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from remat import InfeasibleBudgetError, SolveStatus, simulate, solve
+from remat.builders import chain_graph, random_training_graph, unet_graph
+from remat.schedule import Schedule
+from remat.solvers.lp_round import rounded_keeps, solve_relaxation
+
+
+def checkpoint_all_peak(graph) -> int:
+    return simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph)).peak_bytes
+
+
+@pytest.mark.parametrize(
+    "graph",
+    [chain_graph(8, bytes_per_node=1), unet_graph(3), random_training_graph(8, seed=5)],
+    ids=lambda g: g.name,
+)
+@pytest.mark.parametrize("fraction", [1.0, 0.8, 0.6])
+def test_bound_below_optimum_below_rounded(graph, fraction: float) -> None:
+    budget = int(fraction * checkpoint_all_peak(graph))
+    try:
+        rounded = solve(graph, budget, method="lp_round")
+    except InfeasibleBudgetError:
+        with pytest.raises(InfeasibleBudgetError):
+            solve(graph, budget, method="milp")
+        return
+    assert rounded.status is SolveStatus.FEASIBLE
+    assert rounded.peak_bytes <= budget and rounded.objective == rounded.sim.total_cost
+    optimum = solve(graph, budget, method="milp").objective
+    assert rounded.lower_bound <= optimum + 1e-6 <= rounded.objective + 2e-6
+    assert rounded.gap == pytest.approx((rounded.objective - rounded.lower_bound) / rounded.objective)
+
+
+def test_rounding_is_deterministic_for_a_seed() -> None:
+    graph = random_training_graph(9, seed=2)
+    budget = int(0.7 * checkpoint_all_peak(graph))
+    a = solve(graph, budget, method="lp_round", seed=3)
+    b = solve(graph, budget, method="lp_round", seed=3)
+    assert np.array_equal(a.schedule.R, b.schedule.R) and a.objective == b.objective
+
+
+def test_rounded_keeps_are_distinct_and_follow_the_thresholds() -> None:
+    S = np.array([[0.0, 0.0], [0.7, 0.0]])
+    keeps = list(rounded_keeps(S, thresholds=(0.9, 0.5, 0.1), n_samples=0))
+    assert [k[1, 0] for k in keeps] == [False, True]  # 0.5 and 0.1 give the same matrix
+    sampled = list(rounded_keeps(S, thresholds=(), n_samples=50, seed=0))
+    assert 1 <= len(sampled) <= 2
+
+
+def test_relaxation_bound_matches_milp_when_tight() -> None:
+    graph = chain_graph(6, bytes_per_node=1)
+    relaxation = solve_relaxation(graph, checkpoint_all_peak(graph))
+    assert relaxation is not None and relaxation.lower_bound == pytest.approx(graph.total_cost)
+    assert relaxation.S.shape == (graph.n, graph.n)
+    assert solve_relaxation(graph, 2) is None  # below what any node needs
+
+
+def test_falls_back_to_a_baseline_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    graph = chain_graph(6, bytes_per_node=1)
+    with caplog.at_level(logging.WARNING, logger="remat.solve"):
+        result = solve(graph, 5, method="lp_round", thresholds=(), n_samples=0)
+    assert result.status is SolveStatus.FEASIBLE and result.peak_bytes <= 5
+    assert "returning baseline" in caplog.text
+
+
+def test_without_fallback_no_rounded_plan_raises() -> None:
+    graph = chain_graph(6, bytes_per_node=1)
+    with pytest.raises(InfeasibleBudgetError, match="none of 0 rounded plans fits") as info:
+        solve(graph, 5, method="lp_round", thresholds=(), n_samples=0, fallback=False)
+    assert info.value.method == "lp_round"
+
+
+def test_infeasible_budget_names_a_budget_the_method_meets() -> None:
+    graph = chain_graph(6, bytes_per_node=1)
+    with pytest.raises(InfeasibleBudgetError, match="LP relaxation is infeasible") as info:
+        solve(graph, 2, method="lp_round")
+    low = info.value.min_budget_bytes
+    assert low is not None
+    assert solve(graph, low, method="lp_round").peak_bytes <= low
+
+
+def test_negative_sample_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="n_samples=-1 must be >= 0"):
+        solve(chain_graph(2, bytes_per_node=1), 4, method="lp_round", n_samples=-1)

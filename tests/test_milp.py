@@ -1,0 +1,364 @@
+"""The MILP method: optimal against exhaustive search, never worse than a baseline, backends
+agreeing, and every error path (time limit, infeasible budget, bad options, missing Gurobi)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remat import InfeasibleBudgetError, SolverError, SolveStatus, simulate, solve
+from remat.builders import chain_graph, random_training_graph, unet_graph
+from remat.graph import Graph, Node, NodeKind
+from remat.schedule import Schedule
+from remat.solvers.lp_round import solve_relaxation
+from remat.solvers.milp import MilpBackend, minimum_budget
+from remat.solvers.milp_model import ModelObjective, build_model, peak_lower_bound_bytes
+from remat.solvers.milp_start import BASELINE_METHODS, without_unread
+
+HAS_GUROBI = importlib.util.find_spec("gurobipy") is not None
+
+
+# ---------------------------------------------------------------------------- references
+def checkpoint_all_peak(graph: Graph) -> int:
+    return simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph)).peak_bytes
+
+
+def exhaustive_search(graph: Graph, budget_bytes: int, *, any_plan: bool = False) -> float | None:
+    """Exhaustive search over every compute matrix R, judged by the simulator.
+
+    Returns the least cost of a plan whose peak fits ``budget_bytes`` (None if none), or with
+    ``any_plan`` the cost of the first fitting plan found.
+
+    Depth-first over stages; stage t picks a subset of the earlier recomputable non-output
+    nodes, cheapest subsets first. Pruned by (a) cost: spent so far plus the remaining
+    diagonal reaches the best found; (b) memory: in any completion an instance lives at least
+    until its last read among the stages decided so far, so a prefix whose lifetimes overflow
+    the budget has no completion that fits; (c) dominance: an extra computation that nothing
+    reads before its node is computed again can be dropped at no more cost or memory, so an
+    extra computation not read yet lives at least to the end of the prefix. Every
+    complete R that survives is judged by the simulator itself.
+    """
+    n, costs, sizes = graph.n, graph.costs, graph.out_bytes
+    deps = [node.deps for node in graph.nodes]
+    outputs = graph.output_set
+    movable = [i for i, node in enumerate(graph.nodes) if node.recomputable and i not in outputs]
+    remaining = [sum(costs[t:]) for t in range(n + 1)]
+    options = []
+    for t in range(n):
+        cands = [i for i in movable if i < t]
+        subsets = [s for k in range(len(cands) + 1) for s in itertools.combinations(cands, k)]
+        options.append(sorted(subsets, key=lambda s: sum(costs[i] for i in s)))
+    best = [math.inf]
+
+    def prefix_fits(order: list[int], extra: list[bool]) -> bool:
+        last: dict[int, int] = {}
+        end: list[int] = []
+        read: list[bool] = []
+        for p, v in enumerate(order):
+            for d in deps[v]:
+                end[last[d]], read[last[d]] = p, True
+            if v in last and extra[last[v]] and not read[last[v]] and v not in outputs:
+                return False
+            last[v] = p
+            end.append(p)
+            read.append(False)
+        diff = [0] * (len(order) + 1)
+        for q, v in enumerate(order):
+            # (c) again: an extra computation not read yet is read later, so it lives on
+            stop = len(order) - 1 if extra[q] and not read[q] and last[v] == q else end[q]
+            diff[q] += sizes[v]
+            diff[stop + 1] -= sizes[v]
+        live = graph.fixed_bytes
+        for p in range(len(order)):
+            live += diff[p]
+            if live > budget_bytes:
+                return False
+        return True
+
+    def visit(t: int, order: list[int], extra: list[bool], rows: list[tuple], cost: float) -> None:
+        if cost + remaining[t] >= best[0] - 1e-9 or (any_plan and best[0] < math.inf):
+            return
+        if t == n:
+            R = np.zeros((n, n), dtype=bool)
+            for s, row in enumerate(rows):
+                R[s, [*row, s]] = True
+            sim = simulate(graph, Schedule.from_compute(graph, R).lower(graph))
+            if sim.ok and sim.peak_bytes <= budget_bytes:
+                best[0] = sim.total_cost
+            return
+        for subset in options[t]:
+            o = [*order, *subset, t]
+            e = [*extra, *([True] * len(subset)), False]
+            if prefix_fits(o, e):
+                visit(t + 1, o, e, [*rows, subset], cost + sum(costs[i] for i in subset) + costs[t])
+
+    visit(0, [], [], [], 0.0)
+    return None if best[0] == math.inf else best[0]
+
+
+def exhaustive_min_cost(graph: Graph, budget_bytes: int) -> float | None:
+    return exhaustive_search(graph, budget_bytes)
+
+
+def exhaustive_min_peak(graph: Graph) -> int:
+    """The least budget some plan meets: feasibility searches upward from what computing
+    the largest node with its inputs needs."""
+    budget = graph.fixed_bytes + max(
+        node.out_bytes + sum(graph.out_bytes[d] for d in node.deps) for node in graph.nodes
+    )
+    while exhaustive_search(graph, budget, any_plan=True) is None:
+        budget += 1
+    return budget
+
+
+#: Every graph here has at most 9 nodes; the random seeds are those whose exhaustive search
+#: finishes in well under a second (some 9-node graphs, e.g. seed 2, take minutes).
+SMALL_GRAPHS = [
+    *(chain_graph(k, bytes_per_node=1) for k in (1, 2, 3, 4)),
+    unet_graph(1, base_bytes=4096),
+    random_training_graph(2, seed=3),
+    *(random_training_graph(3, seed=s) for s in (0, 2, 10)),
+    *(random_training_graph(4, seed=s) for s in (0, 1, 8, 10)),
+    random_training_graph(4, seed=3, fixed_bytes=5),
+]
+
+
+# ---------------------------------------------------------------------------- optimality
+@pytest.mark.parametrize("graph", SMALL_GRAPHS, ids=lambda g: g.name)
+def test_milp_equals_exhaustive_search(graph: Graph) -> None:
+    """Optimal at the checkpoint-all peak, at the minimum, and in between; below the minimum
+    both the search and the MILP find nothing."""
+    top = checkpoint_all_peak(graph)
+    low = exhaustive_min_peak(graph)
+    found = minimum_budget(graph)
+    assert found.proven and found.budget_bytes == low
+    for budget in sorted({top, (top + low) // 2, (top + 3 * low) // 4, low + 1, low}):
+        expected = exhaustive_min_cost(graph, budget)
+        result = solve(graph, budget, method="milp")
+        assert result.status is SolveStatus.OPTIMAL
+        assert result.objective == pytest.approx(expected)
+        assert result.peak_bytes <= budget
+        assert result.objective == result.sim.total_cost
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, low - 1, method="milp")
+    assert info.value.min_budget_bytes == low
+
+
+def test_milp_handles_non_recomputable_nodes() -> None:
+    g = chain_graph(4, bytes_per_node=1)
+    nodes = list(g.nodes)
+    nodes[1] = Node(nodes[1].name, nodes[1].kind, nodes[1].deps, 1, 1.0, recomputable=False)
+    g = Graph(nodes=tuple(nodes), fixed_bytes=0, outputs=g.outputs, name="chain4_rng")
+    for budget in (checkpoint_all_peak(g), exhaustive_min_peak(g)):
+        result = solve(g, budget, method="milp")
+        assert result.objective == pytest.approx(exhaustive_min_cost(g, budget))
+        assert result.sim.compute_counts[1] == 1
+
+
+# ---------------------------------------------------------------------------- properties
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(2, 12), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0))
+def test_milp_properties_on_random_graphs(n_forward: int, seed: int, where: float) -> None:
+    graph = random_training_graph(n_forward, seed)
+    low = minimum_budget(graph).budget_bytes
+    budget = low + int(where * (checkpoint_all_peak(graph) - low))
+    result = solve(graph, budget, method="milp")
+    assert result.status is SolveStatus.OPTIMAL
+    assert result.objective == result.sim.total_cost and result.peak_bytes <= budget
+    for method in BASELINE_METHODS:
+        try:
+            other = solve(graph, budget, method=method)
+        except Exception:  # noqa: BLE001 - a baseline that cannot plan this budget is fine
+            continue
+        assert result.objective <= other.objective + 1e-9, method
+    assert result.lower_bound is not None and result.lower_bound <= result.objective + 1e-6
+    relaxation = solve_relaxation(graph, budget)
+    assert relaxation is not None and relaxation.lower_bound <= result.objective + 1e-6
+    try:
+        rounded = solve(graph, budget, method="lp_round")
+    except InfeasibleBudgetError as exc:  # rounding may miss plans at the tightest budgets
+        assert exc.min_budget_bytes is None or exc.min_budget_bytes > budget
+    else:
+        assert rounded.lower_bound == pytest.approx(relaxation.lower_bound)
+        assert result.objective <= rounded.objective + 1e-9
+
+
+# ---------------------------------------------------------------------------- backends
+@pytest.mark.parametrize("graph", [chain_graph(4, bytes_per_node=1), random_training_graph(5, seed=7)],
+                         ids=lambda g: g.name)
+def test_cpsat_agrees_with_highs(graph: Graph) -> None:
+    low = minimum_budget(graph).budget_bytes
+    for budget in (low, (low + checkpoint_all_peak(graph)) // 2):
+        highs = solve(graph, budget, method="milp")
+        cpsat = solve(graph, budget, method="milp", backend="cpsat")
+        assert cpsat.status is SolveStatus.OPTIMAL
+        assert cpsat.objective == pytest.approx(highs.objective)
+        assert cpsat.peak_bytes <= budget and cpsat.stats.backend == "cpsat"
+
+
+def test_cpsat_without_warm_start_and_with_fractional_costs() -> None:
+    g = chain_graph(3, bytes_per_node=1).with_costs([1.25, 0.5, 2.0, 1.0, 0.75, 1.5, 3.0])
+    for budget in (3, 4):
+        a = solve(g, budget, method="milp", warm_start=False)
+        b = solve(g, budget, method="milp", backend=MilpBackend.CPSAT, warm_start=False)
+        assert a.objective == pytest.approx(exhaustive_min_cost(g, budget))
+        assert b.objective == pytest.approx(a.objective)
+
+
+def test_backend_names_parse() -> None:
+    assert MilpBackend.parse("HiGHS") is MilpBackend.HIGHS
+    assert MilpBackend.parse("cpsat") is MilpBackend.CPSAT
+    assert MilpBackend.parse(MilpBackend.GUROBI) is MilpBackend.GUROBI
+
+
+def test_unknown_backend_names_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown MILP backend 'scip'; choose one of 'highs', 'cpsat', 'gurobi'"):
+        solve(chain_graph(2, bytes_per_node=1), 4, method="milp", backend="scip")
+
+
+@pytest.mark.skipif(HAS_GUROBI, reason="gurobipy is installed")
+def test_missing_gurobi_says_how_to_install() -> None:
+    with pytest.raises(SolverError, match=r"pip install gurobipy"):
+        solve(chain_graph(2, bytes_per_node=1), 4, method="milp", backend="gurobi")
+
+
+@pytest.mark.skipif(not HAS_GUROBI, reason="gurobipy is not installed")
+def test_gurobi_agrees_with_highs() -> None:  # pragma: no cover - needs a Gurobi license
+    g = chain_graph(4, bytes_per_node=1)
+    assert solve(g, 4, method="milp", backend="gurobi").objective == solve(g, 4, method="milp").objective
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("time_limit_s", 0, "time_limit_s=0 must be a positive"), ("mip_gap", 1.5, "mip_gap=1.5 must be"),
+     ("threads", 0, "threads=0 must be a positive int")],
+)
+def test_bad_numbers_are_refused(option: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        solve(chain_graph(2, bytes_per_node=1), 4, method="milp", **{option: value})
+
+
+# ---------------------------------------------------------------------------- limits
+def test_time_limit_returns_best_plan_with_bound_and_gap() -> None:
+    graph = chain_graph(20)
+    budget = int(0.3 * checkpoint_all_peak(graph))
+    result = solve(graph, budget, method="milp", time_limit_s=2.0)
+    assert result.status is SolveStatus.TIME_LIMIT
+    assert result.peak_bytes <= budget and result.sim.ok
+    assert result.lower_bound is not None and result.lower_bound < result.objective
+    assert result.gap is not None and result.gap > 0
+
+
+def test_infeasible_budget_reports_exact_minimum() -> None:
+    graph = random_training_graph(6, seed=11)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, peak_lower_bound_bytes(graph) - 1, method="milp")
+    low = info.value.min_budget_bytes
+    assert low is not None and "smallest budget method 'milp' can meet" in str(info.value)
+    assert solve(graph, low, method="milp").peak_bytes <= low
+    with pytest.raises(InfeasibleBudgetError) as again:
+        solve(graph, low - 1, method="milp")
+    assert again.value.min_budget_bytes == low
+
+
+def test_fixed_bytes_over_budget_is_infeasible() -> None:
+    graph = chain_graph(2, bytes_per_node=1, fixed_bytes=100)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, 50, method="milp")
+    assert info.value.min_budget_bytes == 103
+
+
+def test_progress_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="remat.solve"):
+        solve(chain_graph(6, bytes_per_node=1), 5, method="milp")
+    text = caplog.text
+    assert "highs on chain6" in text and "incumbent" in text and "finished: optimal" in text
+
+
+# ---------------------------------------------------------------------------- the model
+def test_model_is_smaller_than_checkmate() -> None:
+    graph = chain_graph(20)
+    model = build_model(graph, checkpoint_all_peak(graph))
+    n, m = graph.n, sum(len(node.deps) for node in graph.nodes)
+    assert model.n_cols < 3 * n * n + n * m
+    assert model.n_integer < n * n  # fixed entries of R and S are constants
+    assert model.bytes_unit == 2**20
+
+
+def test_start_from_a_plan_is_feasible_and_decodes_back() -> None:
+    graph = random_training_graph(5, seed=4)
+    plan = solve(graph, checkpoint_all_peak(graph), method="checkpoint_all").schedule
+    model = build_model(graph, checkpoint_all_peak(graph))
+    x, why = model.start_from(plan)
+    assert x is not None, why
+    assert model.max_violation(x) < 1e-9
+    assert np.array_equal(model.decode(x).R, plan.R)
+    assert model.objective_value(x) == pytest.approx(graph.total_cost)
+
+
+def test_start_from_over_budget_plan_is_refused() -> None:
+    graph = chain_graph(4, bytes_per_node=1)
+    model = build_model(graph, 4)
+    x, why = model.start_from(Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)))
+    assert x is None and "violates a row" in why
+
+
+def test_decode_refuses_fractional_values() -> None:
+    graph = chain_graph(3, bytes_per_node=1)
+    model = build_model(graph, 4)
+    x = np.full(model.n_cols, 0.5)
+    with pytest.raises(ValueError, match=r"is not within 1e-06 of 0 or 1"):
+        model.decode(x)
+
+
+def test_peak_model_minimum_matches_search() -> None:
+    graph = chain_graph(3, bytes_per_node=1)
+    model = build_model(graph, None, ModelObjective.PEAK)
+    assert model.peak_col is not None and model.col_cost[model.peak_col] == 1.0
+    assert minimum_budget(graph).budget_bytes == exhaustive_min_peak(graph) == 3
+
+
+def test_unread_computations_are_dropped_from_a_start() -> None:
+    graph = chain_graph(3, bytes_per_node=1)
+    R = np.eye(graph.n, dtype=bool)
+    R[5, 3] = True  # recompute the loss after its only reader (node 4) ran: nothing reads it
+    padded = Schedule.from_compute(graph, R)
+    clean = without_unread(graph, padded)
+    assert not clean.R[5, 3] and np.array_equal(clean.R, np.eye(graph.n, dtype=bool))
+    assert clean.cost(graph) < padded.cost(graph)
+    model = build_model(graph, checkpoint_all_peak(graph))
+    assert model.start_from(padded)[0] is None and model.start_from(clean)[0] is not None
+
+
+def test_cpsat_reports_the_minimum_budget_too() -> None:
+    # No baseline reaches this graph's minimum, so the peak-minimizing model has to run.
+    graph = random_training_graph(5, seed=2)
+    low = minimum_budget(graph).budget_bytes
+    assert minimum_budget(graph, backend="cpsat").budget_bytes == low == 25
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, 12, method="milp", backend="cpsat")
+    assert info.value.min_budget_bytes == low
+
+
+def test_thread_count_can_change_between_solves() -> None:
+    graph = chain_graph(5, bytes_per_node=1)
+    costs = {threads: solve(graph, 4, method="milp", threads=threads).objective for threads in (2, 1, 3)}
+    assert len(set(costs.values())) == 1
+
+
+def test_byte_exact_budgets_with_megabyte_sizes() -> None:
+    # U-Net sizes share no common factor, so the model works in single bytes (values ~1e6):
+    # the plan at the minimum must fit to the byte and one byte less must be infeasible.
+    graph = unet_graph(3)
+    found = minimum_budget(graph)
+    assert found.proven and build_model(graph, found.budget_bytes).bytes_unit == 1
+    assert solve(graph, found.budget_bytes, method="milp").peak_bytes <= found.budget_bytes
+    with pytest.raises(InfeasibleBudgetError):
+        solve(graph, found.budget_bytes - 1, method="milp")
