@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     workload = get_workload("gpt2-tiny", args.batch)
-    options = {"milp": {"time_limit_s": args.time_limit}}
+    options = {"milp": {"time_limit_s": args.time_limit}, "lp_round": {"time_limit_s": args.time_limit}}
     comparison = compare_methods(workload, BUDGETS, METHODS, cost_model=CostModel.PROFILE, options=options)
     plot_comparison(comparison, PLOT)
     return {
@@ -79,7 +79,7 @@ def markdown(results: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per solve (s)")
+    parser.add_argument("--time-limit", type=float, default=20.0, help="MILP / LP time limit per solve (s)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     results = run(args)

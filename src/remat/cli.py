@@ -30,6 +30,7 @@ DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,gri
 DEMO_METHODS = "checkpoint_all,chen_sqrtn,chen_greedy,lp_round,milp"
 DEMO_BUDGETS = "100%,80%,60%,45%"
 DEMO_BATCH = 8
+DEMO_TIME_LIMIT_S = 20.0
 
 # Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--costs", choices=("profile", "estimate"), default="profile")
     _add_solver_options(p)
     p.add_argument("--out", default="out/demo.json", help="where to write the JSON (the plot goes next to it)")
+    p.set_defaults(time_limit=DEMO_TIME_LIMIT_S)
 
     sub.add_parser("methods", help="list the planning methods")
     return parser
@@ -87,17 +89,15 @@ def _add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
 
 
 def _add_solver_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--time-limit", type=float, default=None, help="MILP time limit in seconds")
+    p.add_argument("--time-limit", type=float, default=None, help="MILP / LP time limit in seconds")
     p.add_argument("--backend", default=None, help="MILP backend: highs (default), cpsat, gurobi")
 
 
 def _solver_options(method: str, args: argparse.Namespace) -> dict[str, object]:
-    if method != "milp":
-        return {}
     opts: dict[str, object] = {}
-    if args.time_limit is not None:
+    if method in ("milp", "lp_round") and args.time_limit is not None:
         opts["time_limit_s"] = args.time_limit
-    if args.backend is not None:
+    if method == "milp" and args.backend is not None:
         opts["backend"] = args.backend
     return opts
 
