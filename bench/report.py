@@ -30,6 +30,7 @@ def _load(name: str):
     if spec is None or spec.loader is None:
         raise FileNotFoundError(HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file loads
     spec.loader.exec_module(module)
     return module
 

@@ -35,6 +35,7 @@ from torch._functorch._aot_autograd.descriptors import (
 )
 
 from remat.backend_joint import JointStep, UnsupportedJointGraph, tangent_marker
+from remat.execute import check_random_order
 from remat.errors import ScheduleError
 from remat.schedule import Plan, StepKind
 from remat.simulate import SimResult
@@ -80,15 +81,7 @@ def _check_order(step: JointStep, plan: Plan, cut: int) -> None:
                 f"the plan computes {step.graph.describe(s.node)}, which reads a tangent, before the "
                 f"forward ends; plans must be frontier-advancing over the forward-first order"
             )
-    first: list[int] = []
-    seen: set[int] = set()
-    randoms = set(step.random_nodes)
-    for i in plan.compute_order:
-        if i in randoms and i not in seen:
-            seen.add(i)
-            first.append(i)
-    if first != sorted(first):
-        raise ScheduleError("the plan first runs random ops out of trace order; they would draw other numbers")
+    check_random_order(step.graph, step.random_nodes, plan)
 
 
 class _Builder:

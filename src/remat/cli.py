@@ -328,15 +328,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args)
-    except UsageError as exc:
+    except (UsageError, UnsupportedGraphError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         return EXIT_USAGE
     except InfeasibleBudgetError as exc:
         err.print(f"[red]no plan fits:[/red] {exc}", highlight=False)
         return EXIT_INFEASIBLE
-    except UnsupportedGraphError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        return EXIT_USAGE
     except RematError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         return EXIT_INFEASIBLE

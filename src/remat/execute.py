@@ -22,13 +22,14 @@ Two things need care beyond running ops in order:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from remat.errors import ScheduleError
+from remat.graph import Graph
 from remat.schedule import Plan, StepKind
 from remat.simulate import SimResult, simulate
 from remat.trace import TracedStep
@@ -208,14 +209,16 @@ def build_module(traced: TracedStep, plan: Plan) -> PlannedStep:
     graph = traced.graph
     sim = simulate(graph, plan)
     sim.raise_if_invalid()
-    _check_random_order(traced, plan)
+    check_random_order(traced.graph, traced.random_nodes, plan)
     return PlannedStep(traced, plan, sim, _compile_program(traced, plan, sim))
 
 
-def _check_random_order(traced: TracedStep, plan: Plan) -> None:
+def check_random_order(graph: Graph, random_nodes: Iterable[int], plan: Plan) -> None:
+    """Refuse a plan whose random ops first run out of trace order: each draws from the global
+    generator, so only the trace order gives eager PyTorch's numbers."""
     seen: set[int] = set()
     first = []
-    randoms = set(traced.random_nodes)
+    randoms = set(random_nodes)
     for i in plan.compute_order:
         if i in randoms and i not in seen:
             seen.add(i)
@@ -223,8 +226,8 @@ def _check_random_order(traced: TracedStep, plan: Plan) -> None:
     if first != sorted(first):
         k = next(k for k in range(len(first)) if first[k] != sorted(first)[k])
         raise ScheduleError(
-            f"plan first computes random {traced.graph.describe(first[k])} before "
-            f"{traced.graph.describe(sorted(first)[k])}; random ops must first run in trace order "
+            f"plan first computes random {graph.describe(first[k])} before "
+            f"{graph.describe(sorted(first)[k])}; random ops must first run in trace order "
             f"so that they draw the same numbers as eager PyTorch (recomputations may go anywhere)"
         )
 

@@ -34,12 +34,7 @@ def plot_overhead(points: Sequence[SweepPoint], path: str | Path, *, title: str)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def plot_comparison(comparison, path: str | Path) -> Path:
@@ -78,6 +73,12 @@ def plot_comparison(comparison, path: str | Path) -> Path:
     right.set_title("simulator vs measured run")
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
