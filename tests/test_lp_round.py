@@ -90,3 +90,18 @@ def test_infeasible_budget_names_a_budget_the_method_meets() -> None:
 def test_negative_sample_count_is_refused() -> None:
     with pytest.raises(ValueError, match="n_samples=-1 must be >= 0"):
         solve(chain_graph(2, bytes_per_node=1), 4, method="lp_round", n_samples=-1)
+
+
+def test_relaxation_time_out_returns_the_best_baseline_marked_time_limit():
+    from remat.builders import random_training_graph
+    from remat.solvers.milp_backends import RelaxationTimeout
+
+    g = random_training_graph(120, seed=5)
+    budget = int(0.8 * solve(g, 2**40, method="checkpoint_all").peak_bytes)
+    r = solve(g, budget, method="lp_round", time_limit_s=0.01)
+    assert r.status is SolveStatus.TIME_LIMIT and r.peak_bytes <= budget and r.lower_bound is None
+    with pytest.raises(RelaxationTimeout, match="did not finish within 0.01 s; raise time_limit_s"):
+        solve(g, budget, method="lp_round", time_limit_s=0.01, fallback=False)
+    m = solve(g, budget, method="milp", time_limit_s=0.5)
+    assert m.status in (SolveStatus.TIME_LIMIT, SolveStatus.OPTIMAL) and m.peak_bytes <= budget
+    assert m.cost <= r.cost + 1e-9

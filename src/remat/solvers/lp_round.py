@@ -21,7 +21,7 @@ from remat.graph import Graph
 from remat.schedule import Schedule
 from remat.simulate import simulate
 from remat.solvers.base import SolveResult, SolverStats, SolveStatus, finish, register
-from remat.solvers.milp_backends import BackendStatus, MilpBackend, SolverSettings, run_backend
+from remat.solvers.milp_backends import BackendStatus, MilpBackend, RelaxationTimeout, SolverSettings, run_backend
 from remat.solvers.milp_model import ModelObjective, build_model
 from remat.solvers.milp_start import Candidate, baseline_candidates, best_fitting
 
@@ -108,7 +108,12 @@ def lp_round(
     started = time.perf_counter()
     if n_samples < 0:
         raise ValueError(f"n_samples={n_samples!r} must be >= 0 (randomized roundings to draw)")
-    relaxation = solve_relaxation(graph, budget_bytes, time_limit_s=time_limit_s)
+    try:
+        relaxation = solve_relaxation(graph, budget_bytes, time_limit_s=time_limit_s)
+    except RelaxationTimeout as exc:
+        if not fallback:
+            raise
+        return _baseline_after_timeout(graph, budget_bytes, started, str(exc))
     if relaxation is None:
         raise _infeasible(graph, budget_bytes, "even the LP relaxation is infeasible")
     rounded = rounded_candidates(graph, relaxation.S, thresholds=thresholds, n_samples=n_samples, seed=seed)
@@ -129,6 +134,16 @@ def lp_round(
         started_s=started, claimed_objective=best.cost, lower_bound=min(relaxation.lower_bound, best.cost),
         stats=stats,
     )
+
+
+def _baseline_after_timeout(graph: Graph, budget_bytes: int, started: float, why: str) -> SolveResult:
+    """No LP solution to round in time: the cheapest fitting baseline, marked TIME_LIMIT."""
+    best = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
+    if best is None:
+        raise _infeasible(graph, budget_bytes, f"{why}, and no baseline plan fits")
+    log.warning("lp_round: %s; returning baseline %s", why, best.name)
+    return finish(graph, best.schedule, budget_bytes=budget_bytes, method="lp_round", status=SolveStatus.TIME_LIMIT,
+                  started_s=started, claimed_objective=best.cost, stats=SolverStats(backend="highs"))
 
 
 def _infeasible(graph: Graph, budget_bytes: int, detail: str) -> InfeasibleBudgetError:

@@ -27,6 +27,7 @@ from remat.solvers.milp_backends import (
     BackendResult,
     BackendStatus,
     MilpBackend,
+    RelaxationTimeout,
     SolverSettings,
     backend_available,
     run_backend,
@@ -94,10 +95,14 @@ def milp(
     candidates: list[Candidate] = []
     if warm_start:
         candidates = baseline_candidates(graph, budget_bytes)
-        relaxation = lp_round.solve_relaxation(graph, budget_bytes, time_limit_s=time_limit_s)
-        if relaxation is None:
-            raise _infeasible(graph, budget_bytes, settings, backend, "its LP relaxation is infeasible")
-        candidates += lp_round.rounded_candidates(graph, relaxation.S)
+        try:
+            relaxation = lp_round.solve_relaxation(graph, budget_bytes, time_limit_s=time_limit_s)
+        except RelaxationTimeout as exc:
+            log.warning("milp: %s; warm-starting from the baselines only", exc)
+        else:
+            if relaxation is None:
+                raise _infeasible(graph, budget_bytes, settings, backend, "its LP relaxation is infeasible")
+            candidates += lp_round.rounded_candidates(graph, relaxation.S)
     start = _start_vector(model, candidates, budget_bytes)
     remaining_s = max(time_limit_s - (time.perf_counter() - started), MIN_SOLVER_TIME_S)
     result = run_backend(model, backend, _with_time(settings, remaining_s), start[0] if start else None)

@@ -71,6 +71,10 @@ class SolverSettings:
     label: str = "milp"
 
 
+class RelaxationTimeout(SolverError):
+    """The LP relaxation hit its time limit: no bound and no fractional solution to round."""
+
+
 @dataclass(frozen=True)
 class BackendResult:
     status: BackendStatus
@@ -302,6 +306,11 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
     if model_status == S.kInfeasible:
         return BackendResult(BackendStatus.INFEASIBLE, None, None, None, elapsed)
     if settings.relax:
+        if model_status == S.kTimeLimit:
+            raise RelaxationTimeout(
+                f"the LP relaxation of graph {model.graph.name!r} ({model.n_cols} variables) did not finish "
+                f"within {settings.time_limit_s:g} s; raise time_limit_s"
+            )
         if model_status != S.kOptimal:
             raise SolverError(f"HiGHS could not solve the LP relaxation: {h.modelStatusToString(model_status)}")
         obj = h.getObjectiveValue()
