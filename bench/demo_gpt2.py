@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "demo_gpt2.json"
 PLOT = HERE / "plots" / "demo_gpt2.png"
 METHODS = ("checkpoint_all", "chen_sqrtn", "chen_greedy", "lp_round", "milp")
-BUDGETS = ("100%", "80%", "60%", "45%")
+BUDGETS = ("100%", "80%", "65%", "50%")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -15,7 +15,7 @@ import numpy as np
 
 from remat.coarsen import coarsen
 from remat.cost import CostModel
-from remat.errors import InfeasibleBudgetError, UnsupportedGraphError
+from remat.errors import InfeasibleBudgetError, SolverError, UnsupportedGraphError
 from remat.execute import build_module
 from remat.models import Workload
 from remat.planning import plan_graph
@@ -120,6 +120,9 @@ def _one(workload: Workload, traced: TracedStep, budget: int, method: str, optio
         return MethodRun(method, budget, "infeasible", note=f"needs at least {format_bytes(exc.min_budget_bytes)}")
     except UnsupportedGraphError as exc:
         return MethodRun(method, budget, "not applicable", note=str(exc).split(";")[0])
+    except SolverError as exc:  # e.g. a time limit with no plan found and no baseline that fits
+        log.warning("%s @ %d B: %s", method, budget, exc)
+        return MethodRun(method, budget, "no plan", note=str(exc).split(";")[0])
     result = planned_graph.result
     fields = dict(
         method=method, budget_bytes=budget, status=result.status.value,
