@@ -141,11 +141,12 @@ def test_milp_equals_exhaustive_search(graph: Graph) -> None:
     assert found.proven and found.budget_bytes == low
     for budget in sorted({top, (top + low) // 2, (top + 3 * low) // 4, low + 1, low}):
         expected = exhaustive_min_cost(graph, budget)
-        result = solve(graph, budget, method="milp")
-        assert result.status is SolveStatus.OPTIMAL
-        assert result.objective == pytest.approx(expected)
-        assert result.peak_bytes <= budget
-        assert result.objective == result.sim.total_cost
+        # warm_start=False: the solver alone on the model; default: with the shortcuts too
+        for result in (solve(graph, budget, method="milp", warm_start=False), solve(graph, budget, method="milp")):
+            assert result.status is SolveStatus.OPTIMAL
+            assert result.objective == pytest.approx(expected)
+            assert result.peak_bytes <= budget
+            assert result.objective == result.sim.total_cost
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(graph, low - 1, method="milp")
     assert info.value.min_budget_bytes == low
@@ -157,7 +158,7 @@ def test_milp_handles_non_recomputable_nodes() -> None:
     nodes[1] = Node(nodes[1].name, nodes[1].kind, nodes[1].deps, 1, 1.0, recomputable=False)
     g = Graph(nodes=tuple(nodes), fixed_bytes=0, outputs=g.outputs, name="chain4_rng")
     for budget in (checkpoint_all_peak(g), exhaustive_min_peak(g)):
-        result = solve(g, budget, method="milp")
+        result = solve(g, budget, method="milp", warm_start=False)
         assert result.objective == pytest.approx(exhaustive_min_cost(g, budget))
         assert result.sim.compute_counts[1] == 1
 
@@ -172,6 +173,7 @@ def test_milp_properties_on_random_graphs(n_forward: int, seed: int, where: floa
     result = solve(graph, budget, method="milp")
     assert result.status is SolveStatus.OPTIMAL
     assert result.objective == result.sim.total_cost and result.peak_bytes <= budget
+    assert solve(graph, budget, method="milp", warm_start=False).objective == pytest.approx(result.objective)
     for method in BASELINE_METHODS:
         try:
             other = solve(graph, budget, method=method)
@@ -196,8 +198,8 @@ def test_milp_properties_on_random_graphs(n_forward: int, seed: int, where: floa
 def test_cpsat_agrees_with_highs(graph: Graph) -> None:
     low = minimum_budget(graph).budget_bytes
     for budget in (low, (low + checkpoint_all_peak(graph)) // 2):
-        highs = solve(graph, budget, method="milp")
-        cpsat = solve(graph, budget, method="milp", backend="cpsat")
+        highs = solve(graph, budget, method="milp", warm_start=False)
+        cpsat = solve(graph, budget, method="milp", backend="cpsat", warm_start=False)
         assert cpsat.status is SolveStatus.OPTIMAL
         assert cpsat.objective == pytest.approx(highs.objective)
         assert cpsat.peak_bytes <= budget and cpsat.stats.backend == "cpsat"
@@ -277,7 +279,7 @@ def test_fixed_bytes_over_budget_is_infeasible() -> None:
 
 def test_progress_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="remat.solve"):
-        solve(chain_graph(6, bytes_per_node=1), 5, method="milp")
+        solve(chain_graph(6, bytes_per_node=1), 5, method="milp", warm_start=False)
     text = caplog.text
     assert "highs on chain6" in text and "incumbent" in text and "finished: optimal" in text
 
@@ -349,7 +351,8 @@ def test_cpsat_reports_the_minimum_budget_too() -> None:
 
 def test_thread_count_can_change_between_solves() -> None:
     graph = chain_graph(5, bytes_per_node=1)
-    costs = {threads: solve(graph, 4, method="milp", threads=threads).objective for threads in (2, 1, 3)}
+    costs = {threads: solve(graph, 4, method="milp", threads=threads, warm_start=False).objective
+             for threads in (2, 1, 3)}
     assert len(set(costs.values())) == 1
 
 
@@ -359,6 +362,15 @@ def test_byte_exact_budgets_with_megabyte_sizes() -> None:
     graph = unet_graph(3)
     found = minimum_budget(graph)
     assert found.proven and build_model(graph, found.budget_bytes).bytes_unit == 1
-    assert solve(graph, found.budget_bytes, method="milp").peak_bytes <= found.budget_bytes
+    assert solve(graph, found.budget_bytes, method="milp", warm_start=False).peak_bytes <= found.budget_bytes
     with pytest.raises(InfeasibleBudgetError):
         solve(graph, found.budget_bytes - 1, method="milp")
+
+
+def test_a_plan_meeting_a_lower_bound_needs_no_search(caplog: pytest.LogCaptureFixture) -> None:
+    graph = chain_graph(10)
+    with caplog.at_level(logging.INFO, logger="remat.solve"):
+        result = solve(graph, checkpoint_all_peak(graph), method="milp")
+    assert result.status is SolveStatus.OPTIMAL and result.objective == graph.total_cost
+    assert result.lower_bound == graph.total_cost and result.stats.nodes_explored == 0
+    assert "no search needed" in caplog.text and "highs on" not in caplog.text

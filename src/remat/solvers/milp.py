@@ -42,6 +42,9 @@ __all__ = ["MilpBackend", "MinimumBudget", "milp", "minimum_budget"]
 #: The least time handed to a solver after the warm start used up the rest of the limit.
 MIN_SOLVER_TIME_S = 1.0
 
+#: The share of ``time_limit_s`` the warm start's LP relaxation may take.
+LP_TIME_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class MinimumBudget:
@@ -63,6 +66,7 @@ def milp(
     time_limit_s: float = 60.0,
     mip_gap: float = 1e-4,
     warm_start: bool = True,
+    early_proof: bool = True,
     threads: int = 2,
     dominance: bool = True,
 ) -> SolveResult:
@@ -72,7 +76,9 @@ def milp(
     ``time_limit_s`` covers the whole call, warm start included; an infeasible budget then
     spends up to as long again finding the smallest feasible one. ``warm_start`` starts the
     solver from the cheapest fitting plan of the baselines and of the LP rounding (and falls
-    back on it when the solver finds nothing better). ``threads`` is fixed so that timings
+    back on it when the solver finds nothing better). With ``early_proof`` (and a warm start)
+    a known plan that meets a proven lower bound (each node's cost once, or the LP relaxation
+    within ``mip_gap``) is returned as OPTIMAL without a search. ``threads`` is fixed so that timings
     compare (HiGHS' branch and bound is serial; CP-SAT runs that many workers).
     ``dominance`` adds the rows that make S the exact liveness of R (see ``milp_model``).
 
@@ -95,20 +101,45 @@ def milp(
     candidates: list[Candidate] = []
     if warm_start:
         candidates = baseline_candidates(graph, budget_bytes)
+        # Every node runs at least once: a plan costing that much is optimal outright.
+        proven = _proven(candidates, budget_bytes, graph.total_cost, mip_gap) if early_proof else None
+        if proven is not None:
+            return _finish_proven(graph, budget_bytes, proven, graph.total_cost, model, backend, started)
         try:
-            relaxation = lp_round.solve_relaxation(graph, budget_bytes, time_limit_s=time_limit_s)
+            relaxation = lp_round.solve_relaxation(graph, budget_bytes, time_limit_s=LP_TIME_SHARE * time_limit_s)
         except RelaxationTimeout as exc:
             log.warning("milp: %s; warm-starting from the baselines only", exc)
         else:
             if relaxation is None:
                 raise _infeasible(graph, budget_bytes, settings, backend, "its LP relaxation is infeasible")
             candidates += lp_round.rounded_candidates(graph, relaxation.S)
+            proven = _proven(candidates, budget_bytes, relaxation.lower_bound, mip_gap) if early_proof else None
+            if proven is not None:  # the LP bound already closes the gap: no search needed
+                return _finish_proven(graph, budget_bytes, proven, relaxation.lower_bound, model, backend, started)
     start = _start_vector(model, candidates, budget_bytes)
     remaining_s = max(time_limit_s - (time.perf_counter() - started), MIN_SOLVER_TIME_S)
     result = run_backend(model, backend, _with_time(settings, remaining_s), start[0] if start else None)
     if result.status is BackendStatus.INFEASIBLE:
         raise _infeasible(graph, budget_bytes, settings, backend, "the solver proved it")
     return _package(graph, budget_bytes, model, result, start[1] if start else None, backend, started)
+
+
+def _proven(candidates: list[Candidate], budget_bytes: int, bound: float, mip_gap: float) -> Candidate | None:
+    """The cheapest fitting candidate if ``bound`` proves it optimal within ``mip_gap``."""
+    fitting = [c for c in candidates if c.peak_bytes <= budget_bytes]
+    best = min(fitting, key=lambda c: (c.cost, c.peak_bytes), default=None)
+    if best is None or best.cost - bound > mip_gap * abs(best.cost) + 1e-9:
+        return None
+    return best
+
+
+def _finish_proven(graph: Graph, budget_bytes: int, best: Candidate, bound: float, model: MilpModel,
+                   backend: MilpBackend, started: float) -> SolveResult:
+    log.info("milp: %s (cost %g) meets the lower bound %g on %s; no search needed", best.name, best.cost, bound,
+             graph.name)
+    stats = SolverStats(backend=backend.value, n_variables=model.n_cols, n_constraints=model.n_rows, nodes_explored=0)
+    return finish(graph, best.schedule, budget_bytes=budget_bytes, method="milp", status=SolveStatus.OPTIMAL,
+                  started_s=started, claimed_objective=best.cost, lower_bound=min(bound, best.cost), stats=stats)
 
 
 def _package(graph, budget_bytes, model: MilpModel, result: BackendResult, fallback: Candidate | None,

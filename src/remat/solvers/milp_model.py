@@ -300,6 +300,9 @@ def build_model(
     """Build the MILP for ``graph`` under ``budget_bytes`` (COST) or without one (PEAK).
 
     For PEAK, ``peak_upper_bytes`` (the peak of a known plan) bounds the peak variable.
+    Two variants kept for measuring, off by default because neither helped HiGHS:
+    ``explicit_memory`` writes each instant's whole live set as one knapsack row instead of
+    the U recurrence (O(n^3) nonzeros), ``integer_live`` declares the A columns integer.
 
     >>> from remat.builders import chain_graph
     >>> m = build_model(chain_graph(2, bytes_per_node=1), 4)
