@@ -1,12 +1,14 @@
 """Coarsening is exact: expanded plans have the coarse plan's peak and cost."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat import Graph, Node, NodeKind, Schedule, simulate
 from remat.builders import random_training_graph
 from remat.coarsen import coarsen
+from remat.errors import GraphError
 
 F, B = NodeKind.FORWARD, NodeKind.BACKWARD
 
@@ -69,3 +71,112 @@ def test_zero_byte_node_with_two_inputs_stays():
     c = coarsen(Graph(nodes=nodes, fixed_bytes=0, outputs=(3,)))
     assert c.coarse.n == 4
     assert not c.coarse.nodes[3].recomputable
+
+
+# ---------------------------------------------------------------------------- grouping
+from remat.builders import chain_graph  # noqa: E402
+from remat.coarsen import fold_aliases, group  # noqa: E402
+from remat.planning import plan_graph  # noqa: E402
+from remat.solvers.milp_start import BASELINE_METHODS  # noqa: E402
+from remat.errors import InfeasibleBudgetError  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 12), seed=st.integers(0, 10_000), keep_p=st.floats(0, 1), frac=st.floats(0, 1))
+def test_grouped_plans_expand_to_plans_no_worse(n, seed, keep_p, frac):
+    fine = with_views(random_training_graph(n, seed), seed)
+    folded = fold_aliases(fine).coarse.n
+    c = coarsen(fine, max_nodes=max(1, int(frac * folded)))
+    assert sorted(i for grp in c.groups for i in grp) == list(range(fine.n))
+    users = fine.users
+    for grp in c.groups:
+        kinds = {fine.nodes[i].kind for i in grp}
+        assert len(kinds) == 1, "a group mixes forward, loss and backward nodes"
+        owners = [i for i in grp if fine.nodes[i].out_bytes or len(fine.nodes[i].deps) != 1]
+        if any(o in fine.output_set or not users[o] for o in owners):
+            assert len(owners) == 1, "an output or a sink was grouped with other nodes"
+    rng = np.random.default_rng(seed)
+    keep = np.tril(rng.random((c.coarse.n, c.coarse.n)) < keep_p, -1)
+    plan = Schedule.from_kept(c.coarse, keep).lower(c.coarse)
+    coarse_sim = simulate(c.coarse, plan)
+    fine_sim = simulate(fine, c.expand(plan))
+    assert coarse_sim.ok and fine_sim.ok, fine_sim.violations[:2]
+    assert fine_sim.peak_bytes <= coarse_sim.peak_bytes
+    assert abs(fine_sim.total_cost - coarse_sim.total_cost) < 1e-9
+
+
+def test_group_sizes_and_scratch_by_hand():
+    # x -> y -> z; y is read only by z, so grouping x, y, z keeps x and z and holds y as scratch
+    nodes = (Node("x", F, (), 4, 1.0), Node("y", F, (0,), 2, 1.0), Node("z", F, (1,), 8, 1.0),
+             Node("loss", NodeKind.LOSS, (2,), 1, 1.0), Node("gz", B, (2, 3), 8, 1.0),
+             Node("gx", B, (0, 4), 4, 1.0))
+    g = Graph(nodes=nodes, fixed_bytes=0, outputs=(3, 5))
+    c = group(g, 4)
+    assert c.groups == ((0, 1, 2), (3,), (4,), (5,)) and not c.exact
+    x = c.coarse.nodes[0]
+    assert (x.name, x.out_bytes, x.temp_bytes, x.cost) == ("x+2", 12, 2, 3.0)
+    assert c.coarse.nodes[2].deps == (0, 1)
+    # computing the group holds x, y and z at once: 14 bytes, as the fine plan does
+    coarse_peak = simulate(c.coarse, Schedule.from_compute(c.coarse, np.eye(4, dtype=bool)).lower(c.coarse)).peak_bytes
+    fine_peak = simulate(g, c.expand(Schedule.from_compute(c.coarse, np.eye(4, dtype=bool)).lower(c.coarse))).peak_bytes
+    assert fine_peak <= coarse_peak
+    assert coarse_peak == max(14, 12 + 1, 12 + 1 + 8, 1 + 8 + 4 + 12)
+
+
+def test_grouping_that_cannot_reach_max_nodes_stops_and_bad_max_nodes_are_named():
+    g = chain_graph(3)
+    c = group(g, 1)
+    assert c.coarse.n == 4  # f0..f2 | loss | g2, g1 | g0, the output, alone
+    assert group(g, g.n).exact and group(g, g.n).coarse is g
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_nodes=.* must be a positive int"):
+            group(g, bad)
+    with pytest.raises(ValueError, match="max_nodes=.* must be a positive int, None"):
+        plan_graph(g, 2**40, "milp", max_nodes=0)
+
+
+def test_scratch_bytes_count_in_the_simulator_and_the_milp():
+    from remat.solvers import solve
+    # a single forward node with 10 B of scratch: the peak is its output plus the scratch
+    nodes = (Node("a", F, (), 4, 1.0, temp_bytes=10), Node("loss", NodeKind.LOSS, (0,), 2, 1.0),
+             Node("ga", B, (0, 1), 4, 1.0))
+    g = Graph(nodes=nodes, fixed_bytes=3, outputs=(1, 2))
+    sim = simulate(g, Schedule.from_compute(g, np.eye(3, dtype=bool)).lower(g))
+    assert sim.peak_bytes == 3 + 4 + 10 and max(sim.timeline_bytes) == 3 + 4 + 2 + 4
+    assert solve(g, 17, method="milp").peak_bytes == 17
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(g, 16, method="milp")
+    assert info.value.min_budget_bytes == 17
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 10), seed=st.integers(0, 10_000), frac=st.floats(0.2, 0.9), budget=st.floats(0.3, 1.0))
+def test_grouped_milp_is_never_worse_than_a_baseline_on_the_full_graph(n, seed, frac, budget):
+    g = random_training_graph(n, seed)
+    top = plan_graph(g, 2**62, "checkpoint_all").sim.peak_bytes
+    target = max(1, int(budget * top))
+    costs = []
+    for name in BASELINE_METHODS:
+        try:
+            costs.append(plan_graph(g, target, name).sim.total_cost)
+        except Exception:  # infeasible or not applicable here
+            pass
+    try:
+        p = plan_graph(g, target, "milp", max_nodes=max(1, int(frac * g.n)), time_limit_s=10)
+    except InfeasibleBudgetError as exc:
+        assert not costs, "a baseline fits but the grouped MILP reported no plan"
+        assert exc.min_budget_bytes is not None and exc.min_budget_bytes > target
+        return
+    assert p.sim.ok and p.sim.peak_bytes <= target
+    assert all(p.sim.total_cost <= c + 1e-9 for c in costs)
+    assert p.note
+
+
+def test_fingerprint_and_validation_of_scratch_bytes():
+    a = Graph(nodes=(Node("a", F, (), 4, 1.0),), fixed_bytes=0, outputs=(0,))
+    b = Graph(nodes=(Node("a", F, (), 4, 1.0, temp_bytes=0),), fixed_bytes=0, outputs=(0,))
+    c = Graph(nodes=(Node("a", F, (), 4, 1.0, temp_bytes=2),), fixed_bytes=0, outputs=(0,))
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    assert c.with_costs([5.0]).nodes[0].temp_bytes == 2
+    with pytest.raises(GraphError, match=r"temp_bytes=-1 must be a non-negative int"):
+        Graph(nodes=(Node("a", F, (), 4, 1.0, temp_bytes=-1),), fixed_bytes=0, outputs=(0,))

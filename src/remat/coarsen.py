@@ -1,4 +1,5 @@
-"""Exact graph reduction: fold zero-byte aliases into the value they alias.
+"""Graph reduction: fold zero-byte aliases into the value they alias (exact), then, when the
+graph is still too large for the MILP, group runs of neighbouring operations (bounded).
 
 About 40% of the nodes of a traced transformer step are views (``view``, ``t``,
 ``transpose``, ``getitem``...). They own no bytes and cost next to nothing, but every node
@@ -7,10 +8,19 @@ computed right after that dependency and kept exactly as long as it: its memory 
 merging it into its dependency's group changes no peak, and computing the whole group
 together changes no cost. The reduction is therefore exact: a plan for the coarse graph
 expands to a plan for the original graph with the same total cost and no higher a peak.
+
+Grouping (``group`` / ``coarsen(graph, max_nodes=...)``) is not exact: it merges runs of
+consecutive operations of the same kind into one node that is computed, kept and freed as a
+whole, the granularity of the layer-level graphs of the Checkmate paper. A grouped node's
+output is what its members pass out of the group; the values used only inside it become its
+``temp_bytes``, held while it runs. Every plan of the grouped graph is still a plan of the
+original graph with the same cost and no higher a peak, but the grouped graph has fewer
+plans, so its optimum can cost more than the original graph's.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from remat.graph import Graph, Node
@@ -25,6 +35,7 @@ class Coarsening:
     fine: Graph
     coarse: Graph
     groups: tuple[tuple[int, ...], ...]
+    exact: bool = True
 
     @property
     def group_of(self) -> tuple[int, ...]:
@@ -42,14 +53,33 @@ class Coarsening:
         return plan_from_order(self.fine, order)
 
 
-def coarsen(graph: Graph) -> Coarsening:
+def coarsen(graph: Graph, max_nodes: int | None = None) -> Coarsening:
+    """Fold aliases (``fold_aliases``, exact); then, if the result has more than ``max_nodes``
+    nodes, ``group`` it down to at most that many where it can (not exact).
+
+    >>> from remat.builders import chain_graph
+    >>> c = coarsen(chain_graph(20), max_nodes=15)
+    >>> c.coarse.n <= 15, c.exact, c.fine.n
+    (True, False, 41)
+    """
+    folded = fold_aliases(graph)
+    if max_nodes is None or folded.coarse.n <= max_nodes:
+        return folded
+    grouped = group(folded.coarse, max_nodes)
+    if grouped.exact:
+        return folded
+    members = tuple(tuple(i for j in g for i in folded.groups[j]) for g in grouped.groups)
+    return Coarsening(fine=graph, coarse=grouped.coarse, groups=members, exact=False)
+
+
+def fold_aliases(graph: Graph) -> Coarsening:
     """Merge every zero-byte node with exactly one dependency into its dependency's group.
 
     >>> from remat.graph import NodeKind
     >>> F = NodeKind.FORWARD
     >>> g = Graph(nodes=(Node("a", F, (), 8, 1.0), Node("view_a", F, (0,), 0, 0.0),
     ...                  Node("b", NodeKind.LOSS, (1,), 4, 1.0)), fixed_bytes=0, outputs=(2,))
-    >>> c = coarsen(g)
+    >>> c = fold_aliases(g)
     >>> c.coarse.n, c.groups
     (2, ((0, 1), (2,)))
     """
@@ -83,3 +113,119 @@ def coarsen(graph: Graph) -> Coarsening:
             outputs.append(c)
     coarse = Graph(nodes=tuple(nodes), fixed_bytes=graph.fixed_bytes, outputs=tuple(outputs), name=graph.name)
     return Coarsening(fine=graph, coarse=coarse, groups=tuple(tuple(members[r]) for r in roots))
+
+
+def _weights(graph: Graph) -> list[float]:
+    """A node's share of the graph's compute plus its share of the graph's bytes."""
+    total_cost = graph.total_cost or 1.0
+    total_bytes = sum(n.out_bytes + n.temp_bytes for n in graph.nodes) or 1
+    return [n.cost / total_cost + (n.out_bytes + n.temp_bytes) / total_bytes for n in graph.nodes]
+
+
+def group(graph: Graph, max_nodes: int) -> Coarsening:
+    """Merge runs of consecutive nodes until at most ``max_nodes`` remain (or nothing more can
+    merge). Not exact: see the module docstring.
+
+    Two neighbouring groups merge only if they have the same kind and recomputability and
+    nothing but sinks (nodes no one reads, such as parameter gradients) lies between them in
+    the topological order; outputs and sinks stay alone. Such a group is convex (no path
+    leaves it and comes back), so the grouped graph is a DAG; the sinks it skipped over are
+    computed after it. The pair merged next is the one with the smallest share of the graph's
+    compute plus bytes, so groups come out of similar weight, as layers do.
+
+    >>> from remat.builders import chain_graph
+    >>> g = group(chain_graph(4), 5)
+    >>> g.coarse.n, [len(m) for m in g.groups]
+    (5, [2, 2, 1, 3, 1])
+    """
+    if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
+        raise ValueError(f"max_nodes={max_nodes!r} must be a positive int (the most nodes the reduced graph may have)")
+    n, users, outputs = graph.n, graph.users, graph.output_set
+    sink = [not users[i] for i in range(n)]
+    movable = [not sink[i] and i not in outputs for i in range(n)]
+    items = [i for i in range(n) if movable[i]]
+    weight = _weights(graph)
+    # groups as a doubly linked list over ``items``; a group is named by its first item index
+    members: dict[int, list[int]] = {a: [i] for a, i in enumerate(items)}
+    mass = {a: weight[i] for a, i in enumerate(items)}
+    nxt = {a: a + 1 for a in range(len(items) - 1)}
+    prv = {a + 1: a for a in range(len(items) - 1)}
+    version = {a: 0 for a in members}
+
+    def joinable(a: int, b: int) -> bool:
+        x, y = graph.nodes[members[a][-1]], graph.nodes[members[b][0]]
+        if (x.kind, x.recomputable) != (y.kind, y.recomputable):
+            return False
+        return all(sink[k] for k in range(members[a][-1] + 1, members[b][0]))
+
+    heap: list[tuple[float, int, int, int, int]] = []
+
+    def push(a: int) -> None:
+        b = nxt.get(a)
+        if b is not None and joinable(a, b):
+            heapq.heappush(heap, (mass[a] + mass[b], members[a][0], a, version[a], version[b]))
+
+    for a in range(len(items) - 1):
+        push(a)
+    count = n
+    while count > max_nodes and heap:
+        _, _, a, va, vb = heapq.heappop(heap)
+        b = nxt.get(a)
+        if a not in members or b is None or version[a] != va or version[b] != vb:
+            continue  # stale: one side has merged since
+        members[a] += members.pop(b)
+        mass[a] += mass.pop(b)
+        version[a] += 1
+        version.pop(b)
+        c = nxt.pop(b, None)
+        prv.pop(b, None)
+        if c is None:
+            nxt.pop(a, None)
+        else:
+            nxt[a], prv[c] = c, a
+        count -= 1
+        push(a)
+        if a in prv:
+            push(prv[a])
+    if count == n:
+        return Coarsening(fine=graph, coarse=graph, groups=tuple((i,) for i in range(n)))
+    units = sorted([*members.values(), *([i] for i in range(n) if not movable[i])], key=lambda m: m[0])
+    return _quotient(graph, units)
+
+
+def _quotient(graph: Graph, units: list[list[int]]) -> Coarsening:
+    """The graph whose nodes are ``units`` (each a convex run of nodes, in topological order)."""
+    owner = [0] * graph.n
+    for c, unit in enumerate(units):
+        for i in unit:
+            owner[i] = c
+    users, outputs = graph.users, graph.output_set
+    nodes: list[Node] = []
+    for c, unit in enumerate(units):
+        at = {i: pos for pos, i in enumerate(unit)}
+        out_bytes, live, peak = 0, 0, 0
+        last_inner = {i: max(at[u] for u in users[i]) for i in unit
+                      if users[i] and i not in outputs and all(u in at for u in users[i])}
+        frees: dict[int, int] = {}
+        for i, pos in last_inner.items():
+            frees[pos] = frees.get(pos, 0) + graph.nodes[i].out_bytes
+        for pos, i in enumerate(unit):
+            node = graph.nodes[i]
+            if i not in last_inner:
+                out_bytes += node.out_bytes
+            live += node.out_bytes
+            peak = max(peak, live + node.temp_bytes)
+            live -= frees.get(pos, 0)
+        first = graph.nodes[unit[0]]
+        nodes.append(Node(
+            name=first.name if len(unit) == 1 else f"{first.name}+{len(unit) - 1}",
+            kind=first.kind,
+            deps=tuple(sorted({owner[d] for i in unit for d in graph.nodes[i].deps} - {c})),
+            out_bytes=out_bytes,
+            cost=sum(graph.nodes[i].cost for i in unit),
+            recomputable=all(graph.nodes[i].recomputable for i in unit),
+            temp_bytes=max(0, peak - out_bytes),
+        ))
+    coarse = Graph(nodes=tuple(nodes), fixed_bytes=graph.fixed_bytes,
+                   outputs=tuple(sorted(owner[o] for o in graph.outputs)), name=graph.name)
+    return Coarsening(fine=graph, coarse=coarse, groups=tuple(tuple(u) for u in units), exact=False)

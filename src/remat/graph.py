@@ -5,6 +5,7 @@ A ``Graph`` is immutable and always valid: the constructor runs ``validate()``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -31,7 +32,9 @@ class Node:
     (for a view, its base is a dependency too: views own no bytes but keep their base alive).
     ``out_bytes`` is what computing the node allocates; ``cost`` is its compute cost in the
     graph's one cost unit (microseconds for traced graphs). ``recomputable`` is False for
-    operations that must run exactly once per step.
+    operations that must run exactly once per step. ``temp_bytes`` is scratch memory held
+    only while the node is being computed, on top of its output (zero for a traced op; a
+    grouped node of a coarse graph holds its members' internal values there).
     """
 
     name: str
@@ -40,6 +43,7 @@ class Node:
     out_bytes: int
     cost: float
     recomputable: bool = True
+    temp_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class Graph:
                 raise GraphError(f"{where}: kind {node.kind!r} is not a NodeKind")
             if not isinstance(node.out_bytes, int) or node.out_bytes < 0:
                 raise GraphError(f"{where}: out_bytes={node.out_bytes!r} must be a non-negative int")
+            if not isinstance(node.temp_bytes, int) or node.temp_bytes < 0:
+                raise GraphError(f"{where}: temp_bytes={node.temp_bytes!r} must be a non-negative int")
             if not isinstance(node.cost, (int, float)) or not math.isfinite(node.cost) or node.cost < 0:
                 raise GraphError(f"{where}: cost={node.cost!r} must be a finite number >= 0")
             if len(set(node.deps)) != len(node.deps):
@@ -155,6 +161,7 @@ class Graph:
             "nodes": [
                 [n.name, n.kind.value, list(n.deps), n.out_bytes, n.recomputable]
                 + ([float(n.cost).hex()] if costs else [])
+                + ([n.temp_bytes] if n.temp_bytes else [])
                 for n in self.nodes
             ],
         }
@@ -165,8 +172,5 @@ class Graph:
         """The same graph with new per-node costs (e.g. from a different cost model)."""
         if len(costs) != self.n:
             raise GraphError(f"graph {self.name!r}: got {len(costs)} costs for {self.n} nodes")
-        nodes = tuple(
-            Node(n.name, n.kind, n.deps, n.out_bytes, float(c), n.recomputable)
-            for n, c in zip(self.nodes, costs)
-        )
+        nodes = tuple(dataclasses.replace(n, cost=float(c)) for n, c in zip(self.nodes, costs))
         return Graph(nodes=nodes, fixed_bytes=self.fixed_bytes, outputs=self.outputs, name=self.name)

@@ -2,8 +2,9 @@
 
 Accounting (the same rules the MILP uses): memory at any instant is the graph's
 ``fixed_bytes`` plus the bytes of every live node output. ``Compute(i)`` allocates node i's
-output while its inputs are still live; ``Free(i)`` releases it. The peak is the largest
-memory after any step.
+output while its inputs are still live, and holds the node's ``temp_bytes`` of scratch
+space while it runs; ``Free(i)`` releases an output. The peak is the largest memory after
+any step, scratch space included.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def simulate(graph: Graph, plan: Plan) -> SimResult:
             if not live[i]:
                 memory += graph.nodes[i].out_bytes
                 live[i] = True
+            peak = max(peak, memory + graph.nodes[i].temp_bytes)
             counts[i] += 1
             cost += graph.nodes[i].cost
         elif step.kind is StepKind.FREE:

@@ -180,21 +180,21 @@ def _matrix(cols: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- building
 def bytes_unit_of(graph: Graph) -> int:
-    """The gcd of all output sizes: memory in this unit is an exact integer."""
+    """The gcd of all output and scratch sizes: memory in this unit is an exact integer."""
     unit = 0
-    for b in graph.out_bytes:
-        unit = math.gcd(unit, int(b))
+    for node in graph.nodes:
+        unit = math.gcd(math.gcd(unit, int(node.out_bytes)), int(node.temp_bytes))
     return max(unit, 1)
 
 
 def peak_lower_bound_bytes(graph: Graph) -> int:
-    """A peak no plan can beat: computing node t needs t, its inputs and every earlier
-    output live at once."""
+    """A peak no plan can beat: computing node t needs t, its inputs, its scratch space and
+    every earlier output live at once."""
     outputs = graph.output_set
     best = 0
     for t, node in enumerate(graph.nodes):
         live = {t, *node.deps, *(o for o in outputs if o < t)}
-        best = max(best, sum(graph.out_bytes[i] for i in live))
+        best = max(best, sum(graph.out_bytes[i] for i in live) + node.temp_bytes)
     return graph.fixed_bytes + best
 
 
@@ -349,7 +349,7 @@ def build_model(
         peak_col = b.col(float(lo), float(hi), False, 1.0)
     instants: list[int] = []
     for t in range(n):
-        instants += _memory_rows(graph, b, t, size, r_col, s_col, s_next, cap, peak_col, explicit_memory)
+        instants += _memory_rows(graph, b, t, size, unit, r_col, s_col, s_next, cap, peak_col, explicit_memory)
     if peak_col is not None:
         b.definitions.append((Definition.MAX, peak_col, tuple(instants) or (FIXED_ZERO,)))
     if cap < 0:
@@ -412,9 +412,11 @@ def _structure_rows(graph, b: _Builder, r_col, s_col, s_next, dominance: bool) -
                 b.row(acc, -math.inf, 0.0, f"stage {t}: useless {i}")
 
 
-def _memory_rows(graph, b: _Builder, t: int, size, r_col, s_col, s_next, cap: float, peak_col, explicit: bool) -> list[int]:
+def _memory_rows(graph, b: _Builder, t: int, size, unit: int, r_col, s_col, s_next, cap: float, peak_col,
+                 explicit: bool) -> list[int]:
     """U columns and rows for stage t; returns the U columns (one per possible instant)."""
     users = graph.users
+    temp = [node.temp_bytes // unit for node in graph.nodes]
     present = {}  # i -> (r, s) columns for i < t
     live_after: dict[int, list[int]] = {}  # i -> A column per candidate of i in stage t
     cand_pos: dict[int, dict[int, int]] = {}
@@ -453,14 +455,18 @@ def _memory_rows(graph, b: _Builder, t: int, size, r_col, s_col, s_next, cap: fl
                 _add(running, live_after[i][a - 1], -size[i])
         if r_col[t, k] == FIXED_ZERO:
             continue  # no computation here: not a peak candidate
+        scratch: dict[int, float] = {}  # node k's scratch space, held only while it runs
+        _add(scratch, int(r_col[t, k]), temp[k])
         const = running.get(-1, 0.0)
         if all(c == -1 for c in running):
-            if const > cap:  # nothing to decide: the budget is too small outright
+            if const + scratch.get(-1, 0.0) > cap:  # nothing to decide: the budget is too small outright
                 b.infeasible = b.infeasible or f"stage {t}: computing node {k} needs {const} units over {cap}"
             if peak_col is None:
                 continue
         if explicit:  # the whole live set in one knapsack row (lets the solver find covers)
             row = dict(running)
+            for c, v in scratch.items():
+                row[c] = row.get(c, 0.0) + v
             if peak_col is not None:
                 row[peak_col] = -1.0
             b.row(row, -math.inf, 0.0 if peak_col is not None else cap, f"stage {t}: memory at {k}")
@@ -472,8 +478,16 @@ def _memory_rows(graph, b: _Builder, t: int, size, r_col, s_col, s_next, cap: fl
         row[u] = 1.0
         row[-1] = -const
         b.row(row, 0.0, 0.0, f"stage {t}: memory at {k}")
+        top = u
+        if scratch:  # memory while k runs: U plus its scratch, under the same cap
+            top = b.col(0.0, cap, False)
+            with_scratch = {u: 1.0, **scratch}
+            b.definitions.append((Definition.SUM, top, tuple(with_scratch.items())))
+            row = {c: -v for c, v in with_scratch.items()}
+            row[top] = 1.0
+            b.row(row, 0.0, 0.0, f"stage {t}: memory while {k} runs")
         if peak_col is not None:
-            b.row({u: 1.0, peak_col: -1.0}, -math.inf, 0.0, "peak")
-        instants.append(u)
+            b.row({top: 1.0, peak_col: -1.0}, -math.inf, 0.0, "peak")
+        instants.append(top)
         running = {u: 1.0}
     return instants
