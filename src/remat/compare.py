@@ -130,7 +130,7 @@ def _one(workload: Workload, traced: TracedStep, budget: int, method: str, optio
         solve_s=result.solve_s, gap=result.gap,
     )
     if not run:
-        return MethodRun(**fields)
+        return MethodRun(**fields, note=planned_graph.note)
     step = build_module(traced, planned_graph.plan)
     got, memory = planned_step(workload.model, workload.batch, traced, step)
     agreement = compare(got, want)
@@ -138,4 +138,4 @@ def _one(workload: Workload, traced: TracedStep, budget: int, method: str, optio
              planned_graph.sim.peak_bytes, agreement.bitwise)
     return MethodRun(**fields, measured_peak_bytes=memory.peak_bytes, bitwise_equal=agreement.bitwise,
                      max_abs_diff=agreement.max_abs_diff,
-                     note="; ".join(agreement.mismatches[:2]))
+                     note="; ".join([*agreement.mismatches[:2], *([planned_graph.note] if planned_graph.note else [])]))

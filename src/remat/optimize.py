@@ -71,6 +71,7 @@ class StepReport:
     n_nodes: int
     solve_s: float
     fingerprint: str
+    note: str = ""  # how the plan was found when the solver saw a grouped graph
 
     def to_json(self) -> dict[str, object]:
         record = asdict(self)
@@ -274,5 +275,6 @@ def optimize(
         n_nodes=graph.n,
         solve_s=result.solve_s,
         fingerprint=graph.fingerprint(costs=False),
+        note=planned_graph.note,
     )
     return TrainingStep(model, traced, planned_graph.plan, planned, report)
