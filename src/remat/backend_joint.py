@@ -15,8 +15,8 @@ with every forward node first:
 
 Frontier-advancing stages then split exactly where AOTAutograd splits: stages up to the
 last forward node run in the forward graph, later stages in the backward graph. Storages,
-views and multi-output ops follow the tracer's rules (``trace._build_graph``,
-``trace._split_multi_outputs``), so the simulator counts what torch allocates.
+views and multi-output ops follow the tracer's rules (``fx_graph.build_graph``,
+``fx_graph.split_multi_outputs``), so the simulator counts what torch allocates.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 
-from remat import trace as trace_mod
+from remat import fx_graph
 from remat.errors import RematError
 from remat.graph import Graph, NodeKind
 
@@ -233,7 +233,7 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
     tangent_dep = _depends_on(set(tangents), compute)
     if any(c.args[1] in tangent_dep for c in epilogue):
         raise UnsupportedJointGraph("an input mutation depends on the backward (a mutation in a custom backward)")
-    random_free = [n for n in compute if trace_mod.is_random(n) and n not in tangent_dep]
+    random_free = [n for n in compute if fx_graph.is_random(n) and n not in tangent_dep]
     sources = [c.args[1] for c in epilogue]
     forward = _closure([*fwd_outs, *sources, *random_free])
     # outputs of forward multi-output ops that only the backward reads (dropout's mask, batch
@@ -245,7 +245,7 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
         raise UnsupportedJointGraph(f"forward node {bad.name!r} reads a tangent")
     needed = forward | _closure(bwd_outs)
     for n in compute:
-        if n not in needed and n.is_impure() and n.target not in _HARMLESS_IMPURE and not trace_mod.is_random(n):
+        if n not in needed and n.is_impure() and n.target not in _HARMLESS_IMPURE and not fx_graph.is_random(n):
             raise UnsupportedJointGraph(f"node {n.name!r} ({n.target}) has side effects and no use")
 
     g = fx.Graph()
@@ -278,11 +278,11 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
     mapped = [env[o] if isinstance(o, fx.Node) else o for o in [*outputs, *sources]]
     g.output(tuple(mapped))
     gm = fx.GraphModule(joint, g)
-    trace_mod._split_multi_outputs(gm, kinds)
+    fx_graph.split_multi_outputs(gm, kinds)
     _fill_missing_vals(gm)
     gm.graph.lint()
     gm.recompile()
-    graph, node_names, owners, random_nodes = trace_mod._build_graph(gm, kinds, name, replay_rng=True)
+    graph, node_names, owners, random_nodes = fx_graph.build_graph(gm, kinds, name, replay_rng=True)
     fx_by_name = {n.name: n for n in gm.graph.nodes}
     markers = {m.name for m in marker_of.values()}
     nodes_out = list(graph.nodes)

@@ -9,7 +9,8 @@ whoever runs the step copies them into the buffers once, after the step.
 
 Memory follows storages, not nodes: a node owns the bytes of the storages it creates; a view
 (or any output sharing an existing storage) owns none and makes its users depend on the
-storage's owner, so a plan keeps the owner alive exactly as long as torch would.
+storage's owner, so a plan keeps the owner alive exactly as long as torch would (the passes
+that build the ``Graph`` live in ``fx_graph.py``; error translation in ``trace_errors.py``).
 
 The loss contract: ``loss_fn(model, *batch) -> scalar tensor``. The loss function calls the
 model itself, so any signature works (keyword arguments, several calls, labels inside).
@@ -21,9 +22,6 @@ import dataclasses
 import enum
 import functools
 import itertools
-import operator
-import os
-import traceback
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,7 +34,9 @@ from torch.utils._pytree import tree_leaves
 
 from remat import cost as cost_mod
 from remat.errors import TraceError
-from remat.graph import Graph, Node, NodeKind
+from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs
+from remat.graph import Graph, NodeKind
+from remat.trace_errors import explain_trace_failure
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -217,14 +217,14 @@ def trace(
     inputs = [InputSlot(r, k, p.name) for r, k, p in zip(roles, slot_keys, placeholders, strict=True)]
     constants = _lift_constants(gm, inputs)
     outputs = _output_slots(gm, trainable, inputs)
-    _dead_code_elimination(gm)
-    _split_multi_outputs(gm, kinds_by_name)
+    dead_code_elimination(gm)
+    split_multi_outputs(gm, kinds_by_name)
     outputs = _rename_outputs(gm, outputs)
     gm.graph.lint()
     gm.recompile()
     FakeTensorProp(gm, fake_mode).propagate(*fakes, *constants)
 
-    graph, node_names, owners, random_nodes = _build_graph(
+    graph, node_names, owners, random_nodes = build_graph(
         gm, kinds_by_name, name or type(model).__name__, replay_rng=replay_rng
     )
     traced = TracedStep(
@@ -377,11 +377,6 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, flat, kind
             h.remove()
 
 
-def _describe_module(model: torch.nn.Module, name: str) -> str:
-    module = model.get_submodule(name)
-    return f"module {name!r} ({type(module).__name__})" if name else f"the model ({type(model).__name__})"
-
-
 def _phases(gm: fx.GraphModule, marks: dict[str, str | None]) -> dict[str, NodeKind]:
     """Node kinds in the first trace: up to the end of the model call FORWARD, then LOSS,
     then BACKWARD (everything ``autograd.grad`` recorded)."""
@@ -472,174 +467,3 @@ def _rename_outputs(gm: fx.GraphModule, slots: list[OutputSlot]) -> list[OutputS
     """Slots naming the fx nodes the output node reads now (rewrites replace some)."""
     values = _output_values(gm)
     return [OutputSlot(s.role, s.key, None if v is None else v.name) for s, v in zip(slots, values, strict=True)]
-
-
-def is_random(n: fx.Node) -> bool:
-    return n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
-
-
-def _dead_code_elimination(gm: fx.GraphModule) -> None:
-    """Remove unused nodes, except random ones: dropping one would shift every later random
-    number and the step would no longer match eager PyTorch."""
-    for n in reversed(list(gm.graph.nodes)):
-        if n.op == "call_function" and not n.users and not is_random(n):
-            gm.graph.erase_node(n)
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-def _split_multi_outputs(gm: fx.GraphModule, kinds: dict[str, NodeKind]) -> None:
-    """Clone small outputs of multi-output ops that outlive a larger sibling.
-
-    A plan frees a node's outputs together, so batch norm's saved statistics (needed in the
-    backward) would keep its large normalized output alive all step, and a weight gradient
-    would keep the input gradient of ``convolution_backward`` alive to the end. An explicit
-    clone of the small long-lived output lets the op's node be freed after the large one's
-    last use. Rule: clone an output when it is smaller than the outputs that die before it.
-    """
-    nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes)
-    last_use: dict[int, int] = {}
-    for n in nodes:
-        at = end if n.op == "output" else pos[n]
-        for a in n.all_input_nodes:
-            for t in _tensors(a.meta.get("val")):
-                last_use[_storage_key(t)] = max(last_use.get(_storage_key(t), 0), at)
-    for x in nodes:
-        if x.op != "call_function" or not isinstance(x.meta.get("val"), (tuple, list)):
-            continue
-        gets = [u for u in x.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
-        if len(gets) < 2:
-            continue
-        info = {  # getitem -> (last use of its storage, its bytes)
-            g: (last_use.get(_storage_key(g.meta["val"]), pos[g]), g.meta["val"].untyped_storage().nbytes())
-            for g in gets
-        }
-        for g in gets:
-            dies_before = sum(b for h, (l, b) in info.items() if l < info[g][0])
-            if info[g][1] < dies_before:
-                with gm.graph.inserting_after(g):  # before every user of g
-                    c = gm.graph.call_function(torch.ops.aten.clone.default, (g,))
-                g.replace_all_uses_with(c, delete_user_cb=lambda user: user is not c)
-                kinds[c.name] = kinds.get(x.name, NodeKind.FORWARD)
-
-
-def _build_graph(gm: fx.GraphModule, kinds: dict[str, NodeKind], name: str, *, replay_rng: bool):
-    owner: dict[int, int] = {}  # storage -> owning graph node, -1 for placeholders
-    fixed_bytes = 0
-    for ph in (n for n in gm.graph.nodes if n.op == "placeholder"):
-        for t in _tensors(ph.meta.get("val")):
-            key = _storage_key(t)
-            if key not in owner:
-                owner[key] = -1
-                fixed_bytes += t.untyped_storage().nbytes()
-    compute = [n for n in gm.graph.nodes if n.op == "call_function"]
-    ids = {n: i for i, n in enumerate(compute)}
-    nodes, owners, random_nodes = [], [], []
-    for i, n in enumerate(compute):
-        fresh, mine = 0, set()
-        for t in _tensors(n.meta.get("val")):
-            key = _storage_key(t)
-            if key not in owner:
-                owner[key] = i
-                fresh += t.untyped_storage().nbytes()
-            if owner[key] >= 0:
-                mine.add(owner[key])
-        deps: set[int] = set()
-        for a in n.all_input_nodes:
-            if a in ids:
-                deps.add(ids[a])
-                deps.update(owners[ids[a]])
-        deps.discard(i)
-        rand = is_random(n)
-        if rand:
-            random_nodes.append(i)
-        kind = kinds.get(n.name, NodeKind.BACKWARD)
-        nodes.append(Node(n.name, kind, tuple(sorted(deps)), fresh, 0.0, recomputable=replay_rng or not rand))
-        owners.append(tuple(sorted(mine)))
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outputs: set[int] = set()
-    for a in out_node.all_input_nodes:
-        if a in ids:
-            outputs.add(ids[a])
-            outputs.update(owners[ids[a]])
-    graph = Graph(nodes=tuple(nodes), fixed_bytes=fixed_bytes, outputs=tuple(sorted(outputs)), name=name)
-    return graph, tuple(n.name for n in compute), tuple(owners), tuple(random_nodes)
-
-
-# ---------------------------------------------------------------------------- error translation
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)), "site-packages")
-# nn.Module's call plumbing: a frame there names the module being called, not the one failing
-_MODULE_MACHINERY = frozenset({"_call_impl", "_wrapped_call_impl", "__call__"})
-
-
-def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceError:
-    """A ``TraceError`` naming the construct torch could not trace, the module it sits in
-    (innermost ``forward`` of ``model`` on the stack) and a remedy."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        UnsupportedOperatorException,
-    )
-
-    chain, cause = [], exc
-    while cause is not None and cause not in chain:
-        chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    modules = {id(m): name for name, m in model.named_modules()}
-    module_desc, user_line = None, None
-    for e in chain:
-        for frame, lineno in traceback.walk_tb(e.__traceback__):
-            code = frame.f_code
-            obj = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-            filename = code.co_filename
-            if obj is not None and id(obj) in modules and code.co_name not in _MODULE_MACHINERY:
-                module_desc = _describe_module(model, modules[id(obj)])
-            if not any(d in filename for d in _LIBRARY_DIRS):
-                code = _source_line(filename, lineno)
-                user_line = f"{os.path.basename(filename)}:{lineno}" + (f" `{code}`" if code else "")
-    where = module_desc or f"loss_fn or model {type(model).__name__}"
-    if user_line:
-        where += f" at {user_line}"
-    op = next((str(getattr(e, "func", "")) for e in chain if getattr(e, "func", None) is not None), None)
-    if any(isinstance(e, DataDependentOutputException) for e in chain) or "data-dependent" in str(exc).lower():
-        what = (
-            f"a tensor's value read in Python ({op or 'aten._local_scalar_dense'}: .item(), "
-            f"bool(tensor), `if tensor ...:`, int(tensor))"
-        )
-        remedy = (
-            "control flow and shapes must not depend on tensor values; use torch.where or "
-            "arithmetic masks instead of Python branches, and keep values as tensors"
-        )
-    elif any(isinstance(e, DynamicOutputShapeException) for e in chain):
-        what = f"op {op} whose output shape depends on tensor values (nonzero, unique, boolean masks)"
-        remedy = "use a fixed-shape formulation (torch.where, multiplying by a mask) instead"
-    elif "fake impl" in str(exc) or "register_fake" in str(exc):
-        what = f"an op with no fake-tensor implementation ({_first_line(exc)})"
-        remedy = "register one with torch.library.register_fake (or @op.register_fake) so it can be traced"
-    elif any(isinstance(e, UnsupportedOperatorException) for e in chain):
-        what = f"op {op}, which has no fake-tensor (meta) implementation"
-        remedy = "replace the op, or register a fake implementation for it (torch.library.register_fake)"
-    else:
-        what = f"{type(exc).__name__}: {_first_line(exc)}"
-        remedy = "check that loss_fn(model, *batch) runs eagerly and uses only traceable tensor operations"
-    return TraceError(f"cannot trace the training step: {what} in {where}; {remedy}")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300].rstrip(".") if text else ""
-
-
-def _source_line(filename: str, lineno: int) -> str | None:
-    import linecache
-
-    line = linecache.getline(filename, lineno).strip()
-    return line or None
