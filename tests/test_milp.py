@@ -374,3 +374,14 @@ def test_a_plan_meeting_a_lower_bound_needs_no_search(caplog: pytest.LogCaptureF
     assert result.status is SolveStatus.OPTIMAL and result.objective == graph.total_cost
     assert result.lower_bound == graph.total_cost and result.stats.nodes_explored == 0
     assert "no search needed" in caplog.text and "highs on" not in caplog.text
+
+
+@pytest.mark.parametrize("reported", [-1.23e8, float("nan"), float("-inf")])
+def test_a_bound_below_computing_every_node_once_is_replaced_by_that(reported: float) -> None:
+    from remat.solvers.base import finish
+
+    graph = chain_graph(4)
+    schedule = Schedule.from_compute(graph, np.eye(graph.n, dtype=bool))
+    result = finish(graph, schedule, budget_bytes=2**40, method="milp", status=SolveStatus.TIME_LIMIT,
+                    started_s=0.0, lower_bound=reported)
+    assert result.lower_bound == graph.total_cost and result.gap == 0.0

@@ -115,11 +115,13 @@ def fold_aliases(graph: Graph) -> Coarsening:
     return Coarsening(fine=graph, coarse=coarse, groups=tuple(tuple(members[r]) for r in roots))
 
 
-def _weights(graph: Graph) -> list[float]:
-    """A node's share of the graph's compute plus its share of the graph's bytes."""
-    total_cost = graph.total_cost or 1.0
-    total_bytes = sum(n.out_bytes + n.temp_bytes for n in graph.nodes) or 1
-    return [n.cost / total_cost + (n.out_bytes + n.temp_bytes) / total_bytes for n in graph.nodes]
+#: How much a merge's lifetime extension weighs against its compute and bytes shares. Values
+#: of a group are freed together, when the last of them is no longer read, so merging values
+#: whose last reads are far apart holds the early ones longer. At 4, the grouped graph of a
+#: GPT-2 step (312 nodes to 150) keeps its checkpoint-all peak within 0.1% of the full
+#: graph's (1.17x when only compute and bytes count) and Chen-greedy's smallest budget at
+#: 0.55 of that peak (0.60).
+LIFETIME_WEIGHT = 4.0
 
 
 def group(graph: Graph, max_nodes: int) -> Coarsening:
@@ -130,8 +132,9 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
     nothing but sinks (nodes no one reads, such as parameter gradients) lies between them in
     the topological order; outputs and sinks stay alone. Such a group is convex (no path
     leaves it and comes back), so the grouped graph is a DAG; the sinks it skipped over are
-    computed after it. The pair merged next is the one with the smallest share of the graph's
-    compute plus bytes, so groups come out of similar weight, as layers do.
+    computed after it. The pair merged next is the one whose merge costs the least: its
+    share of the graph's compute, of its bytes, and (weighted by ``LIFETIME_WEIGHT``) of the
+    bytes x time its values gain by being freed together.
 
     >>> from remat.builders import chain_graph
     >>> g = group(chain_graph(4), 5)
@@ -144,10 +147,8 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
     sink = [not users[i] for i in range(n)]
     movable = [not sink[i] and i not in outputs for i in range(n)]
     items = [i for i in range(n) if movable[i]]
-    weight = _weights(graph)
     # groups as a doubly linked list over ``items``; a group is named by its first item index
     members: dict[int, list[int]] = {a: [i] for a, i in enumerate(items)}
-    mass = {a: weight[i] for a, i in enumerate(items)}
     nxt = {a: a + 1 for a in range(len(items) - 1)}
     prv = {a + 1: a for a in range(len(items) - 1)}
     version = {a: 0 for a in members}
@@ -160,10 +161,29 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
 
     heap: list[tuple[float, int, int, int, int]] = []
 
+    total_cost = graph.total_cost or 1.0
+    total_bytes = sum(node.out_bytes + node.temp_bytes for node in graph.nodes) or 1
+    # each value's last reader (outputs: the end), and bytes x lifetime under checkpoint-all
+    last = [max(users[i]) if users[i] and i not in outputs else n for i in range(n)]
+    total_lifetime = sum(graph.nodes[i].out_bytes * (last[i] - i) for i in range(n)) or 1
+
+    def score(a: int, b: int) -> float:
+        """What merging a and b costs the plans: its share of compute (recomputed as one), of
+        bytes (kept as one) and of the lifetime its values gain by being freed together."""
+        unit = members[a] + members[b]
+        out_b, temp_b = footprint(graph, unit)
+        inside = set(unit)
+        leaving = [i for i in unit if not (users[i] and i not in outputs and all(u in inside for u in users[i]))]
+        end = max((last[i] for i in leaving), default=0)
+        extension = sum(graph.nodes[i].out_bytes * (end - last[i]) for i in leaving)
+        share = sum(graph.nodes[i].cost for i in unit) / total_cost
+        return share + (out_b + temp_b) / total_bytes + LIFETIME_WEIGHT * extension / total_lifetime
+
+
     def push(a: int) -> None:
         b = nxt.get(a)
         if b is not None and joinable(a, b):
-            heapq.heappush(heap, (mass[a] + mass[b], members[a][0], a, version[a], version[b]))
+            heapq.heappush(heap, (score(a, b), members[a][0], a, version[a], version[b]))
 
     for a in range(len(items) - 1):
         push(a)
@@ -174,7 +194,6 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
         if a not in members or b is None or version[a] != va or version[b] != vb:
             continue  # stale: one side has merged since
         members[a] += members.pop(b)
-        mass[a] += mass.pop(b)
         version[a] += 1
         version.pop(b)
         c = nxt.pop(b, None)
@@ -193,29 +212,38 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
     return _quotient(graph, units)
 
 
+def footprint(graph: Graph, unit: list[int]) -> tuple[int, int]:
+    """``(out_bytes, temp_bytes)`` of ``unit`` (a convex run of nodes in topological order)
+    computed as one node: what leaves it, and the most its internal values add while it runs."""
+    users, outputs = graph.users, graph.output_set
+    at = {i: pos for pos, i in enumerate(unit)}
+    frees: dict[int, int] = {}
+    inner = set()
+    for i in unit:
+        if users[i] and i not in outputs and all(u in at for u in users[i]):
+            inner.add(i)
+            last = max(at[u] for u in users[i])
+            frees[last] = frees.get(last, 0) + graph.nodes[i].out_bytes
+    out_bytes, live, peak = 0, 0, 0
+    for pos, i in enumerate(unit):
+        node = graph.nodes[i]
+        if i not in inner:
+            out_bytes += node.out_bytes
+        live += node.out_bytes
+        peak = max(peak, live + node.temp_bytes)
+        live -= frees.get(pos, 0)
+    return out_bytes, max(0, peak - out_bytes)
+
+
 def _quotient(graph: Graph, units: list[list[int]]) -> Coarsening:
     """The graph whose nodes are ``units`` (each a convex run of nodes, in topological order)."""
     owner = [0] * graph.n
     for c, unit in enumerate(units):
         for i in unit:
             owner[i] = c
-    users, outputs = graph.users, graph.output_set
     nodes: list[Node] = []
     for c, unit in enumerate(units):
-        at = {i: pos for pos, i in enumerate(unit)}
-        out_bytes, live, peak = 0, 0, 0
-        last_inner = {i: max(at[u] for u in users[i]) for i in unit
-                      if users[i] and i not in outputs and all(u in at for u in users[i])}
-        frees: dict[int, int] = {}
-        for i, pos in last_inner.items():
-            frees[pos] = frees.get(pos, 0) + graph.nodes[i].out_bytes
-        for pos, i in enumerate(unit):
-            node = graph.nodes[i]
-            if i not in last_inner:
-                out_bytes += node.out_bytes
-            live += node.out_bytes
-            peak = max(peak, live + node.temp_bytes)
-            live -= frees.get(pos, 0)
+        out_bytes, temp_bytes = footprint(graph, unit)
         first = graph.nodes[unit[0]]
         nodes.append(Node(
             name=first.name if len(unit) == 1 else f"{first.name}+{len(unit) - 1}",
@@ -224,7 +252,7 @@ def _quotient(graph: Graph, units: list[list[int]]) -> Coarsening:
             out_bytes=out_bytes,
             cost=sum(graph.nodes[i].cost for i in unit),
             recomputable=all(graph.nodes[i].recomputable for i in unit),
-            temp_bytes=max(0, peak - out_bytes),
+            temp_bytes=temp_bytes,
         ))
     coarse = Graph(nodes=tuple(nodes), fixed_bytes=graph.fixed_bytes,
                    outputs=tuple(sorted(owner[o] for o in graph.outputs)), name=graph.name)

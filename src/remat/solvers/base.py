@@ -145,6 +145,9 @@ def finish(
             f"budget {budget_bytes} B on graph {graph.name!r}"
         )
     objective = sim.total_cost
+    if lower_bound is not None and not lower_bound >= graph.total_cost:
+        # every node runs at least once: a solver's weaker (or NaN) bound is replaced by that
+        lower_bound = graph.total_cost
     return SolveResult(
         graph=graph,
         method=method,
