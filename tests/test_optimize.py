@@ -198,7 +198,8 @@ def test_missing_plan_file(tmp_path):
 
 # ---------------------------------------------------------------------------- workloads
 def test_builtin_workloads():
-    assert names() == ("cnn", "gpt2-tiny", "mlp")
+    assert names() == ("cnn", "fcn8", "gpt2-medium", "gpt2-small", "gpt2-tiny", "mlp", "mobilenet", "resnet50",
+                       "segnet", "vgg-unet", "vgg16", "vgg19")
     w = get_workload("gpt2-tiny", 2)
     config = w.model.config
     assert config.n_layer == 2 and config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
@@ -241,7 +242,7 @@ def test_user_factory_and_bad_specs(tmp_path, monkeypatch):
         get_workload("my_factories:wrong", 2)
     with pytest.raises(WorkloadError, match="'NOT_CALLABLE' is a int, not a function"):
         get_workload("my_factories:NOT_CALLABLE", 2)
-    with pytest.raises(WorkloadError, match="unknown workload 'resnet'; use one of cnn, gpt2-tiny, mlp"):
+    with pytest.raises(WorkloadError, match="unknown workload 'resnet'; use one of cnn, fcn8, .*, vgg19 or a factory spec"):
         get_workload("resnet", 2)
     with pytest.raises(WorkloadError, match="batch_size=0 must be a positive int"):
         get_workload("mlp", 0)

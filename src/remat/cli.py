@@ -1,7 +1,7 @@
 """The ``remat`` command: argument parsing -> public API -> printing.
 
 Exit codes: 0 success, 1 no plan fits the budget (the message gives the smallest budget that
-works), 2 bad usage.
+works), 2 bad usage. ``remat bench`` runs the benchmark scripts of a source checkout's bench/.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ DEMO_METHODS = "checkpoint_all,chen_sqrtn,chen_greedy,lp_round,milp"
 DEMO_BUDGETS = "100%,80%,65%,50%"
 DEMO_BATCH = 8
 DEMO_TIME_LIMIT_S = 20.0
+#: `remat bench EXPERIMENT` -> the script bench/<name>.py whose main(argv) it runs.
+BENCH_SCRIPTS = {"sweep": "budget_sweep", "max-batch": "max_batch"}
 
 # Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -76,13 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(time_limit=DEMO_TIME_LIMIT_S)
 
     sub.add_parser("methods", help="list the planning methods")
+
+    p = sub.add_parser(
+        "bench", help="run a paper benchmark from bench/ (sweep, max-batch), then regenerate BENCHMARKS.md",
+        description="Run bench/budget_sweep.py (sweep) or bench/max_batch.py (max-batch) with the options "
+                    "that follow, then regenerate BENCHMARKS.md (skip with --no-report). Needs a source "
+                    "checkout. `remat bench sweep --help` lists the benchmark's options.")
+    p.add_argument("experiment", nargs="?", choices=tuple(BENCH_SCRIPTS), help="which benchmark")
+    p.add_argument("options", nargs=argparse.REMAINDER,
+                   help="the benchmark's own options (e.g. --models vgg16 --time-limit 30), and --no-report")
     return parser
 
 
 def _add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
     p.add_argument("--graph", help="a built-in graph: chain:N, unet:D, random:N:SEED")
     if models:
-        p.add_argument("--model", help="a built-in model (mlp, cnn, gpt2-tiny) or package.module:function")
+        p.add_argument("--model", help="a built-in model (mlp, cnn, gpt2-tiny, the paper's vgg16 ... segnet, "
+                       "gpt2-small, gpt2-medium) or package.module:function")
         p.add_argument("--batch", type=int, default=8, help="batch size for --model (default 8)")
         p.add_argument("--costs", choices=("profile", "estimate"), default="profile",
                        help="node costs for --model: timed on this machine or FLOP/bytes estimate")
@@ -315,7 +327,60 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"solve": cmd_solve, "sweep": cmd_sweep, "demo": cmd_demo, "methods": cmd_methods}
+def _bench_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load_bench(name: str):
+    """Import ``bench/<name>.py`` by path, as bench/report.py does."""
+    import importlib.util
+
+    path = _bench_dir() / f"{name}.py"
+    if not path.is_file():
+        raise UsageError(f"`remat bench` runs the scripts in a source checkout's bench/ folder, and {path} "
+                         f"does not exist; run it from a clone of the repository (pip install -e .)")
+    module_name = f"bench_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while the file loads
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
+
+
+def _regenerate_report() -> None:
+    _load_bench("report").main()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.experiment is None:
+        raise UsageError("say which benchmark to run: `remat bench sweep` (budget sweeps) or `remat bench "
+                         "max-batch` (maximum batch size); `remat bench sweep --help` lists its options")
+    options = list(args.options)
+    report = "--no-report" not in options
+    options = [o for o in options if o != "--no-report"]
+    script = _load_bench(BENCH_SCRIPTS[args.experiment])
+    try:
+        code = script.main(options, prog=f"remat bench {args.experiment}")
+    except SystemExit as exc:  # the script's argparse printed its usage error (or --help)
+        return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
+    if code == EXIT_OK and report:
+        try:
+            _regenerate_report()
+        except Exception as exc:  # noqa: BLE001 - another section's JSON may be mid-rewrite
+            err.print(f"[red]error:[/red] the benchmark's results are written, but BENCHMARKS.md could not be "
+                      f"regenerated ({type(exc).__name__}: {exc}); run `python bench/report.py` once the "
+                      f"other results are complete", highlight=False)
+            return EXIT_INFEASIBLE
+    return code
+
+
+COMMANDS = {"solve": cmd_solve, "sweep": cmd_sweep, "demo": cmd_demo, "methods": cmd_methods, "bench": cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,13 @@
 """Built-in workloads (model, example batch, loss function) and loading a user's own.
 
 A workload factory is a function ``factory(batch_size: int) -> Workload``. Built-ins are
-named (``mlp``, ``cnn``, ``gpt2-tiny``); a user's factory is named ``"package.module:function"``.
+named: ``mlp``, ``cnn``, ``gpt2-tiny``; the Checkmate paper's networks ``vgg16``, ``vgg19``,
+``resnet50``, ``mobilenet``, ``vgg-unet``, ``fcn8``, ``segnet``; and ``gpt2-small``,
+``gpt2-medium``. A user's factory is named ``"package.module:function"``.
+
+Factories put the model and batch on the default device, so the paper-scale workloads are
+built without allocating on the meta device (``with torch.device("meta"): get_workload(...)``)
+and traced with ``CostModel.ESTIMATE``.
 
 >>> w = get_workload("mlp", batch_size=4)
 >>> w.loss_fn(w.model, *w.batch).ndim
@@ -39,8 +45,22 @@ Factory = Callable[[int], Workload]
 
 def _builtins() -> dict[str, Factory]:
     from remat.models import cnn, gpt2, mlp
+    from remat.models import paper_workloads as paper
 
-    return {"mlp": mlp.mlp, "cnn": cnn.cnn, "gpt2-tiny": gpt2.gpt2_tiny}
+    return {
+        "mlp": mlp.mlp,
+        "cnn": cnn.cnn,
+        "gpt2-tiny": gpt2.gpt2_tiny,
+        "gpt2-small": gpt2.gpt2_small,
+        "gpt2-medium": gpt2.gpt2_medium,
+        "vgg16": paper.vgg16,
+        "vgg19": paper.vgg19,
+        "resnet50": paper.resnet50,
+        "mobilenet": paper.mobilenet,
+        "vgg-unet": paper.vgg_unet,
+        "fcn8": paper.fcn8,
+        "segnet": paper.segnet,
+    }
 
 
 def names() -> tuple[str, ...]:

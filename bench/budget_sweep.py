@@ -1,0 +1,522 @@
+"""Budget sweeps on the Checkmate paper's networks: compute overhead of every method against
+the memory budget.
+
+For VGG16 (batch 256), MobileNet (batch 512) and the VGG U-Net (batch 32), the batch sizes of
+the Checkmate paper's budget sweeps, and GPT-2 small (batch 8, 512 tokens), the training step
+(forward, loss, backward) is traced on the meta device with ``CostModel.ESTIMATE`` (a roofline
+of FLOPs and bytes moved; a paper-scale step cannot be timed on a CPU). Budgets are fractions
+of the checkpoint-all peak; at each, every method plans the step through
+``remat.planning.plan_graph`` and the simulator checks the plan. A budget a method cannot meet
+is recorded as infeasible with the smallest budget it can meet; griewank, which needs a linear
+chain, as not applicable.
+
+Results go to ``bench/results/budget_sweep.json`` after every point; a rerun skips the points
+already there (delete the file, or use ``--out``, to start afresh). One plot per model goes
+to ``bench/plots/budget_sweep_<model>.png``; ``markdown(results)`` renders the BENCHMARKS.md
+section.
+
+    python bench/budget_sweep.py                                    # everything, 60 s per solve
+    python bench/budget_sweep.py --models vgg16,vgg-unet --time-limit 300
+    python bench/budget_sweep.py --models vgg16 --batch 4 --budgets 1.0,0.9 --time-limit 5 \\
+        --out /tmp/smoke.json                                       # a smoke run
+    python bench/budget_sweep.py --options '{"milp": {"threads": 2}}'   # extra solver options
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "budget_sweep.json"
+PLOTS = HERE / "plots"
+#: Machine rates of the ESTIMATE cost model, measured once and kept next to the results so
+#: that a resumed run (another process) prices every node exactly as the first one did.
+RATES_FILE = "estimate_rates.json"
+
+#: model -> batch size (the Checkmate paper's budget sweeps; GPT-2 small is our addition).
+MODELS: dict[str, int] = {"vgg16": 256, "mobilenet": 512, "vgg-unet": 32, "gpt2-small": 8}
+FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+METHODS = ("checkpoint_all", "chen_sqrtn", "chen_greedy", "griewank", "lp_round", "milp")
+#: Methods that take ``time_limit_s``.
+TIMED = ("lp_round", "milp")
+#: Extra keyword options per method, passed to ``plan_graph`` (and so to the solver); the
+#: ``--options`` flag adds to these, e.g. ``{"milp": {"max_nodes": 400}}``.
+SOLVER_OPTIONS: dict[str, dict[str, object]] = {}
+DEFAULT_TIME_LIMIT_S = 60.0
+#: Relative tolerance of the "MILP is never worse than a baseline" check.
+CHECK_RTOL = 1e-6
+
+
+# ---------------------------------------------------------------------------- tracing
+def pin_estimate_rates(cache_path: Path | None):
+    """Measure the ESTIMATE cost model's machine rates, or read them from ``cache_path``, and
+    make this process use them; returns them."""
+    from remat.cost import machine_rates
+
+    if cache_path is not None:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+    return machine_rates("cpu", cache_path=cache_path)
+
+
+def trace_on_meta(model: str, batch: int):
+    """The traced training step of built-in workload ``model`` at ``batch``, built and traced on
+    the meta device (nothing allocated), node costs from ``CostModel.ESTIMATE``."""
+    import torch
+
+    from remat.cost import CostModel
+    from remat.models import get_workload
+    from remat.trace import trace
+
+    with torch.device("meta"):
+        w = get_workload(model, batch)
+    return trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE, name=model)
+
+
+def model_info(model: str, batch: int, graph, trace_s: float) -> dict:
+    from remat.coarsen import coarsen
+    from remat.graph import NodeKind
+    from remat.sweep import checkpoint_all_peak
+
+    return {
+        "model": model,
+        "batch": batch,
+        "n_nodes": graph.n,
+        "n_nodes_coarse": coarsen(graph).coarse.n,
+        "fixed_bytes": graph.fixed_bytes,
+        "checkpoint_all_peak_bytes": checkpoint_all_peak(graph),
+        "checkpoint_all_cost_us": graph.total_cost,
+        "forward_cost_us": sum(n.cost for n in graph.nodes if n.kind is NodeKind.FORWARD),
+        "trace_s": round(trace_s, 3),
+    }
+
+
+# ---------------------------------------------------------------------------- one point
+def method_options(method: str, time_limit_s: float, extra: Mapping[str, Mapping[str, object]]) -> dict:
+    opts: dict[str, object] = {}
+    if method in TIMED:
+        opts["time_limit_s"] = time_limit_s
+    opts.update(SOLVER_OPTIONS.get(method, {}))
+    opts.update(extra.get(method, {}))
+    return opts
+
+
+def run_point(graph, info: dict, method: str, fraction: float, options: Mapping[str, object]) -> dict:
+    """Plan ``graph`` with ``method`` at ``fraction`` of its checkpoint-all peak; one record."""
+    from remat.errors import InfeasibleBudgetError, SolverError, UnsupportedGraphError
+    from remat.planning import plan_graph
+
+    ref = info["checkpoint_all_peak_bytes"]
+    budget = max(1, int(fraction * ref))
+    point = {"model": info["model"], "batch": info["batch"], "method": method, "fraction": fraction,
+             "budget_bytes": budget, "time_limit_s": options.get("time_limit_s"),
+             "options": {k: v for k, v in options.items() if k != "time_limit_s"}, "n_nodes": graph.n}
+    started = time.perf_counter()
+    try:
+        planned = plan_graph(graph, budget, method, **options)
+    except InfeasibleBudgetError as exc:
+        mb = exc.min_budget_bytes
+        return point | {"status": "infeasible", "wall_s": _since(started), "min_budget_bytes": mb,
+                        "min_budget_fraction": None if mb is None else mb / ref}
+    except UnsupportedGraphError as exc:
+        return point | {"status": "not applicable", "wall_s": _since(started), "note": _first(exc)}
+    except SolverError as exc:  # e.g. a time limit with no plan and no baseline that fits
+        return point | {"status": "no plan", "wall_s": _since(started), "note": _first(exc)}
+    r = planned.result
+    base = r.graph.total_cost
+    return point | {
+        "status": r.status.value,
+        "overhead": planned.overhead,
+        "cost_us": planned.sim.total_cost,
+        "peak_bytes": planned.sim.peak_bytes,
+        "peak_fraction": planned.sim.peak_bytes / ref,
+        "objective": r.objective,
+        "lower_bound": r.lower_bound,
+        "lower_bound_overhead": None if r.lower_bound is None or base <= 0 else r.lower_bound / base,
+        "gap": r.gap,
+        "solve_s": r.solve_s,
+        "wall_s": _since(started),
+        "n_nodes_solved": r.graph.n,
+        "exact": getattr(planned, "exact", True),
+        "note": getattr(planned, "note", ""),
+        "recomputed_nodes": int(sum(c > 1 for c in planned.sim.compute_counts)),
+        "backend": r.stats.backend,
+        "nodes_explored": r.stats.nodes_explored,
+    }
+
+
+def _since(started: float) -> float:
+    return round(time.perf_counter() - started, 3)
+
+
+def _first(exc: BaseException) -> str:
+    return str(exc).split(";")[0]
+
+
+# ---------------------------------------------------------------------------- the sweep
+def point_key(p: Mapping) -> tuple:
+    return (p["model"], p["batch"], p["method"], round(float(p["fraction"]), 6))
+
+
+def model_key(model: str, batch: int) -> str:
+    return f"{model}@{batch}"
+
+
+def run(models: Mapping[str, int], fractions: Sequence[float], methods: Sequence[str], time_limit_s: float,
+        out: Path, *, options: Mapping[str, Mapping[str, object]] | None = None,
+        trace_fn: Callable[[str, int], object] = trace_on_meta, plots: Path | None = None,
+        log: Callable[[str], None] = print) -> dict:
+    """Run every missing (model, fraction, method) point, writing ``out`` after each one.
+
+    ``trace_fn(model, batch)`` returns a ``TracedStep`` or a ``Graph`` (tests pass small graphs).
+    """
+    results = load(out)
+    rates = pin_estimate_rates(out.parent / RATES_FILE)
+    results["meta"].update(_meta(time_limit_s, rates))
+    done = {point_key(p) for p in results["points"]}
+    for model, batch in models.items():
+        key = model_key(model, batch)
+        todo = [(f, m) for f in fractions for m in methods if (model, batch, m, round(float(f), 6)) not in done]
+        if not todo:
+            log(f"{key}: every point done")
+            continue
+        started = time.perf_counter()
+        graph = trace_fn(model, batch)
+        graph = getattr(graph, "graph", graph)  # a TracedStep or a Graph
+        info = model_info(model, batch, graph, time.perf_counter() - started)
+        results["models"][key] = {**results["models"].get(key, {}), **info}
+        save(results, out)
+        log(f"{key}: {graph.n} nodes ({info['n_nodes_coarse']} after alias folding), checkpoint-all peak "
+            f"{info['checkpoint_all_peak_bytes'] / 2**30:.2f} GiB, traced in {info['trace_s']:.1f} s")
+        for fraction, method in todo:
+            point = run_point(graph, info, method, fraction, method_options(method, time_limit_s, options or {}))
+            results["points"].append(point)
+            done.add(point_key(point))
+            save(results, out)
+            log("  " + describe(point))
+        if plots is not None and any(p.get("overhead") is not None for p in _points_of(results, info)):
+            results["models"][key]["plot"] = _display_path(plot_model(results, key, plots / f"{out.stem}_{model}.png"))
+            save(results, out)
+    return results
+
+
+def describe(p: Mapping) -> str:
+    head = f"{p['method']:14s} {p['fraction']:5.0%}: {p['status']:14s}"
+    if p.get("overhead") is not None:
+        gap = "" if p.get("gap") is None else f" gap {p['gap']:.2%}"
+        return f"{head} overhead {p['overhead']:.4f}x peak {p['peak_fraction']:.0%}{gap} ({p['wall_s']:.1f} s)"
+    if p["status"] == "infeasible" and p.get("min_budget_fraction") is not None:
+        return f"{head} needs {p['min_budget_fraction']:.1%} ({p['wall_s']:.1f} s)"
+    return f"{head} {p.get('note', '')[:100]}"
+
+
+def load(out: Path) -> dict:
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results.setdefault("meta", {})
+    results.setdefault("models", {})
+    results.setdefault("points", [])
+    return results
+
+
+def save(results: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
+    tmp.replace(out)
+
+
+def _meta(time_limit_s: float, rates) -> dict:
+    import torch
+
+    meta = {
+        "time_limit_s": time_limit_s,
+        "cost_model": "estimate",
+        "rates": {"device": rates.device, "matmul_flops_per_us": rates.matmul_flops_per_us,
+                  "bytes_per_us": rates.bytes_per_us, "op_overhead_us": rates.op_overhead_us},
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+    }
+    try:
+        import highspy
+
+        h = highspy.Highs()
+        meta["highspy"] = f"{h.versionMajor()}.{h.versionMinor()}.{h.versionPatch()}"
+    except Exception:  # noqa: BLE001 - the version is a courtesy
+        pass
+    return meta
+
+
+def _display_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+# ---------------------------------------------------------------------------- plots
+def plot_model(results: dict, key: str, path: Path) -> Path:
+    """Overhead against budget fraction, one line per method (remat.plotting.plot_overhead)."""
+    from remat.plotting import plot_overhead
+    from remat.sweep import SweepPoint
+
+    info = results["models"][key]
+    points = [SweepPoint(p["method"], p["budget_bytes"], p["fraction"],
+                         {"overhead": p["overhead"], "status": p["status"]} if p.get("overhead") is not None else None)
+              for p in _points_of(results, info)]
+    order = {m: i for i, m in enumerate(METHODS)}
+    points.sort(key=lambda p: (order.get(p.method, len(order)), p.budget_fraction))
+    title = f"{info['model']}, batch {info['batch']} ({info['n_nodes']} nodes); hollow = time limit"
+    return plot_overhead(points, path, title=title)
+
+
+def _points_of(results: Mapping, info: Mapping) -> list[dict]:
+    return [p for p in results["points"] if p["model"] == info["model"] and p["batch"] == info["batch"]]
+
+
+# ---------------------------------------------------------------------------- reporting
+def _gib(b: float | None) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def cell(p: Mapping | None) -> str:
+    """One table cell: the overhead, or why there is none."""
+    if p is None:
+        return ""
+    if p.get("overhead") is not None:
+        text = f"{p['overhead']:.3f}x"
+        if p["status"] not in ("optimal", "feasible"):
+            gap = "" if p.get("gap") is None else f", gap {p['gap']:.1%}"
+            text += f" ({p['status'].replace('_', ' ')}{gap})"
+        return text
+    if p["status"] == "infeasible":
+        mf = p.get("min_budget_fraction")
+        return "infeasible" + ("" if mf is None else f" (needs {mf:.1%})")
+    if p["status"] == "not applicable":
+        return "n/a"
+    return p["status"]
+
+
+def check(results: Mapping) -> dict:
+    """Is the MILP ever worse than another method at a budget where it returned a plan, or
+    without a plan where another method has one?"""
+    by_cell: dict[tuple, dict[str, dict]] = {}
+    for p in results["points"]:
+        by_cell.setdefault((p["model"], p["batch"], round(p["fraction"], 6)), {})[p["method"]] = p
+    compared, timed_out, violations = 0, [], []
+    for (model, batch, fraction), cell_points in sorted(by_cell.items()):
+        milp = cell_points.get("milp")
+        if milp is None:
+            continue
+        others = {m: p for m, p in cell_points.items() if m != "milp" and p.get("overhead") is not None}
+        if milp.get("overhead") is None:
+            if others and milp["status"] in ("infeasible", "no plan"):
+                best = min(others, key=lambda m: others[m]["overhead"])
+                violations.append(f"{model} (batch {batch}) at {fraction:.0%}: milp {milp['status']} but {best} "
+                                  f"has a plan ({others[best]['overhead']:.4f}x)")
+            continue
+        compared += 1
+        if milp["status"] != "optimal":
+            timed_out.append((model, batch, fraction, milp.get("gap")))
+        for m, p in others.items():
+            if milp["overhead"] > p["overhead"] * (1 + CHECK_RTOL):
+                violations.append(f"{model} (batch {batch}) at {fraction:.0%}: milp {milp['overhead']:.4f}x > "
+                                  f"{m} {p['overhead']:.4f}x")
+    return {"compared": compared, "timed_out": timed_out, "violations": violations}
+
+
+def markdown(results: dict) -> str:
+    """The BENCHMARKS.md section: per model a table of overheads by budget and method, the
+    plot, solve times, and the check that the MILP is never worse than a baseline."""
+    meta = results.get("meta", {})
+    rates = meta.get("rates", {})
+    limit = meta.get("time_limit_s")
+    lines = [
+        "## Budget sweeps on the paper's networks",
+        "",
+        f"`python bench/budget_sweep.py` (time limit {limit:g} s per `lp_round` and `milp` solve; "
+        f"{meta.get('cpu_count')} CPU cores; torch {meta.get('torch')}, highspy {meta.get('highspy', '?')}). "
+        "Each training step (forward, loss, backward) is traced on the meta device at the batch size shown (the "
+        "paper's for its networks), so nothing is allocated; node costs come from `CostModel.ESTIMATE`, a roofline of the FLOPs torch's flop "
+        "counter assigns to each op and the bytes it reads and writes, against rates measured on this machine "
+        f"(matmul {rates.get('matmul_flops_per_us', 0) / 1e3:.1f} GFLOP/s, memory "
+        f"{rates.get('bytes_per_us', 0) / 1e3:.1f} GB/s, {rates.get('op_overhead_us', 0):.1f} us per op). "
+        "Steps at these sizes cannot be profiled on a CPU: they need tens of GiB and minutes per step, so the "
+        "costs are estimates and the overheads are predictions of the simulator, not measured runs.",
+        "",
+        "Budgets are fractions of the checkpoint-all peak (every value kept: parameters, inputs, activations, "
+        "gradients). Overhead is the plan's simulated cost over the cost of computing every node once. A method "
+        "that cannot meet a budget shows the smallest fraction it can meet; `n/a`: griewank needs a linear "
+        "chain. `time limit` marks a MILP or LP solve stopped by the limit (the best plan found, with the gap to "
+        "the solver's lower bound).",
+    ]
+    methods = [m for m in METHODS if any(p["method"] == m for p in results["points"])]
+    methods += sorted({p["method"] for p in results["points"]} - set(methods))
+    for key, info in results["models"].items():
+        points = _points_of(results, info)
+        if not points:
+            continue
+        fractions = sorted({round(p["fraction"], 6) for p in points}, reverse=True)
+        at = {(round(p["fraction"], 6), p["method"]): p for p in points}
+        lines += [
+            "",
+            f"### {info['model']}, batch {info['batch']}",
+            "",
+            f"{info['n_nodes']} nodes traced ({info['n_nodes_coarse']} after alias folding, the graph the solvers "
+            f"see); parameters, buffers and inputs {_gib(info['fixed_bytes'])} GiB; checkpoint-all peak "
+            f"{_gib(info['checkpoint_all_peak_bytes'])} GiB; traced in {info['trace_s']:.1f} s.",
+            "",
+            "| budget | GiB | " + " | ".join(methods) + " |",
+            "|---|---|" + "---|" * len(methods),
+        ]
+        for f in fractions:
+            budget = next(p["budget_bytes"] for p in points if round(p["fraction"], 6) == f)
+            lines.append(f"| {f:.0%} | {_gib(budget)} | " + " | ".join(cell(at.get((f, m))) for m in methods) + " |")
+        grouped = sorted({(p["method"], p["n_nodes_solved"]) for p in points if p.get("exact") is False})
+        if grouped:
+            sizes = ", ".join(f"{m} {n}" for m, n in grouped)
+            lines += ["", f"Grouped graphs (nodes the solver saw: {sizes}): a grouped graph has fewer plans than the "
+                      "full one, so its optimum and gap are the grouped problem's; where a baseline on the full graph "
+                      "is cheaper, its plan is returned (the JSON's `note` says so)."]
+        if info.get("plot"):
+            lines += ["", f"![{info['model']} overhead against budget]({info['plot']})"]
+        lines += ["", "Solve time (s, wall time of `plan_graph`: alias folding, solve, expansion, simulation):", "",
+                  "| budget | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+        for f in fractions:
+            row = [("" if (p := at.get((f, m))) is None or p.get("wall_s") is None else f"{p['wall_s']:.2f}")
+                   for m in methods]
+            lines.append(f"| {f:.0%} | " + " | ".join(row) + " |")
+    verdict = check(results)
+    if verdict["compared"] or verdict["violations"]:
+        timed = verdict["timed_out"]
+        gaps = ", ".join(f"{m} {f:.0%}: {'?' if g is None else f'{g:.1%}'}" for m, _, f, g in timed)
+        if verdict["violations"]:
+            lines += ["", f"**Check: milp is worse than a baseline** at {len(verdict['violations'])} point(s):", ""]
+            lines += [f"- {v}" for v in verdict["violations"]]
+        else:
+            lines += ["", f"**Check:** milp is never worse than any baseline at any budget where it returned a plan "
+                      f"({verdict['compared']} budgets compared)."]
+        if timed:
+            lines += [f"Of those, {len(timed)} stopped at the time limit (gap to the lower bound): {gaps}."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- command line
+def parse_fractions(text: str) -> list[float]:
+    """``"1.0,0.6"`` or ``"100%,60%"`` -> ``[1.0, 0.6]``; each in (0, 1] ... (0, 2]."""
+    fractions = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            value = float(part[:-1]) / 100 if part.endswith("%") else float(part)
+        except ValueError:
+            raise ValueError(f"budget {part!r} is not a fraction (0.6) or a percentage (60%)") from None
+        if not 0 < value <= 2:
+            raise ValueError(f"budget {part!r} must be a fraction of the checkpoint-all peak in (0, 2]")
+        fractions.append(value)
+    if not fractions:
+        raise ValueError("no budget given")
+    return fractions
+
+
+def parse_options(text: str | None) -> dict[str, dict[str, object]]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--options is not JSON ({exc.msg}); e.g. '{{\"milp\": {{\"threads\": 2}}}}'") from None
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError("--options must map method names to option objects, e.g. '{\"milp\": {\"threads\": 2}}'")
+    return value
+
+
+def select_models(text: str | None, defaults: Mapping[str, int], batch: int | None) -> dict[str, int]:
+    from remat.models import names
+
+    chosen = [m.strip() for m in text.split(",") if m.strip()] if text else list(defaults)
+    if not chosen:
+        raise ValueError("--models lists no model")
+    known = names()
+    for m in chosen:
+        if m not in known:
+            raise ValueError(f"unknown model {m!r}; choose from {', '.join(known)}")
+        if batch is None and m not in defaults:
+            raise ValueError(f"model {m!r} has no default batch size here; give --batch")
+    return {m: batch if batch is not None else defaults[m] for m in chosen}
+
+
+def check_methods(text: str) -> list[str]:
+    from remat.solvers import methods as registered
+
+    chosen = [m.strip() for m in text.split(",") if m.strip()]
+    known = registered()
+    for m in chosen:
+        if m not in known:
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(known)}")
+    if not chosen:
+        raise ValueError("--methods lists no method")
+    return chosen
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog or "budget_sweep.py", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated workloads (default: {','.join(f'{m}:{b}' for m, b in MODELS.items())} as model:batch)")
+    p.add_argument("--batch", type=int, default=None, help="one batch size for every model (smoke runs)")
+    p.add_argument("--budgets", default=",".join(f"{f:g}" for f in FRACTIONS),
+                   help="comma-separated fractions of the checkpoint-all peak (0.6 or 60%%)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per lp_round / milp solve")
+    p.add_argument("--options", default=None, help="extra solver options as JSON: {method: {option: value}}")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--plots", type=Path, default=None, help="folder for the plots (default bench/plots)")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plots from the JSON")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads while tracing")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Run the sweep from command-line arguments; usage errors exit 2 (``SystemExit``)."""
+    p = build_parser(prog)
+    args = p.parse_args(argv)
+    try:
+        models = select_models(args.models, MODELS, args.batch)
+        fractions = parse_fractions(args.budgets)
+        methods = check_methods(args.methods)
+        options = parse_options(args.options)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.batch is not None and args.batch < 1:
+        p.error(f"--batch {args.batch} must be at least 1")
+    if not args.time_limit > 0:
+        p.error(f"--time-limit {args.time_limit:g} must be positive")
+    plots = args.plots or (PLOTS if args.out.resolve() == RESULTS else args.out.parent)
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.plot_only:
+        results = load(args.out)
+        for key, info in results["models"].items():
+            if any(p.get("overhead") is not None for p in _points_of(results, info)):
+                info["plot"] = _display_path(plot_model(results, key, plots / f"{args.out.stem}_{info['model']}.png"))
+        save(results, args.out)
+    else:
+        results = run(models, fractions, methods, args.time_limit, args.out, options=options, plots=plots)
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

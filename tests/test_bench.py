@@ -1,0 +1,413 @@
+"""The paper benchmarks: built-in paper workloads, the budget sweep (every method, resumable),
+the maximum-batch search (exact on known answers, resumable), `remat bench` and the reports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from remat.builders import chain_graph, unet_graph
+from remat.cli import main
+from remat.models import get_workload, names
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+FAST = "checkpoint_all,chen_sqrtn,chen_greedy,griewank,lp_round,milp"
+
+
+def _load(name: str):
+    module_name = f"bench_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sweep_mod = _load("budget_sweep")
+batch_mod = _load("max_batch")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+# ---------------------------------------------------------------------------- workloads
+def test_paper_models_and_gpt2_sizes_are_built_in_workloads():
+    expected = {"vgg16", "vgg19", "resnet50", "mobilenet", "vgg-unet", "fcn8", "segnet", "gpt2-small", "gpt2-medium"}
+    assert expected <= set(names())
+    assert {"mlp", "cnn", "gpt2-tiny"} <= set(names())
+    assert list(names()) == sorted(names())
+
+
+def test_paper_scale_workloads_build_on_meta_without_allocating():
+    with torch.device("meta"):
+        unet = get_workload("vgg-unet", 32)
+        small = get_workload("gpt2-small", 8)
+        medium = get_workload("gpt2-medium", 2)
+    assert all(t.is_meta for t in [*unet.model.parameters(), *unet.batch])
+    assert tuple(unet.batch[0].shape) == (32, 3, 416, 608) and tuple(unet.batch[1].shape) == (32, 208, 304)
+    # GPT-2's published sizes with tied embeddings and 1024 positions: 124M and 355M parameters.
+    assert sum(p.numel() for p in small.model.parameters()) == 124_439_808
+    assert sum(p.numel() for p in medium.model.parameters()) == 354_823_168
+    assert tuple(small.batch[0].shape) == (8, 512) and small.batch[0].is_meta
+    assert small.model.training
+
+
+def test_paper_workload_on_cpu_is_a_real_batch():
+    w = get_workload("mobilenet", 2)
+    images, labels = w.batch
+    assert images.device.type == "cpu" and tuple(images.shape) == (2, 3, 224, 224)
+    assert labels.dtype == torch.long and int(labels.max()) < 1000
+
+
+def test_trace_on_meta_prices_a_paper_scale_step():
+    traced = sweep_mod.trace_on_meta("vgg-unet", 32)
+    g = traced.graph
+    params = 12_330_835 * 4
+    images = 32 * 3 * 416 * 608 * 4
+    assert g.fixed_bytes >= params + images  # parameters, batch-norm buffers, images, labels
+    assert g.total_cost > 0 and g.n > 100
+
+
+# ---------------------------------------------------------------------------- budget sweep
+GRAPHS = {"chain": lambda batch: chain_graph(5), "unet": lambda batch: unet_graph(2)}
+
+
+class Counting:
+    """Wraps a function and counts its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def _sweep(tmp_path, monkeypatch, fractions, trace=None):
+    solver = Counting(sweep_mod.run_point)
+    monkeypatch.setattr(sweep_mod, "run_point", solver)
+    trace = trace or Counting(lambda model, batch: GRAPHS[model](batch))
+    results = sweep_mod.run({"chain": 1, "unet": 1}, fractions, FAST.split(","), 5.0, tmp_path / "sweep.json",
+                            trace_fn=trace, plots=tmp_path, log=quiet)
+    return results, solver, trace
+
+
+@pytest.fixture
+def swept(tmp_path, monkeypatch):
+    results, solver, trace = _sweep(tmp_path, monkeypatch, [1.0, 0.6])
+    return tmp_path, results, solver, trace
+
+
+def test_sweep_records_every_method_at_every_budget(swept):
+    tmp_path, results, solver, trace = swept
+    assert solver.calls == 2 * 2 * 6 and trace.calls == 2
+    on_disk = json.loads((tmp_path / "sweep.json").read_text())
+    assert on_disk["points"] == results["points"]
+    cells = {(p["model"], p["fraction"], p["method"]): p for p in on_disk["points"]}
+    assert len(cells) == 24
+    for (model, fraction, method), p in cells.items():
+        assert p["status"] in ("optimal", "feasible", "time_limit", "infeasible", "not applicable", "no plan")
+        assert p["budget_bytes"] == int(fraction * on_disk["models"][f"{model}@1"]["checkpoint_all_peak_bytes"])
+        if p.get("overhead") is not None:
+            assert p["peak_bytes"] <= p["budget_bytes"] and p["overhead"] >= 1.0 - 1e-9
+            assert p["n_nodes"] >= p["n_nodes_solved"] > 0
+        if p["status"] == "infeasible":
+            assert p["min_budget_bytes"] > p["budget_bytes"]
+    assert cells[("chain", 1.0, "checkpoint_all")]["overhead"] == 1.0
+    assert cells[("chain", 0.6, "griewank")].get("overhead") is not None  # a chain: revolve applies
+    assert cells[("unet", 0.6, "griewank")]["status"] == "not applicable"
+    assert cells[("chain", 0.6, "checkpoint_all")]["status"] == "infeasible"
+    assert cells[("chain", 0.6, "milp")]["time_limit_s"] == 5.0
+    assert (tmp_path / "sweep_chain.png").exists() and (tmp_path / "sweep_unet.png").exists()
+    assert sweep_mod.check(on_disk)["violations"] == []
+
+
+def test_sweep_resumes_without_recomputing(swept, monkeypatch):
+    tmp_path, first, _, _ = swept
+    again, solver, trace = _sweep(tmp_path, monkeypatch, [1.0, 0.6])
+    assert solver.calls == 0 and trace.calls == 0
+    assert again["points"] == first["points"]
+    more, solver, trace = _sweep(tmp_path, monkeypatch, [1.0, 0.8, 0.6])
+    assert solver.calls == 2 * 6 and trace.calls == 2  # only the new fraction
+    assert len(more["points"]) == 36
+
+
+def test_sweep_passes_time_limit_and_extra_options_per_method(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_point(graph, info, method, fraction, options):
+        seen.append((method, dict(options)))
+        return {"model": info["model"], "batch": info["batch"], "method": method, "fraction": fraction,
+                "budget_bytes": 1, "status": "no plan", "note": "fake"}
+
+    monkeypatch.setattr(sweep_mod, "run_point", fake_point)
+    sweep_mod.run({"chain": 1}, [1.0], ["chen_sqrtn", "milp", "lp_round"], 7.0, tmp_path / "s.json",
+                  options={"milp": {"max_nodes": 50}}, trace_fn=lambda m, b: chain_graph(3), log=quiet)
+    assert dict(seen) == {"chen_sqrtn": {}, "milp": {"time_limit_s": 7.0, "max_nodes": 50},
+                          "lp_round": {"time_limit_s": 7.0}}
+
+
+def test_sweep_markdown_has_a_table_per_model_plot_links_times_and_the_check(swept):
+    _, results, _, _ = swept
+    text = sweep_mod.markdown(results)
+    assert "### chain, batch 1" in text and "### unet, batch 1" in text
+    assert "| budget | GiB | checkpoint_all | chen_sqrtn | chen_greedy | griewank | lp_round | milp |" in text
+    assert "| 100% |" in text and "| 60% |" in text and "n/a" in text and "infeasible (needs" in text
+    assert "sweep_chain.png)" in text and "Solve time" in text
+    assert "CostModel.ESTIMATE" in text and "cannot be profiled" in text
+    assert "**Check:** milp is never worse than any baseline" in text
+
+
+def test_sweep_check_flags_a_milp_worse_than_a_baseline():
+    def pt(method, overhead, status="optimal", gap=None):
+        return {"model": "m", "batch": 1, "method": method, "fraction": 0.5, "overhead": overhead,
+                "status": status, "gap": gap}
+
+    worse = {"points": [pt("chen_greedy", 1.10), pt("milp", 1.20, "time_limit", 0.3)]}
+    verdict = sweep_mod.check(worse)
+    assert verdict["compared"] == 1 and len(verdict["violations"]) == 1
+    assert verdict["timed_out"] == [("m", 1, 0.5, 0.3)]
+    fine = {"points": [pt("chen_greedy", 1.10), pt("milp", 1.10)]}
+    assert sweep_mod.check(fine)["violations"] == []
+    missing = {"points": [pt("chen_greedy", 1.10), {**pt("milp", None, "infeasible")}]}
+    assert len(sweep_mod.check(missing)["violations"]) == 1
+    text = sweep_mod.markdown({"meta": {"time_limit_s": 1}, "models": {}, "points": worse["points"]})
+    assert "milp is worse than a baseline" in text and "gap" in text
+
+
+@pytest.mark.parametrize("text, want", [("1.0,0.6", [1.0, 0.6]), ("100%, 50%", [1.0, 0.5])])
+def test_sweep_budget_parsing(text, want):
+    assert sweep_mod.parse_fractions(text) == want
+
+
+@pytest.mark.parametrize("text, message", [("0", "in (0, 2]"), ("x", "not a fraction"), (",", "no budget")])
+def test_sweep_budget_parsing_errors(text, message):
+    with pytest.raises(ValueError, match=re_escape(message)):
+        sweep_mod.parse_fractions(text)
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+# ---------------------------------------------------------------------------- max-batch search
+@pytest.mark.parametrize("start", [1, 5, 64, 1000])
+@pytest.mark.parametrize("answer", [1, 2, 3, 37, 64, 100, 255])
+def test_search_finds_the_exact_largest_batch(answer, start):
+    asked = []
+
+    def fits(b):
+        asked.append(b)
+        return b <= answer
+
+    found = batch_mod.largest_fitting(fits, start=start, high=256)
+    assert found.max_batch == answer and not found.capped
+    assert len(asked) == len(set(asked)) == len(found.evaluations)  # each batch asked once
+    assert len(asked) <= 2 * math.ceil(math.log2(256)) + 2
+    assert all(ok == (b <= answer) for b, ok in found.evaluations)
+
+
+def test_search_limits():
+    nothing = batch_mod.largest_fitting(lambda b: False, start=16, high=256)
+    assert nothing.max_batch == 0 and not nothing.capped and nothing.evaluations[-1] == (1, False)
+    everything = batch_mod.largest_fitting(lambda b: True, start=3, high=100)
+    assert everything.max_batch == 100 and everything.capped
+    assert [b for b, _ in everything.evaluations] == [3, 6, 12, 24, 48, 96, 100]
+    assert batch_mod.largest_fitting(lambda b: b <= 7, start=10, low=5, high=8).max_batch == 7
+    assert batch_mod.largest_fitting(lambda b: b <= 4, start=10, low=5, high=8).max_batch == 4  # low - 1: none
+    with pytest.raises(ValueError, match="low <= high"):
+        batch_mod.largest_fitting(lambda b: True, low=9, high=8)
+
+
+def _scaled_chain(model: str, batch: int):
+    # Activations grow with the batch, a fixed part does not: like a real step.
+    return chain_graph(6, bytes_per_node=1000 * batch, fixed_bytes=5000)
+
+
+def test_max_batch_run_matches_brute_force_and_resumes(tmp_path):
+    memory = 100_000
+    methods = ["checkpoint_all", "chen_sqrtn", "griewank", "milp"]
+    graphs = batch_mod.Graphs(Counting(_scaled_chain))
+    out = tmp_path / "mb.json"
+    results = batch_mod.run(["chain"], methods, 5.0, out, memory_bytes=memory, max_batch=64, graphs=graphs,
+                            pin_rates=False, log=quiet)
+    for method in methods:
+        brute = [b for b in range(1, 65)
+                 if batch_mod.evaluate(_scaled_chain("chain", b), method, memory, {"time_limit_s": 5.0}
+                                       if method == "milp" else {})["fits"]]
+        want = max(brute, default=0)
+        assert brute == list(range(1, want + 1)), method  # the predicate is monotone here
+        entry = results["runs"][f"chain/{method}"]
+        assert entry["status"] == "done" and entry["max_batch"] == want, method
+        assert entry["n_solves"] == len(entry["evaluations"]) > 0
+        assert entry["at_max"]["batch"] == want and entry["at_max"]["peak_bytes"] <= memory
+    ckpt = results["runs"]["chain/checkpoint_all"]["max_batch"]
+    assert results["runs"]["chain/milp"]["max_batch"] >= ckpt >= 1
+    assert json.loads(out.read_text())["runs"] == results["runs"]
+    # A rerun solves nothing; an unfinished entry reuses the evaluations it has.
+    tracer = Counting(_scaled_chain)
+    again = batch_mod.run(["chain"], methods, 5.0, out, memory_bytes=memory, max_batch=64,
+                          graphs=batch_mod.Graphs(tracer), pin_rates=False, log=quiet)
+    assert tracer.calls == 0 and again["runs"] == results["runs"]
+    data = json.loads(out.read_text())
+    del data["runs"]["chain/chen_sqrtn"]["status"]
+    out.write_text(json.dumps(data))
+    tracer = Counting(_scaled_chain)
+    resumed = batch_mod.run(["chain"], methods, 5.0, out, memory_bytes=memory, max_batch=64,
+                            graphs=batch_mod.Graphs(tracer), pin_rates=False, log=quiet)
+    assert tracer.calls == 0  # the search retraces its steps through the stored evaluations
+    assert resumed["runs"]["chain/chen_sqrtn"] == results["runs"]["chain/chen_sqrtn"]
+    # Half an unfinished search: only the batches it had not tried are solved.
+    data = json.loads(out.read_text())
+    entry = data["runs"]["chain/milp"]
+    del entry["status"]
+    kept = entry["evaluations"][: len(entry["evaluations"]) // 2]
+    entry["evaluations"] = kept
+    out.write_text(json.dumps(data))
+    tracer = Counting(_scaled_chain)
+    resumed = batch_mod.run(["chain"], methods, 5.0, out, memory_bytes=memory, max_batch=64,
+                            graphs=batch_mod.Graphs(tracer), pin_rates=False, log=quiet)
+    redone = resumed["runs"]["chain/milp"]
+    assert redone["max_batch"] == results["runs"]["chain/milp"]["max_batch"]
+    assert tracer.calls == len(redone["evaluations"]) - len(kept) > 0
+    assert [e["batch"] for e in redone["evaluations"]] == [e["batch"] for e in results["runs"]["chain/milp"]["evaluations"]]
+
+
+def test_max_batch_not_applicable_and_cost_limit(tmp_path):
+    results = batch_mod.run(["unet"], ["griewank"], 5.0, tmp_path / "mb.json", memory_bytes=10**12, max_batch=8,
+                            graphs=batch_mod.Graphs(lambda m, b: unet_graph(2)), pin_rates=False, log=quiet)
+    assert results["runs"]["unet/griewank"]["status"] == "not applicable"
+    g = chain_graph(4)
+    assert batch_mod.cost_limit(g) == g.total_cost + 4  # every forward node (cost 1) once more
+    record = batch_mod.evaluate(g, "checkpoint_all", 10**12, {})
+    assert record["fits"] and record["overhead"] == 1.0 and record["limit_overhead"] == pytest.approx(13 / 9)
+
+
+def test_max_batch_markdown_sets_ours_beside_the_paper():
+    runs = {
+        "vgg19/checkpoint_all": {"model": "vgg19", "method": "checkpoint_all", "status": "done", "max_batch": 150,
+                                 "published": {"value": 167, "at_least": False}, "n_solves": 12,
+                                 "solve_s_total": 0.5, "trace_s_total": 20.0,
+                                 "at_max": {"n_nodes": 238, "n_nodes_solved": 147, "solver_status": "optimal"}},
+        "fcn8/milp": {"model": "fcn8", "method": "milp", "status": "done", "max_batch": 70, "capped": False,
+                      "published": {"value": 60, "at_least": True}, "n_solves": 9, "solve_s_total": 300.0,
+                      "trace_s_total": 9.0, "at_max": {"n_nodes": 300, "n_nodes_solved": 120,
+                                                       "solver_status": "time_limit", "gap": 0.05}},
+        "fcn8/griewank": {"model": "fcn8", "method": "griewank", "status": "not applicable", "max_batch": None,
+                          "published": None, "n_solves": 1, "solve_s_total": 0.0, "trace_s_total": 1.0,
+                          "at_max": None},
+    }
+    text = batch_mod.markdown({"meta": {"time_limit_s": 60, "memory_bytes": batch_mod.MEMORY_BYTES}, "runs": runs})
+    assert "## Maximum batch size in 16 GB" in text
+    assert "| vgg19 | 150 (paper 167) |" in text
+    assert "70 (paper ≥ 60)" in text and "n/a" in text
+    assert "time_limit (gap 5.0%)" in text
+    assert "Keras layer-level" in text and "torch.fx" in text
+
+
+def test_published_numbers_are_the_papers():
+    assert batch_mod.PUBLISHED["vgg19"] == {"checkpoint_all": (167, False), "chen_sqrtn": (197, False),
+                                             "chen_greedy": (266, False), "milp": (289, False)}
+    assert {m: v["milp"] for m, v in batch_mod.PUBLISHED.items()} == {
+        "vgg19": (289, False), "vgg-unet": (57, False), "fcn8": (60, True), "segnet": (62, True),
+        "resnet50": (193, True), "mobilenet": (1105, True)}
+    assert batch_mod.MEMORY_BYTES == 16 * 10**9
+
+
+# ---------------------------------------------------------------------------- remat bench
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench"], "say which benchmark to run"),
+        (["bench", "nope"], "invalid choice: 'nope'"),
+        (["bench", "sweep", "--models", "nosuch"], "unknown model 'nosuch'"),
+        (["bench", "sweep", "--models", "mlp"], "no default batch size here; give --batch"),
+        (["bench", "sweep", "--budgets", "0"], "in (0, 2]"),
+        (["bench", "sweep", "--methods", "magic"], "unknown method 'magic'"),
+        (["bench", "sweep", "--options", "{bad"], "--options is not JSON"),
+        (["bench", "sweep", "--time-limit", "0"], "--time-limit 0 must be positive"),
+        (["bench", "max-batch", "--memory", "60%"], "percentage"),
+        (["bench", "max-batch", "--models", "vgg19,resnet9000"], "unknown model 'resnet9000'"),
+        (["bench", "max-batch", "--max-batch", "0"], "--max-batch 0 must be at least 1"),
+    ],
+)
+def test_bench_usage_errors_exit_2_with_a_clear_message(capsys, argv, message):
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err
+    if len(argv) > 1 and argv[1] in ("sweep", "max-batch"):
+        assert f"remat bench {argv[1]}: error" in err
+
+
+def test_bench_help_exits_0(capsys):
+    code, out, _ = run_cli(capsys, "bench", "max-batch", "--help")
+    assert code == 0 and "--memory" in out
+
+
+def test_bench_outside_a_source_checkout_says_so(capsys, monkeypatch, tmp_path):
+    import remat.cli as cli
+
+    monkeypatch.setattr(cli, "_bench_dir", lambda: tmp_path)
+    monkeypatch.delitem(sys.modules, "bench_budget_sweep", raising=False)
+    code, _, err = run_cli(capsys, "bench", "sweep")
+    assert code == 2 and "source checkout" in err
+
+
+def test_bench_sweep_runs_the_script_then_the_report(capsys, monkeypatch, tmp_path):
+    import remat.cli as cli
+
+    reports = Counting(lambda: None)
+    monkeypatch.setattr(cli, "_regenerate_report", reports)
+    out = tmp_path / "s.json"
+    argv = ["bench", "sweep", "--models", "mlp", "--batch", "2", "--budgets", "1.0",
+            "--methods", "checkpoint_all,chen_sqrtn", "--out", str(out)]
+    code, stdout, _ = run_cli(capsys, *argv)
+    assert code == 0 and reports.calls == 1
+    assert {p["method"] for p in json.loads(out.read_text())["points"]} == {"checkpoint_all", "chen_sqrtn"}
+    assert "### mlp, batch 2" in stdout
+    code, _, _ = run_cli(capsys, *argv, "--no-report")
+    assert code == 0 and reports.calls == 1
+
+
+def test_report_lists_the_new_sections():
+    report = _load("report")
+    assert "budget_sweep" in report.SECTIONS and "max_batch" in report.SECTIONS
+
+
+def test_bench_reports_a_failed_report_after_writing_results(capsys, monkeypatch, tmp_path):
+    import remat.cli as cli
+
+    def broken():
+        raise TypeError("a section's JSON is half written")
+
+    monkeypatch.setattr(cli, "_regenerate_report", broken)
+    out = tmp_path / "s.json"
+    code, _, err = run_cli(capsys, "bench", "sweep", "--models", "mlp", "--batch", "2", "--budgets", "1.0",
+                           "--methods", "checkpoint_all", "--out", str(out))
+    assert code == 1 and out.exists()
+    assert "BENCHMARKS.md could not be regenerated" in err and "half written" in err
