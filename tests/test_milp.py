@@ -385,3 +385,41 @@ def test_a_bound_below_computing_every_node_once_is_replaced_by_that(reported: f
     result = finish(graph, schedule, budget_bytes=2**40, method="milp", status=SolveStatus.TIME_LIMIT,
                     started_s=0.0, lower_bound=reported)
     assert result.lower_bound == graph.total_cost and result.gap == 0.0
+
+
+def _rescaled(graph: Graph, *, bytes_factor: int = 1, extra_bytes: int = 0, cost_factor: float = 1.0) -> Graph:
+    nodes = tuple(Node(n.name, n.kind, n.deps, n.out_bytes * bytes_factor + extra_bytes, n.cost * cost_factor,
+                       n.recomputable) for n in graph.nodes)
+    return Graph(nodes=nodes, fixed_bytes=graph.fixed_bytes * bytes_factor, outputs=graph.outputs,
+                 name=graph.name + "_rescaled")
+
+
+@pytest.mark.parametrize("graph", [g for g in SMALL_GRAPHS if len(set(g.out_bytes)) > 1], ids=lambda g: g.name)
+def test_gigabyte_sizes_round_up_and_still_find_the_optimum(graph: Graph) -> None:
+    """Each original byte becomes F = 2**32 + 1 bytes, plus one byte per value: the gcd is 1, so
+    the unit grows and sizes round up. A plan fits F*k + n bytes exactly when it fits k
+    originally (at most n values are live), so the optimum must be the original one."""
+    factor = 2**32 + 1
+    big = _rescaled(graph, bytes_factor=factor, extra_bytes=1)
+    model = build_model(big, 2**62)
+    assert not model.exact_units and max(model.size_units) <= 2**20 + 1
+    top, low = checkpoint_all_peak(graph), exhaustive_min_peak(graph)
+    for budget in sorted({top, (top + low) // 2, low}):
+        expected = exhaustive_min_cost(graph, budget)
+        slack = big.n * model.bytes_unit  # what rounding up may over-count
+        result = solve(big, budget * factor + big.n + slack, method="milp")
+        assert result.status is SolveStatus.OPTIMAL
+        assert result.objective == pytest.approx(expected)
+
+
+def test_costs_of_ten_million_are_scaled_for_highs() -> None:
+    """A batch of 256 VGG16 images has node costs up to 2e7 us: HiGHS' dual simplex failed on
+    them unscaled ("excessive dual values")."""
+    graph = random_training_graph(4, seed=1)
+    big = _rescaled(graph, cost_factor=1.7e7)
+    budget = (checkpoint_all_peak(graph) + exhaustive_min_peak(graph)) // 2
+    expected = exhaustive_min_cost(graph, budget) * 1.7e7
+    for method in ("milp", "lp_round"):
+        result = solve(big, budget, method=method)
+        assert result.objective == pytest.approx(expected) or method == "lp_round"
+        assert result.lower_bound is not None and result.lower_bound <= result.objective * (1 + 1e-9)

@@ -213,8 +213,9 @@ def minimum_budget(
         found = _candidate("milp-peak", graph, model.decode(result.x))
         if found.peak_bytes < best.peak_bytes:
             best = found
-    if result.bound is not None:
-        lower = max(lower, graph.fixed_bytes + model.bytes_unit * math.ceil(result.bound - 1e-6))
+    if result.bound is not None:  # rounded-up sizes over-count by less than a unit per live value
+        slack = 0 if model.exact_units else graph.n
+        lower = max(lower, graph.fixed_bytes + model.bytes_unit * (math.ceil(result.bound - 1e-6) - slack))
     proven = best.peak_bytes <= lower
     log.info("min-budget: %s needs %d B (%s)", graph.name, best.peak_bytes, "proven" if proven else "not proven")
     return MinimumBudget(best.peak_bytes, proven, best.schedule, lower)

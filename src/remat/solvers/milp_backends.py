@@ -242,6 +242,26 @@ class _Progress:
 
 
 # ---------------------------------------------------------------------------- HiGHS
+#: HiGHS' dual simplex fails ("excessive dual values") on costs of 1e7 us, as a batch of 256
+#: VGG16 images has: objectives are scaled by a power of two (exact in floating point) so the
+#: largest coefficient is at most this, and results are scaled back.
+HIGHS_MAX_COST = 1e3
+
+
+def objective_scale(costs: np.ndarray) -> float:
+    """The power of two that brings the largest |cost| down to at most ``HIGHS_MAX_COST``.
+
+    >>> objective_scale(np.array([4.0, 2e7]))
+    3.0517578125e-05
+    >>> objective_scale(np.array([0.5, 3.0]))
+    1.0
+    """
+    top = float(np.max(np.abs(costs), initial=0.0))
+    if top <= HIGHS_MAX_COST:
+        return 1.0
+    return 2.0 ** -math.ceil(math.log2(top / HIGHS_MAX_COST))
+
+
 def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | None) -> BackendResult:
     import highspy
 
@@ -260,12 +280,13 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
     lp = highspy.HighsLp()
     lp.num_col_ = model.n_cols
     lp.num_row_ = model.n_rows
-    lp.col_cost_ = model.col_cost
+    scale = objective_scale(model.col_cost)
+    lp.col_cost_ = model.col_cost * scale
     lp.col_lower_ = model.col_lower
     lp.col_upper_ = np.where(np.isinf(model.col_upper), highspy.kHighsInf, model.col_upper)
     lp.row_lower_ = np.where(np.isinf(model.row_lower), -highspy.kHighsInf, model.row_lower)
     lp.row_upper_ = np.where(np.isinf(model.row_upper), highspy.kHighsInf, model.row_upper)
-    lp.offset_ = model.cost_offset
+    lp.offset_ = model.cost_offset * scale
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = model.row_start.astype(np.int32)
     lp.a_matrix_.index_ = model.row_index.astype(np.int32)
@@ -286,11 +307,11 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
     if not settings.relax:
         def on_improve(event) -> None:
             out = event.data_out
-            progress.incumbent(out.objective_function_value, out.mip_dual_bound, out.running_time)
+            progress.incumbent(out.objective_function_value / scale, out.mip_dual_bound / scale, out.running_time)
 
         def on_log(event) -> None:
             out = event.data_out
-            progress.tick(out.mip_primal_bound, out.mip_dual_bound, out.running_time)
+            progress.tick(out.mip_primal_bound / scale, out.mip_dual_bound / scale, out.running_time)
 
         h.cbMipImprovingSolution.subscribe(on_improve)
         h.cbMipLogging.subscribe(on_log)
@@ -316,15 +337,15 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
             )
         if model_status != S.kOptimal:
             raise SolverError(f"HiGHS could not solve the LP relaxation: {h.modelStatusToString(model_status)}")
-        obj = h.getObjectiveValue()
+        obj = h.getObjectiveValue() / scale
         return BackendResult(BackendStatus.OPTIMAL, x, obj, obj, elapsed, iterations=info.simplex_iteration_count)
-    bound = float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else None
+    bound = float(info.mip_dual_bound) / scale if math.isfinite(info.mip_dual_bound) else None
     nodes = int(info.mip_node_count)
     if model_status == S.kOptimal and x is not None:
-        return BackendResult(BackendStatus.OPTIMAL, x, h.getObjectiveValue(), bound, elapsed, nodes)
+        return BackendResult(BackendStatus.OPTIMAL, x, h.getObjectiveValue() / scale, bound, elapsed, nodes)
     if model_status in (S.kTimeLimit, S.kInterrupt, S.kSolutionLimit, S.kIterationLimit, S.kOptimal):
         if x is not None:
-            return BackendResult(BackendStatus.FEASIBLE, x, h.getObjectiveValue(), bound, elapsed, nodes)
+            return BackendResult(BackendStatus.FEASIBLE, x, h.getObjectiveValue() / scale, bound, elapsed, nodes)
         return BackendResult(BackendStatus.NO_SOLUTION, None, None, bound, elapsed, nodes)
     raise SolverError(
         f"HiGHS stopped with status {h.modelStatusToString(model_status)!r} on graph "
@@ -353,7 +374,7 @@ def _run_cpsat(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
     if settings.relax:
         raise SolverError("CP-SAT has no LP relaxation; use backend='highs' for lp_round")
     m = cp_model.CpModel()
-    finite_top = int((sum(model.graph.out_bytes) + max(n.temp_bytes for n in model.graph.nodes)) // model.bytes_unit) + 1
+    finite_top = int(sum(model.size_units) + max(model.temp_units, default=0)) + 1
     xs = []
     for lo, hi in zip(model.col_lower, model.col_upper):
         # Continuous columns of the model are 0/1 ORs or integer memory sums at the optimum.

@@ -16,7 +16,10 @@ Variables (Checkmate's, with fewer of them):
   ``R[t, k]`` can be 1 (other instants cannot be peaks); ``U <= budget`` is a variable bound.
 
 Memory is in units of the gcd of the graph's output sizes, so every memory quantity is an
-exact integer and the budget row is ``floor((budget - fixed) / unit)``: no rounding.
+exact integer and the budget row is ``floor((budget - fixed) / unit)``: no rounding. When
+that would make one value more than ``MAX_SIZE_UNITS`` units (a batch of 256 images has
+gigabyte activations and a gcd of a few bytes), the unit grows and sizes round up: the model
+then counts at most one unit too many per live value, never too few, so its plans still fit.
 
 Dominance rows (option ``dominance``, default on) make S exactly the liveness of R: a value
 is live at the start of a stage (or computed in it) only if a user reads it in that stage or
@@ -69,6 +72,9 @@ class MilpModel:
     objective_kind: ModelObjective
     budget_bytes: int | None
     bytes_unit: int
+    size_units: tuple[int, ...]  # out_bytes of each node in units (rounded up)
+    temp_units: tuple[int, ...]  # temp_bytes of each node in units (rounded up)
+    exact_units: bool  # every size is a whole number of units (no rounding)
     col_lower: np.ndarray
     col_upper: np.ndarray
     col_integer: np.ndarray
@@ -179,12 +185,35 @@ def _matrix(cols: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- building
+#: Largest size of one value in model units; beyond it the unit grows past the gcd.
+MAX_SIZE_UNITS = 2**20
+
+
 def bytes_unit_of(graph: Graph) -> int:
-    """The gcd of all output and scratch sizes: memory in this unit is an exact integer."""
+    """The gcd of all output and scratch sizes (memory in this unit is an exact integer),
+    or, if the largest size would exceed ``MAX_SIZE_UNITS`` units, the unit that makes it
+    that many (sizes then round up).
+
+    >>> from remat.graph import Graph, Node, NodeKind
+    >>> def two(a, b):
+    ...     return Graph(nodes=(Node("a", NodeKind.FORWARD, (), a, 1.0), Node("b", NodeKind.LOSS, (0,), b, 1.0)),
+    ...                  fixed_bytes=0, outputs=(1,))
+    >>> bytes_unit_of(two(6, 12)), bytes_unit_of(two(2**30, 3))
+    (6, 1024)
+    """
     unit = 0
+    largest = 0
     for node in graph.nodes:
         unit = math.gcd(math.gcd(unit, int(node.out_bytes)), int(node.temp_bytes))
-    return max(unit, 1)
+        largest = max(largest, node.out_bytes, node.temp_bytes)
+    unit = max(unit, 1)
+    if largest // unit > MAX_SIZE_UNITS:
+        unit = -(-largest // MAX_SIZE_UNITS)
+    return unit
+
+
+def _units(nbytes: int, unit: int) -> int:
+    return -(-int(nbytes) // unit)
 
 
 def peak_lower_bound_bytes(graph: Graph) -> int:
@@ -311,7 +340,9 @@ def build_model(
     """
     n, users, outputs = graph.n, graph.users, graph.output_set
     unit = bytes_unit_of(graph)
-    size = [b // unit for b in graph.out_bytes]
+    size = [_units(b, unit) for b in graph.out_bytes]
+    temp = [_units(node.temp_bytes, unit) for node in graph.nodes]
+    exact_units = all(b % unit == 0 for node in graph.nodes for b in (node.out_bytes, node.temp_bytes))
     cost = graph.costs
     pos_r, pos_s = _possible(graph)
     b = _Builder()
@@ -345,11 +376,13 @@ def build_model(
     peak_col = None
     if objective is ModelObjective.PEAK:
         lo = math.ceil((peak_lower_bound_bytes(graph) - graph.fixed_bytes) / unit)
-        hi = math.inf if peak_upper_bytes is None else math.floor((peak_upper_bytes - graph.fixed_bytes) / unit)
+        # with rounded sizes a known plan counts up to one unit more per live value
+        slack = 0 if exact_units else n
+        hi = math.inf if peak_upper_bytes is None else math.floor((peak_upper_bytes - graph.fixed_bytes) / unit) + slack
         peak_col = b.col(float(lo), float(hi), False, 1.0)
     instants: list[int] = []
     for t in range(n):
-        instants += _memory_rows(graph, b, t, size, unit, r_col, s_col, s_next, cap, peak_col, explicit_memory)
+        instants += _memory_rows(graph, b, t, size, temp, r_col, s_col, s_next, cap, peak_col, explicit_memory)
     if peak_col is not None:
         b.definitions.append((Definition.MAX, peak_col, tuple(instants) or (FIXED_ZERO,)))
     if cap < 0:
@@ -359,6 +392,9 @@ def build_model(
         objective_kind=objective,
         budget_bytes=budget_bytes,
         bytes_unit=unit,
+        size_units=tuple(size),
+        temp_units=tuple(temp),
+        exact_units=exact_units,
         col_lower=np.asarray(b.lower, dtype=float),
         col_upper=np.asarray(b.upper, dtype=float),
         col_integer=np.asarray(b.integer, dtype=bool),
@@ -412,11 +448,10 @@ def _structure_rows(graph, b: _Builder, r_col, s_col, s_next, dominance: bool) -
                 b.row(acc, -math.inf, 0.0, f"stage {t}: useless {i}")
 
 
-def _memory_rows(graph, b: _Builder, t: int, size, unit: int, r_col, s_col, s_next, cap: float, peak_col,
+def _memory_rows(graph, b: _Builder, t: int, size, temp, r_col, s_col, s_next, cap: float, peak_col,
                  explicit: bool) -> list[int]:
     """U columns and rows for stage t; returns the U columns (one per possible instant)."""
     users = graph.users
-    temp = [node.temp_bytes // unit for node in graph.nodes]
     present = {}  # i -> (r, s) columns for i < t
     live_after: dict[int, list[int]] = {}  # i -> A column per candidate of i in stage t
     cand_pos: dict[int, dict[int, int]] = {}
