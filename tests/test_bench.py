@@ -411,3 +411,25 @@ def test_bench_reports_a_failed_report_after_writing_results(capsys, monkeypatch
                            "--methods", "checkpoint_all", "--out", str(out))
     assert code == 1 and out.exists()
     assert "BENCHMARKS.md could not be regenerated" in err and "half written" in err
+
+
+# ---------------------------------------------------------------------------- spot checks
+spot_mod = _load("spot_checks")
+
+
+def test_spot_checks_render_and_flag_a_miss():
+    run = {"budget_bytes": 80, "status": "optimal", "predicted_peak_bytes": 100 * 2**20, "measured_peak_bytes": 101 * 2**20,
+           "peak_error": 0.01, "overhead": 1.05, "bitwise_equal": True, "note": ""}
+    results = {"meta": {}, "models": {"vgg16@2": {"checkpoint_all_peak_bytes": 100, "runs": [run]}}}
+    text = spot_mod.markdown(results)
+    assert "| vgg16@2 | 80% | optimal | 100.0 | 101.0 | +1.000% | 1.050x | yes |" in text
+    assert "within the 2% bar" in text and "in every run" in text
+    bad = {**run, "measured_peak_bytes": 110 * 2**20, "peak_error": 0.1, "bitwise_equal": False}
+    text = spot_mod.markdown({"meta": {}, "models": {"vgg16@2": {"checkpoint_all_peak_bytes": 100, "runs": [bad]}}})
+    assert "OVER the 2% bar" in text and "NOT every run" in text and "| NO |" in text
+
+
+def test_spot_checks_name_unknown_models(capsys):
+    with pytest.raises(SystemExit):
+        spot_mod.main(["--models", "vgg17"])
+    assert "unknown model(s) vgg17; choose from vgg16" in capsys.readouterr().err
