@@ -75,7 +75,7 @@ def test_zero_byte_node_with_two_inputs_stays():
 
 # ---------------------------------------------------------------------------- grouping
 from remat.builders import chain_graph  # noqa: E402
-from remat.coarsen import fold_aliases, group  # noqa: E402
+from remat.coarsen import _quotient, fold_aliases, group  # noqa: E402
 from remat.planning import plan_graph  # noqa: E402
 from remat.solvers.milp_start import BASELINE_METHODS  # noqa: E402
 from remat.errors import InfeasibleBudgetError  # noqa: E402
@@ -93,8 +93,10 @@ def test_grouped_plans_expand_to_plans_no_worse(n, seed, keep_p, frac):
         kinds = {fine.nodes[i].kind for i in grp}
         assert len(kinds) == 1, "a group mixes forward, loss and backward nodes"
         owners = [i for i in grp if fine.nodes[i].out_bytes or len(fine.nodes[i].deps) != 1]
-        if any(o in fine.output_set or not users[o] for o in owners):
-            assert len(owners) == 1, "an output or a sink was grouped with other nodes"
+        if kinds != {B}:  # forward: outputs only with outputs; sinks that are not outputs alone
+            assert len({o in fine.output_set for o in owners}) == 1, "a forward output grouped with a non-output"
+            if any(not users[o] and o not in fine.output_set for o in owners):
+                assert len(owners) == 1, "a sink was grouped with other nodes"
     rng = np.random.default_rng(seed)
     keep = np.tril(rng.random((c.coarse.n, c.coarse.n)) < keep_p, -1)
     plan = Schedule.from_kept(c.coarse, keep).lower(c.coarse)
@@ -111,22 +113,33 @@ def test_group_sizes_and_scratch_by_hand():
              Node("loss", NodeKind.LOSS, (2,), 1, 1.0), Node("gz", B, (2, 3), 8, 1.0),
              Node("gx", B, (0, 4), 4, 1.0))
     g = Graph(nodes=nodes, fixed_bytes=0, outputs=(3, 5))
-    c = group(g, 4)
+    c = _quotient(g, [[0, 1, 2], [3], [4], [5]])
     assert c.groups == ((0, 1, 2), (3,), (4,), (5,)) and not c.exact
     x = c.coarse.nodes[0]
     assert (x.name, x.out_bytes, x.temp_bytes, x.cost) == ("x+2", 12, 2, 3.0)
-    assert c.coarse.nodes[2].deps == (0, 1)
-    # computing the group holds x, y and z at once: 14 bytes, as the fine plan does
-    coarse_peak = simulate(c.coarse, Schedule.from_compute(c.coarse, np.eye(4, dtype=bool)).lower(c.coarse)).peak_bytes
-    fine_peak = simulate(g, c.expand(Schedule.from_compute(c.coarse, np.eye(4, dtype=bool)).lower(c.coarse))).peak_bytes
-    assert fine_peak <= coarse_peak
-    assert coarse_peak == max(14, 12 + 1, 12 + 1 + 8, 1 + 8 + 4 + 12)
+    assert c.coarse.nodes[2].deps == (0, 1) and c.coarse.outputs == (1, 3)
+    eye = np.eye(4, dtype=bool)
+    coarse_plan = Schedule.from_compute(c.coarse, eye).lower(c.coarse)
+    coarse_peak = simulate(c.coarse, coarse_plan).peak_bytes
+    fine_peak = simulate(g, c.expand(coarse_plan)).peak_bytes
+    # computing the group holds x, y and z at once (14 B); then loss, gz and gx pile up
+    assert fine_peak <= coarse_peak == max(14, 12 + 1, 12 + 1 + 8, 1 + 8 + 4 + 12)
+    # the gradient gx (a step output) grouped with gz: kept for good, and the group runs once
+    k = _quotient(g, [[0, 1, 2], [3], [4, 5]])
+    both = k.coarse.nodes[2]
+    assert (both.out_bytes, both.kept_bytes, both.temp_bytes, both.recomputable) == (0, 4, 8, False)
+    assert k.coarse.outputs == (1,)
+    plan = Schedule.from_compute(k.coarse, np.eye(3, dtype=bool)).lower(k.coarse)
+    sim = simulate(k.coarse, plan)
+    assert sim.ok and sim.peak_bytes >= simulate(g, k.expand(plan)).peak_bytes
+    assert sim.timeline_bytes[-1] == 1 + 4  # the loss and the kept gradient stay
 
 
 def test_grouping_that_cannot_reach_max_nodes_stops_and_bad_max_nodes_are_named():
     g = chain_graph(3)
     c = group(g, 1)
-    assert c.coarse.n == 4  # f0..f2 | loss | g2, g1 | g0, the output, alone
+    assert c.coarse.n == 3  # f0..f2 | loss | g2, g1, g0 (g0 a step output: kept bytes)
+    assert c.coarse.nodes[2].kept_bytes == g.nodes[6].out_bytes and not c.coarse.nodes[2].recomputable
     assert group(g, g.n).exact and group(g, g.n).coarse is g
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="max_nodes=.* must be a positive int"):
@@ -180,3 +193,14 @@ def test_fingerprint_and_validation_of_scratch_bytes():
     assert c.with_costs([5.0]).nodes[0].temp_bytes == 2
     with pytest.raises(GraphError, match=r"temp_bytes=-1 must be a non-negative int"):
         Graph(nodes=(Node("a", F, (), 4, 1.0, temp_bytes=-1),), fixed_bytes=0, outputs=(0,))
+
+
+def test_kept_bytes_are_validated_and_never_freed():
+    with pytest.raises(GraphError, match=r"kept_bytes=3 .* must run once: set recomputable=False"):
+        Graph(nodes=(Node("a", F, (), 4, 1.0, kept_bytes=3),), fixed_bytes=0, outputs=(0,))
+    with pytest.raises(GraphError, match=r"kept_bytes=-1 must be a non-negative int"):
+        Graph(nodes=(Node("a", F, (), 4, 1.0, recomputable=False, kept_bytes=-1),), fixed_bytes=0, outputs=(0,))
+    g = Graph(nodes=(Node("a", F, (), 4, 1.0, recomputable=False, kept_bytes=3), Node("b", B, (0,), 2, 1.0)),
+              fixed_bytes=1, outputs=(1,))
+    sim = simulate(g, Schedule.from_compute(g, np.eye(2, dtype=bool)).lower(g))
+    assert sim.timeline_bytes == (1 + 4 + 3, 1 + 4 + 3 + 2, 1 + 3 + 2)  # a freed, its kept bytes stay

@@ -423,3 +423,30 @@ def test_costs_of_ten_million_are_scaled_for_highs() -> None:
         result = solve(big, budget, method=method)
         assert result.objective == pytest.approx(expected) or method == "lp_round"
         assert result.lower_bound is not None and result.lower_bound <= result.objective * (1 + 1e-9)
+
+
+def _grouped_small_graphs() -> list[Graph]:
+    from remat.coarsen import coarsen
+
+    out = []
+    for g in (random_training_graph(4, seed=0), random_training_graph(4, seed=8), chain_graph(4, bytes_per_node=1),
+              random_training_graph(3, seed=1), random_training_graph(4, seed=1)):
+        c = coarsen(g, max_nodes=max(3, (2 * g.n) // 3)).coarse
+        out.append(Graph(nodes=c.nodes, fixed_bytes=c.fixed_bytes, outputs=c.outputs, name=g.name + "_grouped"))
+    return out
+
+
+@pytest.mark.parametrize("graph", _grouped_small_graphs(), ids=lambda g: g.name)
+def test_milp_equals_exhaustive_search_on_grouped_graphs(graph: Graph) -> None:
+    """Grouped graphs carry scratch bytes and kept bytes (gradients grouped with the backward
+    ops around them): the MILP's memory rows must count both exactly as the simulator does."""
+    assert any(n.temp_bytes or n.kept_bytes for n in graph.nodes)
+    top = checkpoint_all_peak(graph)
+    low = exhaustive_min_peak(graph)
+    assert minimum_budget(graph).budget_bytes == low
+    for budget in sorted({top, (top + low) // 2, low}):
+        result = solve(graph, budget, method="milp", warm_start=False)
+        assert result.status is SolveStatus.OPTIMAL
+        assert result.objective == pytest.approx(exhaustive_min_cost(graph, budget))
+    with pytest.raises(InfeasibleBudgetError):
+        solve(graph, low - 1, method="milp")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from remat.graph import Graph, Node
+from remat.graph import Graph, Node, NodeKind
 from remat.schedule import Plan, plan_from_order
 
 
@@ -124,29 +124,49 @@ def fold_aliases(graph: Graph) -> Coarsening:
 LIFETIME_WEIGHT = 4.0
 
 
+#: A forward-pass step output read only after the forward pass, if at all (batch-norm
+#: statistics), moves to the end of the forward pass, where such outputs group together, if
+#: the inputs it would keep alive longer
+#: (those nothing reads after the forward pass anyway) hold at most this share of the largest
+#: value.
+DEFER_INPUT_SHARE = 1e-3
+
+
 def group(graph: Graph, max_nodes: int) -> Coarsening:
     """Merge runs of consecutive nodes until at most ``max_nodes`` remain (or nothing more can
     merge). Not exact: see the module docstring.
 
-    Two neighbouring groups merge only if they have the same kind and recomputability and
-    nothing but sinks (nodes no one reads, such as parameter gradients) lies between them in
-    the topological order; outputs and sinks stay alone. Such a group is convex (no path
-    leaves it and comes back), so the grouped graph is a DAG; the sinks it skipped over are
-    computed after it. The pair merged next is the one whose merge costs the least: its
-    share of the graph's compute, of its bytes, and (weighted by ``LIFETIME_WEIGHT``) of the
-    bytes x time its values gain by being freed together.
+    Step outputs of the forward pass that only the backward pass reads, if anything (batch-norm
+    statistics), first move to the end of the forward pass when that keeps next to nothing
+    alive longer. Two
+    neighbouring groups then merge only if they have the same kind and nothing but sinks lies
+    between them, so a group is convex (no path leaves it and comes back) and the grouped graph
+    is a DAG; the sinks skipped over are computed after it. In the forward pass, outputs merge
+    only with outputs and recomputable nodes only with recomputable ones. In the backward pass,
+    a step output (a parameter gradient) may join its neighbours: its bytes become the group's
+    ``kept_bytes`` and the group runs once. The pair merged next is the one whose merge costs
+    the least: its share of the graph's compute, of its bytes, and (weighted by
+    ``LIFETIME_WEIGHT``) of the bytes x time its values gain by being freed together.
 
     >>> from remat.builders import chain_graph
-    >>> g = group(chain_graph(4), 5)
-    >>> g.coarse.n, [len(m) for m in g.groups]
-    (5, [2, 2, 1, 3, 1])
+    >>> g = group(chain_graph(4), 4)
+    >>> g.coarse.n, [len(m) for m in g.groups], g.coarse.nodes[-1].kept_bytes > 0
+    (4, [2, 2, 1, 4], True)
     """
     if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
         raise ValueError(f"max_nodes={max_nodes!r} must be a positive int (the most nodes the reduced graph may have)")
     n, users, outputs = graph.n, graph.users, graph.output_set
     sink = [not users[i] for i in range(n)]
-    movable = [not sink[i] and i not in outputs for i in range(n)]
-    items = [i for i in range(n) if movable[i]]
+    order, deferred = _deferred_order(graph, sink)
+    pos = {i: p for p, i in enumerate(order)}
+    backward = NodeKind.BACKWARD
+
+    def movable(i: int) -> bool:
+        if i not in outputs:
+            return not sink[i]
+        return i in deferred or (sink[i] and graph.nodes[i].kind is backward)
+
+    items = [i for i in order if movable(i)]
     # groups as a doubly linked list over ``items``; a group is named by its first item index
     members: dict[int, list[int]] = {a: [i] for a, i in enumerate(items)}
     nxt = {a: a + 1 for a in range(len(items) - 1)}
@@ -154,36 +174,37 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
     version = {a: 0 for a in members}
 
     def joinable(a: int, b: int) -> bool:
-        x, y = graph.nodes[members[a][-1]], graph.nodes[members[b][0]]
-        if (x.kind, x.recomputable) != (y.kind, y.recomputable):
+        i, j = members[a][-1], members[b][0]
+        x, y = graph.nodes[i], graph.nodes[j]
+        if x.kind is not y.kind:
             return False
-        return all(sink[k] for k in range(members[a][-1] + 1, members[b][0]))
+        if x.kind is not backward and ((i in outputs) != (j in outputs) or x.recomputable != y.recomputable):
+            return False
+        return all(sink[order[k]] for k in range(pos[i] + 1, pos[j]))
 
     heap: list[tuple[float, int, int, int, int]] = []
-
     total_cost = graph.total_cost or 1.0
-    total_bytes = sum(node.out_bytes + node.temp_bytes for node in graph.nodes) or 1
+    total_bytes = sum(node.out_bytes + node.temp_bytes + node.kept_bytes for node in graph.nodes) or 1
     # each value's last reader (outputs: the end), and bytes x lifetime under checkpoint-all
-    last = [max(users[i]) if users[i] and i not in outputs else n for i in range(n)]
-    total_lifetime = sum(graph.nodes[i].out_bytes * (last[i] - i) for i in range(n)) or 1
+    last = [max(pos[u] for u in users[i]) if users[i] and i not in outputs else n for i in range(n)]
+    total_lifetime = sum(graph.nodes[i].out_bytes * (last[i] - pos[i]) for i in range(n)) or 1
 
     def score(a: int, b: int) -> float:
         """What merging a and b costs the plans: its share of compute (recomputed as one), of
         bytes (kept as one) and of the lifetime its values gain by being freed together."""
         unit = members[a] + members[b]
-        out_b, temp_b = footprint(graph, unit)
+        out_b, temp_b, kept_b = footprint(graph, unit)
         inside = set(unit)
-        leaving = [i for i in unit if not (users[i] and i not in outputs and all(u in inside for u in users[i]))]
+        leaving = [i for i in unit if i not in outputs and not (users[i] and all(u in inside for u in users[i]))]
         end = max((last[i] for i in leaving), default=0)
         extension = sum(graph.nodes[i].out_bytes * (end - last[i]) for i in leaving)
         share = sum(graph.nodes[i].cost for i in unit) / total_cost
-        return share + (out_b + temp_b) / total_bytes + LIFETIME_WEIGHT * extension / total_lifetime
-
+        return share + (out_b + temp_b + kept_b) / total_bytes + LIFETIME_WEIGHT * extension / total_lifetime
 
     def push(a: int) -> None:
         b = nxt.get(a)
         if b is not None and joinable(a, b):
-            heapq.heappush(heap, (score(a, b), members[a][0], a, version[a], version[b]))
+            heapq.heappush(heap, (score(a, b), pos[members[a][0]], a, version[a], version[b]))
 
     for a in range(len(items) - 1):
         push(a)
@@ -208,13 +229,42 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
             push(prv[a])
     if count == n:
         return Coarsening(fine=graph, coarse=graph, groups=tuple((i,) for i in range(n)))
-    units = sorted([*members.values(), *([i] for i in range(n) if not movable[i])], key=lambda m: m[0])
+    grouped = {i for m in members.values() for i in m}
+    units = sorted([*members.values(), *([i] for i in range(n) if i not in grouped)], key=lambda m: pos[m[0]])
     return _quotient(graph, units)
 
 
-def footprint(graph: Graph, unit: list[int]) -> tuple[int, int]:
-    """``(out_bytes, temp_bytes)`` of ``unit`` (a convex run of nodes in topological order)
-    computed as one node: what leaves it, and the most its internal values add while it runs."""
+def _deferred_order(graph: Graph, sink: list[bool]) -> tuple[list[int], frozenset[int]]:
+    """A topological order with the forward pass's outputs that nothing in the forward pass
+    reads moved to its end (before the first non-forward node), where that keeps next to
+    nothing alive longer."""
+    outputs, users = graph.output_set, graph.users
+    largest = max(graph.out_bytes, default=0)
+    forward = NodeKind.FORWARD
+    end = next((i for i, node in enumerate(graph.nodes) if node.kind is not forward), graph.n)
+
+    def held_anyway(d: int, i: int) -> bool:  # d is read after the forward pass regardless
+        return d in outputs or any(u >= end for u in users[d] if u != i)
+
+    def deferred(i: int) -> bool:
+        node = graph.nodes[i]
+        if node.kind is not forward or i not in outputs or any(u < end for u in users[i]):
+            return False
+        extended = sum(graph.out_bytes[d] for d in node.deps if not held_anyway(d, i))
+        return extended <= DEFER_INPUT_SHARE * largest
+
+    moved = [i for i in range(graph.n) if deferred(i)]
+    if not moved:
+        return list(range(graph.n)), frozenset()
+    rest = [i for i in range(graph.n) if i not in set(moved)]
+    cut = next((k for k, i in enumerate(rest) if graph.nodes[i].kind is not forward), len(rest))
+    return rest[:cut] + moved + rest[cut:], frozenset(moved)
+
+
+def footprint(graph: Graph, unit: list[int]) -> tuple[int, int, int]:
+    """``(out_bytes, temp_bytes, kept_bytes)`` of ``unit`` (a convex run of nodes in a
+    topological order) computed as one node: what leaves it to be freed later, the most its
+    internal values add while it runs, and the step outputs among its members."""
     users, outputs = graph.users, graph.output_set
     at = {i: pos for pos, i in enumerate(unit)}
     frees: dict[int, int] = {}
@@ -224,36 +274,57 @@ def footprint(graph: Graph, unit: list[int]) -> tuple[int, int]:
             inner.add(i)
             last = max(at[u] for u in users[i])
             frees[last] = frees.get(last, 0) + graph.nodes[i].out_bytes
-    out_bytes, live, peak = 0, 0, 0
+    out_bytes, kept_bytes, live, peak = 0, 0, 0, 0
     for pos, i in enumerate(unit):
         node = graph.nodes[i]
-        if i not in inner:
+        if i in outputs:
+            kept_bytes += node.out_bytes
+        elif i not in inner:
             out_bytes += node.out_bytes
-        live += node.out_bytes
+        kept_bytes += node.kept_bytes
+        live += node.out_bytes + node.kept_bytes
         peak = max(peak, live + node.temp_bytes)
         live -= frees.get(pos, 0)
-    return out_bytes, max(0, peak - out_bytes)
+    return out_bytes, max(0, peak - out_bytes - kept_bytes), kept_bytes
 
 
 def _quotient(graph: Graph, units: list[list[int]]) -> Coarsening:
-    """The graph whose nodes are ``units`` (each a convex run of nodes, in topological order)."""
+    """The graph whose nodes are ``units`` (each a convex run of nodes in a topological order,
+    listed in such an order). A unit of one node is that node; in a larger unit, step outputs
+    become ``kept_bytes`` (a unit made only of outputs stays an output)."""
     owner = [0] * graph.n
     for c, unit in enumerate(units):
         for i in unit:
             owner[i] = c
+    outputs = graph.output_set
     nodes: list[Node] = []
+    coarse_outputs: list[int] = []
     for c, unit in enumerate(units):
-        out_bytes, temp_bytes = footprint(graph, unit)
+        deps = tuple(sorted({owner[d] for i in unit for d in graph.nodes[i].deps} - {c}))
         first = graph.nodes[unit[0]]
+        if len(unit) == 1 or all(i in outputs for i in unit):
+            out_b, temp_b, kept_b = footprint(graph, unit)
+            nodes.append(Node(
+                name=first.name if len(unit) == 1 else f"{first.name}+{len(unit) - 1}", kind=first.kind, deps=deps,
+                out_bytes=out_b + kept_b if len(unit) > 1 else first.out_bytes,
+                cost=sum(graph.nodes[i].cost for i in unit),
+                recomputable=all(graph.nodes[i].recomputable for i in unit),
+                temp_bytes=temp_b if len(unit) > 1 else first.temp_bytes,
+                kept_bytes=0 if len(unit) > 1 else first.kept_bytes,
+            ))
+            if any(i in outputs for i in unit):
+                coarse_outputs.append(c)
+            continue
+        out_b, temp_b, kept_b = footprint(graph, unit)
         nodes.append(Node(
-            name=first.name if len(unit) == 1 else f"{first.name}+{len(unit) - 1}",
+            name=f"{first.name}+{len(unit) - 1}",
             kind=first.kind,
-            deps=tuple(sorted({owner[d] for i in unit for d in graph.nodes[i].deps} - {c})),
-            out_bytes=out_bytes,
+            deps=deps,
+            out_bytes=out_b,
             cost=sum(graph.nodes[i].cost for i in unit),
-            recomputable=all(graph.nodes[i].recomputable for i in unit),
-            temp_bytes=temp_bytes,
+            recomputable=kept_b == 0 and all(graph.nodes[i].recomputable for i in unit),
+            temp_bytes=temp_b,
+            kept_bytes=kept_b,
         ))
-    coarse = Graph(nodes=tuple(nodes), fixed_bytes=graph.fixed_bytes,
-                   outputs=tuple(sorted(owner[o] for o in graph.outputs)), name=graph.name)
+    coarse = Graph(nodes=tuple(nodes), fixed_bytes=graph.fixed_bytes, outputs=tuple(coarse_outputs), name=graph.name)
     return Coarsening(fine=graph, coarse=coarse, groups=tuple(tuple(u) for u in units), exact=False)

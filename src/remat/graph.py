@@ -34,7 +34,9 @@ class Node:
     graph's one cost unit (microseconds for traced graphs). ``recomputable`` is False for
     operations that must run exactly once per step. ``temp_bytes`` is scratch memory held
     only while the node is being computed, on top of its output (zero for a traced op; a
-    grouped node of a coarse graph holds its members' internal values there).
+    grouped node of a coarse graph holds its members' internal values there). ``kept_bytes``
+    are allocated with the output but never freed: the step outputs (gradients) a grouped node
+    computes along with values that are freed; a node with kept bytes runs once.
     """
 
     name: str
@@ -44,6 +46,7 @@ class Node:
     cost: float
     recomputable: bool = True
     temp_bytes: int = 0
+    kept_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,13 @@ class Graph:
                 raise GraphError(f"{where}: out_bytes={node.out_bytes!r} must be a non-negative int")
             if not isinstance(node.temp_bytes, int) or node.temp_bytes < 0:
                 raise GraphError(f"{where}: temp_bytes={node.temp_bytes!r} must be a non-negative int")
+            if not isinstance(node.kept_bytes, int) or node.kept_bytes < 0:
+                raise GraphError(f"{where}: kept_bytes={node.kept_bytes!r} must be a non-negative int")
+            if node.kept_bytes and node.recomputable:
+                raise GraphError(
+                    f"{where}: has kept_bytes={node.kept_bytes} (step outputs it allocates once) but is "
+                    f"recomputable; such a node must run once: set recomputable=False"
+                )
             if not isinstance(node.cost, (int, float)) or not math.isfinite(node.cost) or node.cost < 0:
                 raise GraphError(f"{where}: cost={node.cost!r} must be a finite number >= 0")
             if len(set(node.deps)) != len(node.deps):
@@ -162,6 +172,7 @@ class Graph:
                 [n.name, n.kind.value, list(n.deps), n.out_bytes, n.recomputable]
                 + ([float(n.cost).hex()] if costs else [])
                 + ([n.temp_bytes] if n.temp_bytes else [])
+                + ([["kept", n.kept_bytes]] if n.kept_bytes else [])
                 for n in self.nodes
             ],
         }

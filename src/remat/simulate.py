@@ -3,7 +3,8 @@
 Accounting (the same rules the MILP uses): memory at any instant is the graph's
 ``fixed_bytes`` plus the bytes of every live node output. ``Compute(i)`` allocates node i's
 output while its inputs are still live, and holds the node's ``temp_bytes`` of scratch
-space while it runs; ``Free(i)`` releases an output. The peak is the largest memory after
+space while it runs, and its ``kept_bytes`` (step outputs of a grouped node) for good;
+``Free(i)`` releases an output. The peak is the largest memory after
 any step, scratch space included.
 """
 
@@ -107,6 +108,8 @@ def simulate(graph: Graph, plan: Plan) -> SimResult:
             if not live[i]:
                 memory += graph.nodes[i].out_bytes
                 live[i] = True
+            if counts[i] == 0:
+                memory += graph.nodes[i].kept_bytes
             peak = max(peak, memory + graph.nodes[i].temp_bytes)
             counts[i] += 1
             cost += graph.nodes[i].cost

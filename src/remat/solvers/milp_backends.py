@@ -374,7 +374,7 @@ def _run_cpsat(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
     if settings.relax:
         raise SolverError("CP-SAT has no LP relaxation; use backend='highs' for lp_round")
     m = cp_model.CpModel()
-    finite_top = int(sum(model.size_units) + max(model.temp_units, default=0)) + 1
+    finite_top = int(sum(model.size_units) + sum(model.kept_units) + max(model.temp_units, default=0)) + 1
     xs = []
     for lo, hi in zip(model.col_lower, model.col_upper):
         # Continuous columns of the model are 0/1 ORs or integer memory sums at the optimum.

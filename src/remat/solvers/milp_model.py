@@ -74,6 +74,7 @@ class MilpModel:
     bytes_unit: int
     size_units: tuple[int, ...]  # out_bytes of each node in units (rounded up)
     temp_units: tuple[int, ...]  # temp_bytes of each node in units (rounded up)
+    kept_units: tuple[int, ...]  # kept_bytes of each node in units (rounded up)
     exact_units: bool  # every size is a whole number of units (no rounding)
     col_lower: np.ndarray
     col_upper: np.ndarray
@@ -204,8 +205,9 @@ def bytes_unit_of(graph: Graph) -> int:
     unit = 0
     largest = 0
     for node in graph.nodes:
-        unit = math.gcd(math.gcd(unit, int(node.out_bytes)), int(node.temp_bytes))
-        largest = max(largest, node.out_bytes, node.temp_bytes)
+        for nbytes in (node.out_bytes, node.temp_bytes, node.kept_bytes):
+            unit = math.gcd(unit, int(nbytes))
+        largest = max(largest, node.out_bytes, node.temp_bytes, node.kept_bytes)
     unit = max(unit, 1)
     if largest // unit > MAX_SIZE_UNITS:
         unit = -(-largest // MAX_SIZE_UNITS)
@@ -221,9 +223,11 @@ def peak_lower_bound_bytes(graph: Graph) -> int:
     every earlier output live at once."""
     outputs = graph.output_set
     best = 0
+    kept = 0
     for t, node in enumerate(graph.nodes):
+        kept += node.kept_bytes
         live = {t, *node.deps, *(o for o in outputs if o < t)}
-        best = max(best, sum(graph.out_bytes[i] for i in live) + node.temp_bytes)
+        best = max(best, sum(graph.out_bytes[i] for i in live) + node.temp_bytes + kept)
     return graph.fixed_bytes + best
 
 
@@ -342,7 +346,8 @@ def build_model(
     unit = bytes_unit_of(graph)
     size = [_units(b, unit) for b in graph.out_bytes]
     temp = [_units(node.temp_bytes, unit) for node in graph.nodes]
-    exact_units = all(b % unit == 0 for node in graph.nodes for b in (node.out_bytes, node.temp_bytes))
+    kept = [_units(node.kept_bytes, unit) for node in graph.nodes]
+    exact_units = all(b % unit == 0 for node in graph.nodes for b in (node.out_bytes, node.temp_bytes, node.kept_bytes))
     cost = graph.costs
     pos_r, pos_s = _possible(graph)
     b = _Builder()
@@ -382,7 +387,7 @@ def build_model(
         peak_col = b.col(float(lo), float(hi), False, 1.0)
     instants: list[int] = []
     for t in range(n):
-        instants += _memory_rows(graph, b, t, size, temp, r_col, s_col, s_next, cap, peak_col, explicit_memory)
+        instants += _memory_rows(graph, b, t, size, temp, kept, r_col, s_col, s_next, cap, peak_col, explicit_memory)
     if peak_col is not None:
         b.definitions.append((Definition.MAX, peak_col, tuple(instants) or (FIXED_ZERO,)))
     if cap < 0:
@@ -394,6 +399,7 @@ def build_model(
         bytes_unit=unit,
         size_units=tuple(size),
         temp_units=tuple(temp),
+        kept_units=tuple(kept),
         exact_units=exact_units,
         col_lower=np.asarray(b.lower, dtype=float),
         col_upper=np.asarray(b.upper, dtype=float),
@@ -448,7 +454,7 @@ def _structure_rows(graph, b: _Builder, r_col, s_col, s_next, dominance: bool) -
                 b.row(acc, -math.inf, 0.0, f"stage {t}: useless {i}")
 
 
-def _memory_rows(graph, b: _Builder, t: int, size, temp, r_col, s_col, s_next, cap: float, peak_col,
+def _memory_rows(graph, b: _Builder, t: int, size, temp, kept, r_col, s_col, s_next, cap: float, peak_col,
                  explicit: bool) -> list[int]:
     """U columns and rows for stage t; returns the U columns (one per possible instant)."""
     users = graph.users
@@ -469,8 +475,10 @@ def _memory_rows(graph, b: _Builder, t: int, size, temp, r_col, s_col, s_next, c
         live_after[i] = chain[::-1]
     # memory right after computing node 0 of stage t
     running: dict[int, float] = {}
+    # kept bytes of nodes computed in earlier stages (they run once, in their own stage)
+    _add(running, FIXED_ONE, float(sum(kept[:t])))
     if t == 0:
-        _add(running, FIXED_ONE, size[0])
+        _add(running, FIXED_ONE, size[0] + kept[0])
     else:
         _add(running, present[0][0], size[0])
         _add(running, present[0][1], size[0])
@@ -480,6 +488,8 @@ def _memory_rows(graph, b: _Builder, t: int, size, temp, r_col, s_col, s_next, c
     for k in range(t + 1):
         if k > 0:  # move from just after k-1 (before its frees) to just after k
             _add(running, int(r_col[t, k]), size[k])
+            if k == t:
+                _add(running, FIXED_ONE, kept[k])
             p = k - 1
             _add(running, live_after[p][0], size[p])
             _add(running, present[p][0], -size[p])
