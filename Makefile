@@ -22,7 +22,8 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 --timeout 900 -q
 
 bench: $(STAMP)
-	$(PY) bench/solver_scaling.py
+	$(VENV)/bin/remat bench sweep
+	$(VENV)/bin/remat bench max-batch
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
