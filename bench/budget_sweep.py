@@ -227,10 +227,9 @@ def load(out: Path) -> dict:
 
 
 def save(results: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
-    tmp.replace(out)
+    from remat.sweep import save_json
+
+    save_json(results, out)
 
 
 def _meta(time_limit_s: float, rates) -> dict:
@@ -429,18 +428,6 @@ def parse_fractions(text: str) -> list[float]:
     return fractions
 
 
-def parse_options(text: str | None) -> dict[str, dict[str, object]]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--options is not JSON ({exc.msg}); e.g. '{{\"milp\": {{\"threads\": 2}}}}'") from None
-    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise ValueError("--options must map method names to option objects, e.g. '{\"milp\": {\"threads\": 2}}'")
-    return value
-
-
 def select_models(text: str | None, defaults: Mapping[str, int], batch: int | None) -> dict[str, int]:
     from remat.models import names
 
@@ -488,13 +475,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """Run the sweep from command-line arguments; usage errors exit 2 (``SystemExit``)."""
+    from remat.sweep import parse_solver_options
+
     p = build_parser(prog)
     args = p.parse_args(argv)
     try:
         models = select_models(args.models, MODELS, args.batch)
         fractions = parse_fractions(args.budgets)
         methods = check_methods(args.methods)
-        options = parse_options(args.options)
+        options = parse_solver_options(args.options)
     except ValueError as exc:
         p.error(str(exc))
     if args.batch is not None and args.batch < 1:

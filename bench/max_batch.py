@@ -314,10 +314,9 @@ def load(out: Path) -> dict:
 
 
 def save(results: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
-    tmp.replace(out)
+    from remat.sweep import save_json
+
+    save_json(results, out)
 
 
 def _environment() -> dict:
@@ -449,6 +448,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """Run the search from command-line arguments; usage errors exit 2 (``SystemExit``)."""
+    from remat.sweep import parse_solver_options
+
     p = build_parser(prog)
     args = p.parse_args(argv)
     from remat.models import names
@@ -472,7 +473,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         p.error(f"--max-batch {args.max_batch} must be at least 1")
     try:
         memory = parse_bytes(args.memory)
-        options = _parse_options(args.options)
+        options = parse_solver_options(args.options)
     except ValueError as exc:
         p.error(str(exc))
     logging.basicConfig(level=logging.WARNING)
@@ -483,18 +484,6 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
                   options=options)
     print(markdown(results))
     return 0
-
-
-def _parse_options(text: str | None) -> dict[str, dict[str, object]]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--options is not JSON ({exc.msg}); e.g. '{{\"milp\": {{\"threads\": 2}}}}'") from None
-    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise ValueError("--options must map method names to option objects, e.g. '{\"milp\": {\"threads\": 2}}'")
-    return value
 
 
 if __name__ == "__main__":

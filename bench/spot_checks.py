@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -64,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     import torch
 
+    from remat.sweep import save_json
+
     torch.set_num_threads(args.threads)
     results = json.loads(args.out.read_text()) if args.out.exists() else {"meta": {}, "models": {}}
     results["meta"].update(command="python bench/spot_checks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -77,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: tracing, planning and running at {', '.join(BUDGETS)}", flush=True)
         record = check_model(name, batch, BUDGETS, args.time_limit)
         results["models"][key] = record
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(results, indent=1))
-        os.replace(tmp, args.out)
+        save_json(results, args.out)
         for run in record["runs"]:
             print(f"  {_row(key, run)}", flush=True)
     print(markdown(results))

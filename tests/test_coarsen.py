@@ -37,13 +37,9 @@ def with_views(g: Graph, seed: int) -> Graph:
     return Graph(nodes=tuple(nodes), fixed_bytes=g.fixed_bytes, outputs=outputs, name=g.name + "_views")
 
 
-@settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 12), seed=st.integers(0, 10_000), keep_p=st.floats(0, 1))
-def test_expanded_plans_match_coarse_plans(n, seed, keep_p):
-    fine = with_views(random_training_graph(n, seed), seed)
-    c = coarsen(fine)
-    assert c.coarse.n < fine.n or all(len(grp) == 1 for grp in c.groups)
-    assert sorted(i for grp in c.groups for i in grp) == list(range(fine.n))
+def expand_random_plan(fine: Graph, c, seed: int, keep_p: float):
+    """Simulate a random coarse plan and its expansion; both must be valid, the expansion no
+    higher in peak. Returns both simulations."""
     rng = np.random.default_rng(seed)
     keep = np.tril(rng.random((c.coarse.n, c.coarse.n)) < keep_p, -1)
     plan = Schedule.from_kept(c.coarse, keep).lower(c.coarse)
@@ -51,6 +47,17 @@ def test_expanded_plans_match_coarse_plans(n, seed, keep_p):
     fine_sim = simulate(fine, c.expand(plan))
     assert coarse_sim.ok and fine_sim.ok, fine_sim.violations[:2]
     assert fine_sim.peak_bytes <= coarse_sim.peak_bytes
+    return coarse_sim, fine_sim
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 12), seed=st.integers(0, 10_000), keep_p=st.floats(0, 1))
+def test_expanded_plans_match_coarse_plans(n, seed, keep_p):
+    fine = with_views(random_training_graph(n, seed), seed)
+    c = coarsen(fine)
+    assert c.coarse.n < fine.n or all(len(grp) == 1 for grp in c.groups)
+    assert sorted(i for grp in c.groups for i in grp) == list(range(fine.n))
+    coarse_sim, fine_sim = expand_random_plan(fine, c, seed, keep_p)
     # the owner is freed no later than in the coarse plan, and owners hold all the bytes
     assert max(fine_sim.timeline_bytes, default=0) == fine_sim.peak_bytes
     assert abs(fine_sim.total_cost - coarse_sim.total_cost) < 1e-9
@@ -97,13 +104,7 @@ def test_grouped_plans_expand_to_plans_no_worse(n, seed, keep_p, frac):
             assert len({o in fine.output_set for o in owners}) == 1, "a forward output grouped with a non-output"
             if any(not users[o] and o not in fine.output_set for o in owners):
                 assert len(owners) == 1, "a sink was grouped with other nodes"
-    rng = np.random.default_rng(seed)
-    keep = np.tril(rng.random((c.coarse.n, c.coarse.n)) < keep_p, -1)
-    plan = Schedule.from_kept(c.coarse, keep).lower(c.coarse)
-    coarse_sim = simulate(c.coarse, plan)
-    fine_sim = simulate(fine, c.expand(plan))
-    assert coarse_sim.ok and fine_sim.ok, fine_sim.violations[:2]
-    assert fine_sim.peak_bytes <= coarse_sim.peak_bytes
+    coarse_sim, fine_sim = expand_random_plan(fine, c, seed, keep_p)
     assert abs(fine_sim.total_cost - coarse_sim.total_cost) < 1e-9
 
 

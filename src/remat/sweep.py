@@ -5,9 +5,11 @@ Pure computation: returns records; printing, plotting and files are the caller's
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from remat.errors import InfeasibleBudgetError, UnsupportedGraphError
 from remat.graph import Graph
@@ -90,3 +92,31 @@ def _solve_point(graph: Graph, method: str, budget: int, ref: int, options: dict
         log.info("%s skipped on %s: %s", method, graph.name, exc)
         return SweepPoint(method, budget, fraction, None, skipped=str(exc))
     return SweepPoint(method, budget, fraction, result.summary())
+
+
+def parse_solver_options(text: str | None) -> dict[str, dict[str, object]]:
+    """Per-method solver options from JSON text (``{"milp": {"threads": 2}}``); empty if none.
+
+    Raises ``ValueError`` naming the problem and showing the expected form.
+
+    >>> parse_solver_options('{"milp": {"max_nodes": 100}}')
+    {'milp': {'max_nodes': 100}}
+    """
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--options is not JSON ({exc.msg}); e.g. '{{\"milp\": {{\"threads\": 2}}}}'") from None
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError("--options must map method names to option objects, e.g. '{\"milp\": {\"threads\": 2}}'")
+    return value
+
+
+def save_json(value: object, path: Path) -> None:
+    """Write ``value`` as JSON to ``path`` atomically (a reader never sees half a file), so a
+    long benchmark can be interrupted at any time and resume from what it wrote."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
+    tmp.replace(path)
