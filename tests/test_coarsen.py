@@ -205,3 +205,14 @@ def test_kept_bytes_are_validated_and_never_freed():
               fixed_bytes=1, outputs=(1,))
     sim = simulate(g, Schedule.from_compute(g, np.eye(2, dtype=bool)).lower(g))
     assert sim.timeline_bytes == (1 + 4 + 3, 1 + 4 + 3 + 2, 1 + 3 + 2)  # a freed, its kept bytes stay
+
+
+def test_a_full_graph_baseline_that_recomputes_nothing_is_reported_optimal():
+    # grouping a chain merges f_i with f_i+1 and so raises its checkpoint-all peak: at the full
+    # graph's checkpoint-all budget the grouped MILP must recompute, checkpoint_all does not
+    g = chain_graph(12)
+    top = plan_graph(g, 2**62, "checkpoint_all").sim.peak_bytes
+    p = plan_graph(g, top, "milp", max_nodes=8, time_limit_s=10)
+    assert p.note.startswith("checkpoint_all on the full graph is cheaper")
+    assert p.overhead == 1.0 and p.result.status.value == "optimal"
+    assert p.result.lower_bound == g.total_cost and p.result.gap == 0.0

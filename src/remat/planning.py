@@ -26,7 +26,7 @@ from remat.graph import Graph
 from remat.schedule import Plan
 from remat.simulate import SimResult, simulate
 from remat.solvers import SolveResult, solve
-from remat.solvers.base import SolveStatus
+from remat.solvers.base import SolveStatus, relative_gap
 
 log = logging.getLogger("remat.solve")
 
@@ -110,8 +110,12 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
             status = grouped.result.status if grouped.result.status is SolveStatus.TIME_LIMIT else SolveStatus.FEASIBLE
         note = f"{best.result.method} on the full graph is cheaper at {best.overhead:.4f}x: {why}"
         log.info("%s: %s", graph.name, note)
-        result = dataclasses.replace(best.result, method=method, status=status, lower_bound=None, gap=None,
-                                     solve_s=time.perf_counter() - started)
+        # the grouped bound does not bound the full graph; computing every node once does
+        gap = relative_gap(best.sim.total_cost, graph.total_cost)
+        if gap is not None and gap <= 1e-9:
+            status = SolveStatus.OPTIMAL
+        result = dataclasses.replace(best.result, method=method, status=status, lower_bound=graph.total_cost,
+                                     gap=gap, solve_s=time.perf_counter() - started)
         return dataclasses.replace(best, result=result, note=note)
     if grouped is None:
         if infeasible is None:
