@@ -216,3 +216,15 @@ def test_a_full_graph_baseline_that_recomputes_nothing_is_reported_optimal():
     assert p.note.startswith("checkpoint_all on the full graph is cheaper")
     assert p.overhead == 1.0 and p.result.status.value == "optimal"
     assert p.result.lower_bound == g.total_cost and p.result.gap == 0.0
+
+
+def test_merges_that_raise_the_largest_working_set_come_last():
+    # a small chain feeding one huge node: merging small nodes is free, merging into the huge
+    # one would raise the largest working set; with room to spare it is not done
+    nodes = [Node("a", F, (), 1, 1.0), Node("b", F, (0,), 1, 1.0), Node("c", F, (1,), 1, 1.0),
+             Node("big", F, (2,), 100, 1.0), Node("loss", NodeKind.LOSS, (3,), 1, 1.0),
+             Node("g", B, (0, 1, 2, 3, 4), 1, 1.0)]
+    g = Graph(nodes=tuple(nodes), fixed_bytes=0, outputs=(5,))
+    c = group(g, 4)
+    assert (3,) in c.groups and c.coarse.n == 4
+    assert group(g, 3).coarse.n == 3  # needed to reach max_nodes: done after all

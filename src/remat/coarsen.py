@@ -21,6 +21,7 @@ plans, so its optimum can cost more than the original graph's.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 from remat.graph import Graph, Node, NodeKind
@@ -142,7 +143,9 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
     neighbouring groups then merge only if they have the same kind and nothing but sinks lies
     between them, so a group is convex (no path leaves it and comes back) and the grouped graph
     is a DAG; the sinks skipped over are computed after it. In the forward pass, outputs merge
-    only with outputs and recomputable nodes only with recomputable ones. In the backward pass,
+    only with outputs and recomputable nodes only with recomputable ones. Merges whose group needs
+    more bytes at once (its own and its inputs') than the hungriest single node come last, only
+    if ``max_nodes`` is not reached without them. In the backward pass,
     a step output (a parameter gradient) may join its neighbours: its bytes become the group's
     ``kept_bytes`` and the group runs once. The pair merged next is the one whose merge costs
     the least: its share of the graph's compute, of its bytes, and (weighted by
@@ -173,6 +176,16 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
     prv = {a + 1: a for a in range(len(items) - 1)}
     version = {a: 0 for a in members}
 
+    def working_set(unit: list[int]) -> int:
+        """Bytes live while ``unit`` runs as one node: its own bytes and its inputs'."""
+        inside = set(unit)
+        inputs = {d for i in unit for d in graph.nodes[i].deps if d not in inside}
+        return sum(footprint(graph, unit)) + sum(graph.out_bytes[d] for d in inputs)
+
+    # merges that need more memory at once than the hungriest single node already does raise
+    # the grouped graph's smallest feasible budget: they come last, only if still needed
+    ceiling = [max((working_set([i]) for i in range(n)), default=0)]
+
     def joinable(a: int, b: int) -> bool:
         i, j = members[a][-1], members[b][0]
         x, y = graph.nodes[i], graph.nodes[j]
@@ -180,7 +193,9 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
             return False
         if x.kind is not backward and ((i in outputs) != (j in outputs) or x.recomputable != y.recomputable):
             return False
-        return all(sink[order[k]] for k in range(pos[i] + 1, pos[j]))
+        if not all(sink[order[k]] for k in range(pos[i] + 1, pos[j])):
+            return False
+        return working_set(members[a] + members[b]) <= ceiling[0]
 
     heap: list[tuple[float, int, int, int, int]] = []
     total_cost = graph.total_cost or 1.0
@@ -209,7 +224,12 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
     for a in range(len(items) - 1):
         push(a)
     count = n
-    while count > max_nodes and heap:
+    while count > max_nodes and (heap or ceiling[0] < math.inf):
+        if not heap:  # every merge left would raise the ceiling: allow them after all
+            ceiling[0] = math.inf
+            for a in list(members):
+                push(a)
+            continue
         _, _, a, va, vb = heapq.heappop(heap)
         b = nxt.get(a)
         if a not in members or b is None or version[a] != va or version[b] != vb:
