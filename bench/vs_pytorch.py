@@ -276,9 +276,9 @@ def measure_model(w: Workload, args: argparse.Namespace, results: dict, save) ->
     run_step(lambda *b: w.loss_fn(reference, *b), reference, w.batch, seed=1)
     want_grads = [p.grad for p in reference.parameters()]
     want_buffers = [b.clone() for b in reference.buffers()]
-    vs = variants(args, w)
     runnable = []
-    for v in vs:
+
+    def first_step(v: Variant) -> None:
         model = copy.deepcopy(w.model)
         started = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
@@ -291,7 +291,7 @@ def measure_model(w: Workload, args: argparse.Namespace, results: dict, save) ->
                 record["variants"][v.name] = v.result
                 save()
                 print(f"  {v.name}: ERROR {v.result['error']}", flush=True)
-                continue
+                return
         compile_s = time.perf_counter() - started
         grads = [p.grad for p in model.parameters()]
         buffers = [b.clone() for b in model.buffers()]
@@ -313,6 +313,14 @@ def measure_model(w: Workload, args: argparse.Namespace, results: dict, save) ->
         save()
         print(f"  {v.name}: peak {report.peak_bytes / MIB:.1f} MiB, first step {compile_s:.1f} s, "
               f"grad diff {v.result['grad_max_abs_diff']:.3g}", flush=True)
+
+    for v in variants(args, w):
+        first_step(v)
+    # remat again at each competitor's measured peak (its budget in bytes), so that every
+    # competitor point has a remat point of the same memory to be compared with
+    for v in [v for v in list(record["variants"].values()) if v["family"] not in ("eager", "remat")]:
+        if "peak_bytes" in v and v["grad_max_abs_diff"] <= WRONG_GRAD:
+            first_step(Variant(f"remat {args.method} at {v['name']}'s peak", "remat", int(v["peak_bytes"])))
     times: dict[str, list[float]] = {v.name: [] for v, _, _ in runnable}
     for r in range(args.rounds):
         for v, model, fn in runnable:
