@@ -381,8 +381,9 @@ def markdown(results: dict) -> str:
         lines.append(f"| {model} | " + " | ".join(row) + " |")
     lines += ["", "Search work per model and method: solves (each one trace and one `plan_graph`), total solve time, "
               "and the status of the plan at the maximum (a MILP stopped by the time limit shows its gap).", "",
-              "| model | method | max batch | nodes at max | solves | solve time (s) | trace time (s) | status at max |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| model | method | max batch | nodes at max | solves | solve time (s) | trace time (s) | status at max | "
+              "one batch more |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for model in models:
         for method in methods:
             e = runs.get(run_key(model, method))
@@ -394,9 +395,24 @@ def markdown(results: dict) -> str:
                 status += f" (gap {at['gap']:.1%})"
             nodes = f"{at['n_nodes']} ({at.get('n_nodes_solved', '')} solved)" if at else ""
             lines.append(f"| {model} | {method} | {e.get('max_batch') if e.get('max_batch') is not None else 'n/a'} | "
-                         f"{nodes} | {e['n_solves']} | {e['solve_s_total']:.1f} | {e['trace_s_total']:.1f} | {status} |")
+                         f"{nodes} | {e['n_solves']} | {e['solve_s_total']:.1f} | {e['trace_s_total']:.1f} | {status} | "
+                         f"{_why_not_more(e)} |")
     lines += ["", DIFFERENCES]
     return "\n".join(lines) + "\n"
+
+
+def _why_not_more(e: dict) -> str:
+    """What stopped the search one batch above the maximum: the smallest failing batch."""
+    failed = [v for v in e.get("evaluations", []) if not v.get("fits") and e.get("max_batch") is not None
+              and v["batch"] > e["max_batch"]]
+    if not failed:
+        return ""
+    v = min(failed, key=lambda v: v["batch"])
+    if v.get("status") == "over cost limit" and v.get("overhead") is not None:
+        return f"{v['batch']}: fits, but costs {v['overhead']:.3f}x > {v['limit_overhead']:.3f}x"
+    if v.get("status") == "infeasible" and v.get("min_budget_bytes"):
+        return f"{v['batch']}: infeasible (needs {v['min_budget_bytes'] / 1e9:.2f} GB)"
+    return f"{v['batch']}: {v.get('status', '?')}"
 
 
 DIFFERENCES = """\
