@@ -406,7 +406,8 @@ def markdown(results: dict) -> str:
             if v.get("buffer_max_abs_diff"):
                 notes.append(f"buffers differ by {v['buffer_max_abs_diff']:.3g}")
             name = ("★ " if v["name"] in front else "") + v["name"]
-            lines.append(f"| {name} | {peak / MIB:.1f} | {rel_peak} | {step:.3f} | {rel_time} | {predicted} | "
+            step_text = f"{step:.3f}" if step is not None else "(not timed yet)"
+            lines.append(f"| {name} | {peak / MIB:.1f} | {rel_peak} | {step_text} | {rel_time} | {predicted} | "
                          f"{v['grad_max_abs_diff']:.3g} | {'; '.join(notes)} |")
         lines += ["", *dominance_lines(vs), ""]
     return "\n".join(lines)
