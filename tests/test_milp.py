@@ -429,8 +429,8 @@ def _grouped_small_graphs() -> list[Graph]:
     from remat.coarsen import coarsen
 
     out = []
-    for g in (random_training_graph(4, seed=0), random_training_graph(4, seed=8), chain_graph(4, bytes_per_node=1),
-              random_training_graph(3, seed=1), random_training_graph(4, seed=1)):
+    for g in (chain_graph(4, bytes_per_node=1), random_training_graph(3, seed=1), random_training_graph(3, seed=12),
+              random_training_graph(4, seed=3), random_training_graph(4, seed=10), random_training_graph(4, seed=18)):
         c = coarsen(g, max_nodes=max(3, (2 * g.n) // 3)).coarse
         out.append(Graph(nodes=c.nodes, fixed_bytes=c.fixed_bytes, outputs=c.outputs, name=g.name + "_grouped"))
     return out
