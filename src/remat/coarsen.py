@@ -20,6 +20,7 @@ plans, so its optimum can cost more than the original graph's.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -127,9 +128,8 @@ LIFETIME_WEIGHT = 4.0
 
 #: A forward-pass step output read only after the forward pass, if at all (batch-norm
 #: statistics), moves to the end of the forward pass, where such outputs group together, if
-#: the inputs it would keep alive longer
-#: (those nothing reads after the forward pass anyway) hold at most this share of the largest
-#: value.
+#: the inputs it would keep alive longer (those nothing reads after the forward pass anyway)
+#: hold at most this share of the largest value.
 DEFER_INPUT_SHARE = 1e-3
 
 
@@ -139,15 +139,14 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
 
     Step outputs of the forward pass that only the backward pass reads, if anything (batch-norm
     statistics), first move to the end of the forward pass when that keeps next to nothing
-    alive longer. Two
-    neighbouring groups then merge only if they have the same kind and nothing but sinks lies
-    between them, so a group is convex (no path leaves it and comes back) and the grouped graph
-    is a DAG; the sinks skipped over are computed after it. In the forward pass, outputs merge
-    only with outputs and recomputable nodes only with recomputable ones. Merges whose group needs
-    more bytes at once (its own and its inputs') than the hungriest single node come last, only
-    if ``max_nodes`` is not reached without them. In the backward pass,
-    a step output (a parameter gradient) may join its neighbours: its bytes become the group's
-    ``kept_bytes`` and the group runs once. The pair merged next is the one whose merge costs
+    alive longer. Two neighbouring groups then merge only if they have the same kind and
+    nothing but sinks lies between them, so a group is convex (no path leaves it and comes
+    back) and the grouped graph is a DAG; the sinks skipped over are computed after it. In the
+    forward pass, outputs merge only with outputs and recomputable nodes only with recomputable
+    ones. Merges whose group needs more bytes at once (its own and its inputs') than the
+    hungriest single node come last, only if ``max_nodes`` is not reached without them. In the
+    backward pass, a step output (a parameter gradient) may join its neighbours: its bytes
+    become the group's ``kept_bytes`` and the group runs once. The pair merged next is the one whose merge costs
     the least: its share of the graph's compute, of its bytes, and (weighted by
     ``LIFETIME_WEIGHT``) of the bytes x time its values gain by being freed together.
 
@@ -176,26 +175,24 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
     prv = {a + 1: a for a in range(len(items) - 1)}
     version = {a: 0 for a in members}
 
-    def working_set(unit: list[int]) -> int:
-        """Bytes live while ``unit`` runs as one node: its own bytes and its inputs'."""
+    def working_set(unit: list[int], own_bytes: int) -> int:
+        """Bytes live while ``unit`` runs as one node: its own (``footprint``) and its inputs'."""
         inside = set(unit)
         inputs = {d for i in unit for d in graph.nodes[i].deps if d not in inside}
-        return sum(footprint(graph, unit)) + sum(graph.out_bytes[d] for d in inputs)
+        return own_bytes + sum(graph.out_bytes[d] for d in inputs)
 
     # merges that need more memory at once than the hungriest single node already does raise
     # the grouped graph's smallest feasible budget: they come last, only if still needed
-    ceiling = [max((working_set([i]) for i in range(n)), default=0)]
+    ceiling = max((working_set([i], sum(footprint(graph, [i]))) for i in range(n)), default=0)
 
-    def joinable(a: int, b: int) -> bool:
+    def same_run(a: int, b: int) -> bool:
         i, j = members[a][-1], members[b][0]
         x, y = graph.nodes[i], graph.nodes[j]
         if x.kind is not y.kind:
             return False
         if x.kind is not backward and ((i in outputs) != (j in outputs) or x.recomputable != y.recomputable):
             return False
-        if not all(sink[order[k]] for k in range(pos[i] + 1, pos[j])):
-            return False
-        return working_set(members[a] + members[b]) <= ceiling[0]
+        return all(sink[order[k]] for k in range(pos[i] + 1, pos[j]))
 
     heap: list[tuple[float, int, int, int, int]] = []
     total_cost = graph.total_cost or 1.0
@@ -204,29 +201,31 @@ def group(graph: Graph, max_nodes: int) -> Coarsening:
     last = [max(pos[u] for u in users[i]) if users[i] and i not in outputs else n for i in range(n)]
     total_lifetime = sum(graph.nodes[i].out_bytes * (last[i] - pos[i]) for i in range(n)) or 1
 
-    def score(a: int, b: int) -> float:
-        """What merging a and b costs the plans: its share of compute (recomputed as one), of
-        bytes (kept as one) and of the lifetime its values gain by being freed together."""
-        unit = members[a] + members[b]
-        out_b, temp_b, kept_b = footprint(graph, unit)
+    def score(unit: list[int], own_bytes: int) -> float:
+        """What merging into ``unit`` costs the plans: its share of compute (recomputed as one),
+        of bytes (kept as one) and of the lifetime its values gain by being freed together."""
         inside = set(unit)
-        leaving = [i for i in unit if i not in outputs and not (users[i] and all(u in inside for u in users[i]))]
+        leaving = [i for i in unit if not _internal(graph, i, inside) and i not in outputs]
         end = max((last[i] for i in leaving), default=0)
         extension = sum(graph.nodes[i].out_bytes * (end - last[i]) for i in leaving)
         share = sum(graph.nodes[i].cost for i in unit) / total_cost
-        return share + (out_b + temp_b + kept_b) / total_bytes + LIFETIME_WEIGHT * extension / total_lifetime
+        return share + own_bytes / total_bytes + LIFETIME_WEIGHT * extension / total_lifetime
 
     def push(a: int) -> None:
         b = nxt.get(a)
-        if b is not None and joinable(a, b):
-            heapq.heappush(heap, (score(a, b), pos[members[a][0]], a, version[a], version[b]))
+        if b is None or not same_run(a, b):
+            return
+        unit = members[a] + members[b]
+        own_bytes = sum(footprint(graph, unit))
+        if working_set(unit, own_bytes) <= ceiling:
+            heapq.heappush(heap, (score(unit, own_bytes), pos[members[a][0]], a, version[a], version[b]))
 
     for a in range(len(items) - 1):
         push(a)
     count = n
-    while count > max_nodes and (heap or ceiling[0] < math.inf):
+    while count > max_nodes and (heap or ceiling < math.inf):
         if not heap:  # every merge left would raise the ceiling: allow them after all
-            ceiling[0] = math.inf
+            ceiling = math.inf
             for a in list(members):
                 push(a)
             continue
@@ -274,11 +273,16 @@ def _deferred_order(graph: Graph, sink: list[bool]) -> tuple[list[int], frozense
         return extended <= DEFER_INPUT_SHARE * largest
 
     moved = [i for i in range(graph.n) if deferred(i)]
-    if not moved:
-        return list(range(graph.n)), frozenset()
-    rest = [i for i in range(graph.n) if i not in set(moved)]
+    moved_set = frozenset(moved)
+    rest = [i for i in range(graph.n) if i not in moved_set]
     cut = next((k for k, i in enumerate(rest) if graph.nodes[i].kind is not forward), len(rest))
-    return rest[:cut] + moved + rest[cut:], frozenset(moved)
+    return rest[:cut] + moved + rest[cut:], moved_set
+
+
+def _internal(graph: Graph, i: int, inside) -> bool:
+    """Node i's value is read only inside the unit ``inside`` (and is not a step output)."""
+    users = graph.users[i]
+    return bool(users) and i not in graph.output_set and all(u in inside for u in users)
 
 
 def footprint(graph: Graph, unit: list[int]) -> tuple[int, int, int]:
@@ -290,7 +294,7 @@ def footprint(graph: Graph, unit: list[int]) -> tuple[int, int, int]:
     frees: dict[int, int] = {}
     inner = set()
     for i in unit:
-        if users[i] and i not in outputs and all(u in at for u in users[i]):
+        if _internal(graph, i, at):
             inner.add(i)
             last = max(at[u] for u in users[i])
             frees[last] = frees.get(last, 0) + graph.nodes[i].out_bytes
@@ -322,20 +326,15 @@ def _quotient(graph: Graph, units: list[list[int]]) -> Coarsening:
     for c, unit in enumerate(units):
         deps = tuple(sorted({owner[d] for i in unit for d in graph.nodes[i].deps} - {c}))
         first = graph.nodes[unit[0]]
-        if len(unit) == 1 or all(i in outputs for i in unit):
-            out_b, temp_b, kept_b = footprint(graph, unit)
-            nodes.append(Node(
-                name=first.name if len(unit) == 1 else f"{first.name}+{len(unit) - 1}", kind=first.kind, deps=deps,
-                out_bytes=out_b + kept_b if len(unit) > 1 else first.out_bytes,
-                cost=sum(graph.nodes[i].cost for i in unit),
-                recomputable=all(graph.nodes[i].recomputable for i in unit),
-                temp_bytes=temp_b if len(unit) > 1 else first.temp_bytes,
-                kept_bytes=0 if len(unit) > 1 else first.kept_bytes,
-            ))
-            if any(i in outputs for i in unit):
-                coarse_outputs.append(c)
+        all_outputs = all(i in outputs for i in unit)
+        if all_outputs:
+            coarse_outputs.append(c)
+        if len(unit) == 1:
+            nodes.append(dataclasses.replace(first, deps=deps))
             continue
         out_b, temp_b, kept_b = footprint(graph, unit)
+        if all_outputs:  # kept for good as the coarse graph's output, not as kept bytes
+            out_b, kept_b = out_b + kept_b, 0
         nodes.append(Node(
             name=f"{first.name}+{len(unit) - 1}",
             kind=first.kind,
