@@ -65,13 +65,20 @@ def coarsen(graph: Graph, max_nodes: int | None = None) -> Coarsening:
     (True, False, 41)
     """
     folded = fold_aliases(graph)
-    if max_nodes is None or folded.coarse.n <= max_nodes:
+    return folded if max_nodes is None else group_folded(folded, max_nodes)
+
+
+def group_folded(folded: Coarsening, max_nodes: int) -> Coarsening:
+    """``group`` the coarse graph of ``folded`` (the result of ``fold_aliases``) down to
+    ``max_nodes`` nodes, as a coarsening of ``folded.fine``; ``folded`` itself if it is small
+    enough already or nothing merges."""
+    if folded.coarse.n <= max_nodes:
         return folded
     grouped = group(folded.coarse, max_nodes)
     if grouped.exact:
         return folded
     members = tuple(tuple(i for j in g for i in folded.groups[j]) for g in grouped.groups)
-    return Coarsening(fine=graph, coarse=grouped.coarse, groups=members, exact=False)
+    return Coarsening(fine=folded.fine, coarse=grouped.coarse, groups=members, exact=False)
 
 
 def fold_aliases(graph: Graph) -> Coarsening:

@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from remat.coarsen import Coarsening, coarsen
+from remat.coarsen import Coarsening, fold_aliases, group_folded
 from remat.errors import InfeasibleBudgetError, SolverError, UnsupportedGraphError
 from remat.graph import Graph
 from remat.schedule import Plan
@@ -85,7 +85,8 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
     elif max_nodes is not None and (not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1):
         raise ValueError(f"max_nodes={max_nodes!r} must be a positive int, None (no grouping) or 'auto'")
     started = time.perf_counter()
-    coarse = coarsen(graph, max_nodes if reduce else None) if reduce else None
+    folded = fold_aliases(graph) if reduce else None
+    coarse = folded if folded is None or max_nodes is None else group_folded(folded, max_nodes)
     target = coarse.coarse if coarse is not None else graph
     if coarse is None or coarse.exact:
         result = solve(target, budget_bytes, method=method, **options)
@@ -99,7 +100,7 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
         infeasible = exc
     except SolverError as exc:  # e.g. a time limit with no plan found on the grouped graph
         failure = exc
-    best, smallest = _best_full_graph_baseline(graph, budget_bytes)
+    best, smallest = _best_full_graph_baseline(graph, folded, budget_bytes)
     if best is not None and (grouped is None or best.sim.total_cost < grouped.sim.total_cost - 1e-9 * max(1.0, best.sim.total_cost)):
         if grouped is None:
             why = f"no plan of the graph grouped to {target.n} nodes was found ({infeasible or failure})"
@@ -130,16 +131,17 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
     return dataclasses.replace(grouped, result=result, note=note)
 
 
-def _best_full_graph_baseline(graph: Graph, budget_bytes: int) -> tuple[GraphPlan | None, int | None]:
-    """The cheapest baseline plan of the alias-folded graph that fits (checked on ``graph``),
-    and the smallest budget a baseline said it needs when it does not fit."""
+def _best_full_graph_baseline(graph: Graph, folded: Coarsening, budget_bytes: int
+                              ) -> tuple[GraphPlan | None, int | None]:
+    """The cheapest baseline plan of the alias-folded graph ``folded`` that fits (checked on
+    ``graph``), and the smallest budget a baseline said it needs when it does not fit."""
     from remat.solvers.milp_start import BASELINE_METHODS
 
     best: GraphPlan | None = None
     smallest: int | None = None
     for name in BASELINE_METHODS:
         try:
-            candidate = plan_graph(graph, budget_bytes, name, max_nodes=None)
+            candidate = _checked(graph, folded, solve(folded.coarse, budget_bytes, method=name), name, budget_bytes)
         except InfeasibleBudgetError as exc:
             if exc.min_budget_bytes is not None:
                 smallest = exc.min_budget_bytes if smallest is None else min(smallest, exc.min_budget_bytes)
