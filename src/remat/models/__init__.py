@@ -16,6 +16,7 @@ and traced with ``CostModel.ESTIMATE``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,13 +54,7 @@ def _builtins() -> dict[str, Factory]:
         "gpt2-tiny": gpt2.gpt2_tiny,
         "gpt2-small": gpt2.gpt2_small,
         "gpt2-medium": gpt2.gpt2_medium,
-        "vgg16": paper.vgg16,
-        "vgg19": paper.vgg19,
-        "resnet50": paper.resnet50,
-        "mobilenet": paper.mobilenet,
-        "vgg-unet": paper.vgg_unet,
-        "fcn8": paper.fcn8,
-        "segnet": paper.segnet,
+        **{name: functools.partial(paper.paper_workload, name) for name in paper.PAPER_WORKLOADS},
     }
 
 

@@ -6,7 +6,7 @@ Model and batch go to the default device, so the paper's batch sizes build and t
 allocating anything on the meta device:
 
 >>> with torch.device("meta"):
-...     w = vgg_unet(32)
+...     w = paper_workload("vgg-unet", 32)
 >>> w.batch[0].is_meta, tuple(w.batch[0].shape), tuple(w.batch[1].shape)
 (True, (32, 3, 416, 608), (32, 208, 304))
 """
@@ -18,7 +18,8 @@ import torch
 from remat.models import Workload
 from remat.models import paper_cnns as cnns
 
-#: Workload name -> key of ``paper_cnns.PAPER_MODELS``.
+#: Workload name -> key of ``paper_cnns.PAPER_MODELS``: classifiers at 224x224 with 1000
+#: classes; segmentation networks (keras_segmentation's) at 416x608 with 19 classes.
 PAPER_WORKLOADS = {
     "vgg16": "vgg16",
     "vgg19": "vgg19",
@@ -37,38 +38,3 @@ def paper_workload(name: str, batch_size: int) -> Workload:
     model = cnns.paper_models()[key].factory()
     images, labels = cnns.example_batch(key, batch_size, device=torch.get_default_device())
     return Workload(name, model, (images, labels), cnns.cross_entropy_loss)
-
-
-def vgg16(batch_size: int) -> Workload:
-    """Keras VGG16 at 224x224, 1000 classes."""
-    return paper_workload("vgg16", batch_size)
-
-
-def vgg19(batch_size: int) -> Workload:
-    """Keras VGG19 at 224x224, 1000 classes."""
-    return paper_workload("vgg19", batch_size)
-
-
-def resnet50(batch_size: int) -> Workload:
-    """Keras ResNet50 (v1) at 224x224, 1000 classes."""
-    return paper_workload("resnet50", batch_size)
-
-
-def mobilenet(batch_size: int) -> Workload:
-    """Keras MobileNet v1 at 224x224, 1000 classes."""
-    return paper_workload("mobilenet", batch_size)
-
-
-def vgg_unet(batch_size: int) -> Workload:
-    """keras_segmentation's vgg_unet at 416x608, 19 classes, per-pixel labels at 208x304."""
-    return paper_workload("vgg-unet", batch_size)
-
-
-def fcn8(batch_size: int) -> Workload:
-    """keras_segmentation's fcn_8_vgg at 416x608, 19 classes, per-pixel labels at 424x616."""
-    return paper_workload("fcn8", batch_size)
-
-
-def segnet(batch_size: int) -> Workload:
-    """keras_segmentation's segnet at 416x608, 19 classes, per-pixel labels at 208x304."""
-    return paper_workload("segnet", batch_size)
