@@ -27,20 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from remat.sweep import environment, parse_solver_options, pin_estimate_rates, save_json, trace_on_meta
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "budget_sweep.json"
 PLOTS = HERE / "plots"
-#: Machine rates of the ESTIMATE cost model, measured once and kept next to the results so
-#: that a resumed run (another process) prices every node exactly as the first one did.
-RATES_FILE = "estimate_rates.json"
 
 #: model -> batch size (the Checkmate paper's budget sweeps; GPT-2 small is our addition).
 MODELS: dict[str, int] = {"vgg16": 256, "mobilenet": 512, "vgg-unet": 32, "gpt2-small": 8}
@@ -54,31 +51,6 @@ SOLVER_OPTIONS: dict[str, dict[str, object]] = {}
 DEFAULT_TIME_LIMIT_S = 60.0
 #: Relative tolerance of the "MILP is never worse than a baseline" check.
 CHECK_RTOL = 1e-6
-
-
-# ---------------------------------------------------------------------------- tracing
-def pin_estimate_rates(cache_path: Path | None):
-    """Measure the ESTIMATE cost model's machine rates, or read them from ``cache_path``, and
-    make this process use them; returns them."""
-    from remat.cost import machine_rates
-
-    if cache_path is not None:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-    return machine_rates("cpu", cache_path=cache_path)
-
-
-def trace_on_meta(model: str, batch: int):
-    """The traced training step of built-in workload ``model`` at ``batch``, built and traced on
-    the meta device (nothing allocated), node costs from ``CostModel.ESTIMATE``."""
-    import torch
-
-    from remat.cost import CostModel
-    from remat.models import get_workload
-    from remat.trace import trace
-
-    with torch.device("meta"):
-        w = get_workload(model, batch)
-    return trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE, name=model)
 
 
 def model_info(model: str, batch: int, graph, trace_s: float) -> dict:
@@ -179,8 +151,8 @@ def run(models: Mapping[str, int], fractions: Sequence[float], methods: Sequence
     ``trace_fn(model, batch)`` returns a ``TracedStep`` or a ``Graph`` (tests pass small graphs).
     """
     results = load(out)
-    rates = pin_estimate_rates(out.parent / RATES_FILE)
-    results["meta"].update(_meta(time_limit_s, rates))
+    results["meta"].update(time_limit_s=time_limit_s, cost_model="estimate", rates=pin_estimate_rates(out.parent),
+                           **environment())
     done = {point_key(p) for p in results["points"]}
     for model, batch in models.items():
         key = model_key(model, batch)
@@ -227,32 +199,7 @@ def load(out: Path) -> dict:
 
 
 def save(results: dict, out: Path) -> None:
-    from remat.sweep import save_json
-
     save_json(results, out)
-
-
-def _meta(time_limit_s: float, rates) -> dict:
-    import torch
-
-    meta = {
-        "time_limit_s": time_limit_s,
-        "cost_model": "estimate",
-        "rates": {"device": rates.device, "matmul_flops_per_us": rates.matmul_flops_per_us,
-                  "bytes_per_us": rates.bytes_per_us, "op_overhead_us": rates.op_overhead_us},
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.platform(),
-        "python": platform.python_version(),
-    }
-    try:
-        import highspy
-
-        h = highspy.Highs()
-        meta["highspy"] = f"{h.versionMajor()}.{h.versionMinor()}.{h.versionPatch()}"
-    except Exception:  # noqa: BLE001 - the version is a courtesy
-        pass
-    return meta
 
 
 def _display_path(path: Path) -> str:
@@ -482,8 +429,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """Run the sweep from command-line arguments; usage errors exit 2 (``SystemExit``)."""
-    from remat.sweep import parse_solver_options
-
     p = build_parser(prog)
     args = p.parse_args(argv)
     try:

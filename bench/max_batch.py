@@ -25,17 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from remat.sweep import environment, parse_solver_options, pin_estimate_rates, save_json, trace_on_meta
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "max_batch.json"
-RATES_FILE = "estimate_rates.json"  # as budget_sweep.py: ESTIMATE's rates, kept next to the results
 
 MODELS = ("vgg19", "resnet50", "mobilenet", "vgg-unet", "fcn8", "segnet")
 METHODS = ("checkpoint_all", "chen_sqrtn", "chen_greedy", "griewank", "lp_round", "milp")
@@ -136,20 +135,6 @@ class NotApplicable(Exception):
     """The method cannot plan this model at all (griewank off chains)."""
 
 
-def trace_on_meta(model: str, batch: int):
-    """The training step of built-in workload ``model`` at ``batch``, built and traced on the
-    meta device (nothing allocated), costs from ``CostModel.ESTIMATE``."""
-    import torch
-
-    from remat.cost import CostModel
-    from remat.models import get_workload
-    from remat.trace import trace
-
-    with torch.device("meta"):
-        w = get_workload(model, batch)
-    return trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE, name=model)
-
-
 class Graphs:
     """Traced graphs by (model, batch), each traced once per process (a bounded cache)."""
 
@@ -231,14 +216,9 @@ def run(models: Sequence[str], methods: Sequence[str], time_limit_s: float, out:
     """Search every missing (model, method) pair, writing ``out`` after every evaluation."""
     results = load(out)
     meta = {"time_limit_s": time_limit_s, "memory_bytes": memory_bytes, "max_batch": max_batch,
-            "cost_model": "estimate", **_environment()}
+            "cost_model": "estimate", **environment()}
     if pin_rates:
-        from remat.cost import machine_rates
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        rates = machine_rates("cpu", cache_path=out.parent / RATES_FILE)
-        meta["rates"] = {"device": rates.device, "matmul_flops_per_us": rates.matmul_flops_per_us,
-                         "bytes_per_us": rates.bytes_per_us, "op_overhead_us": rates.op_overhead_us}
+        meta["rates"] = pin_estimate_rates(out.parent)
     results["meta"].update(meta)
     graphs = graphs or Graphs()
     for model in models:
@@ -314,20 +294,7 @@ def load(out: Path) -> dict:
 
 
 def save(results: dict, out: Path) -> None:
-    from remat.sweep import save_json
-
     save_json(results, out)
-
-
-def _environment() -> dict:
-    env = {"cpu_count": os.cpu_count(), "machine": platform.platform(), "python": platform.python_version()}
-    try:
-        import torch
-
-        env["torch"] = torch.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    return env
 
 
 # ---------------------------------------------------------------------------- reporting
@@ -464,8 +431,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """Run the search from command-line arguments; usage errors exit 2 (``SystemExit``)."""
-    from remat.sweep import parse_solver_options
-
     p = build_parser(prog)
     args = p.parse_args(argv)
     from remat.models import names

@@ -120,3 +120,53 @@ def save_json(value: object, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
     tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------- benchmark helpers
+#: Machine rates of the ESTIMATE cost model, measured once and kept next to a benchmark's
+#: results, so that a resumed run (another process) prices every node as the first one did.
+ESTIMATE_RATES_FILE = "estimate_rates.json"
+
+
+def pin_estimate_rates(folder: Path) -> dict[str, object]:
+    """Measure the ESTIMATE cost model's machine rates, or read them from
+    ``folder/ESTIMATE_RATES_FILE``, and make this process use them; returns them as a record."""
+    from remat.cost import machine_rates
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rates = machine_rates("cpu", cache_path=folder / ESTIMATE_RATES_FILE)
+    return {"device": rates.device, "matmul_flops_per_us": rates.matmul_flops_per_us,
+            "bytes_per_us": rates.bytes_per_us, "op_overhead_us": rates.op_overhead_us}
+
+
+def trace_on_meta(model: str, batch: int):
+    """The traced training step of built-in workload ``model`` at ``batch``, built and traced on
+    the meta device (nothing allocated), node costs from ``CostModel.ESTIMATE``."""
+    import torch
+
+    from remat.cost import CostModel
+    from remat.models import get_workload
+    from remat.trace import trace
+
+    with torch.device("meta"):
+        w = get_workload(model, batch)
+    return trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE, name=model)
+
+
+def environment() -> dict[str, object]:
+    """What a benchmark record says about the machine and the libraries it ran on."""
+    import os
+    import platform
+
+    import torch
+
+    env: dict[str, object] = {"torch": torch.__version__, "cpu_count": os.cpu_count(),
+                              "machine": platform.platform(), "python": platform.python_version()}
+    try:
+        import highspy
+
+        h = highspy.Highs()
+        env["highspy"] = f"{h.versionMajor()}.{h.versionMinor()}.{h.versionPatch()}"
+    except Exception:  # noqa: BLE001 - the version is a courtesy
+        pass
+    return env
