@@ -120,33 +120,43 @@ class Schedule:
         whatever ``keep`` says (the plan still frees them after their last use). Every node i
         is computed in stage i, so a kept value always exists.
         """
-        n = graph.n
-        keep = np.array(keep, dtype=bool, copy=True)
-        if keep.shape != (n, n):
-            raise ScheduleError(f"keep matrix has shape {keep.shape}; expected ({n}, {n})")
-        keep &= np.tri(n, n, -1, dtype=bool)  # only earlier nodes can be kept into a stage
-        for i, node in enumerate(graph.nodes):
-            if i in graph.output_set or not node.recomputable:
-                keep[i + 1 :, i] = True
-        R = np.zeros((n, n), dtype=bool)
-        for t in range(n):
-            need = [t]
-            R[t, t] = True
-            while need:
-                j = need.pop()
-                for d in graph.nodes[j].deps:
-                    if not keep[t, d] and not R[t, d]:
-                        R[t, d] = True
-                        need.append(d)
-        return cls.from_compute(graph, R)
+        return cls.from_compute(graph, least_compute(graph, keep))
 
     # ------------------------------------------------------------------ lowering
     def lower(self, graph: Graph) -> Plan:
         """The plan: run each stage's computes in id order; free each value right after its
         last use (the last instance of an output is never freed)."""
         self.check_shape(graph)
-        order = [int(i) for t in range(self.n) for i in np.flatnonzero(self.R[t, : t + 1])]
-        return plan_from_order(graph, order)
+        return plan_from_order(graph, compute_order(self.R))
+
+
+def compute_order(R: np.ndarray) -> list[int]:
+    """The computations of compute matrix ``R``: stage by stage, each stage in id order."""
+    return np.nonzero(np.tril(R))[1].tolist()
+
+
+def least_compute(graph: Graph, keep: np.ndarray) -> np.ndarray:
+    """The compute matrix of ``Schedule.from_kept(graph, keep)`` (see there), without the
+    liveness matrix: what a method that measures many plans needs."""
+    n = graph.n
+    keep = np.array(keep, dtype=bool, copy=True)
+    if keep.shape != (n, n):
+        raise ScheduleError(f"keep matrix has shape {keep.shape}; expected ({n}, {n})")
+    keep &= np.tri(n, n, -1, dtype=bool)  # only earlier nodes can be kept into a stage
+    for i, node in enumerate(graph.nodes):
+        if i in graph.output_set or not node.recomputable:
+            keep[i + 1 :, i] = True
+    R = np.zeros((n, n), dtype=bool)
+    for t in range(n):
+        need = [t]
+        R[t, t] = True
+        while need:
+            j = need.pop()
+            for d in graph.nodes[j].deps:
+                if not keep[t, d] and not R[t, d]:
+                    R[t, d] = True
+                    need.append(d)
+    return R
 
 
 def plan_from_order(graph: Graph, order: list[int] | tuple[int, ...]) -> Plan:
@@ -186,7 +196,7 @@ def _liveness(graph: Graph, R: np.ndarray) -> np.ndarray:
     """S[t, i] = value i is live at the start of stage t under ``Schedule.lower``."""
     n = graph.n
     S = np.zeros((n, n), dtype=bool)
-    stage_of_compute = [t for t in range(n) for _ in range(int(R[t, : t + 1].sum()))]
+    stage_of_compute = np.nonzero(np.tril(R))[0].tolist()
     plan = Schedule(R=R, S=np.zeros_like(R)).lower(graph)
     live: set[int] = set()
     stage, k = 0, 0

@@ -29,7 +29,7 @@ import numpy as np
 
 from remat.errors import UnsupportedGraphError
 from remat.graph import Graph, NodeKind
-from remat.schedule import Schedule
+from remat.schedule import Schedule, compute_order, least_compute, plan_from_order
 from remat.simulate import simulate
 from remat.solvers.base import SolveResult, SolveStatus, finish, fits_or_raise, register
 
@@ -56,16 +56,16 @@ class _Candidate:
     """One plan a baseline considered, measured by the simulator."""
 
     label: str  # what the plan is, for errors and logs
-    schedule: Schedule
+    R: np.ndarray  # its compute matrix
     peak_bytes: int
     cost: float
 
 
 # ---------------------------------------------------------------------------- shared machinery
 def _measure(graph: Graph, keep: np.ndarray, label: str) -> _Candidate:
-    schedule = Schedule.from_kept(graph, keep)
-    sim = simulate(graph, schedule.lower(graph))
-    return _Candidate(label, schedule, sim.peak_bytes, sim.total_cost)
+    R = least_compute(graph, keep)  # what Schedule.from_kept computes, without its liveness
+    sim = simulate(graph, plan_from_order(graph, compute_order(R)))
+    return _Candidate(label, R, sim.peak_bytes, sim.total_cost)
 
 
 def _pick(graph: Graph, candidates: Sequence[_Candidate], *, budget_bytes: int, method: str,
@@ -83,7 +83,7 @@ def _pick(graph: Graph, candidates: Sequence[_Candidate], *, budget_bytes: int, 
     best = min(fitting, key=lambda c: (c.cost, c.peak_bytes))
     log.debug("%s on %s: chose %s (cost %g, peak %d B)", method, graph.name, best.label,
               best.cost, best.peak_bytes)
-    return finish(graph, best.schedule, budget_bytes=budget_bytes, method=method, status=status,
+    return finish(graph, Schedule.from_compute(graph, best.R), budget_bytes=budget_bytes, method=method, status=status,
                   started_s=started_s, claimed_objective=best.cost, lower_bound=lower_bound)
 
 
