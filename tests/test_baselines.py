@@ -34,10 +34,10 @@ from remat.solvers.baselines import (
     sqrtn_checkpoints,
 )
 
-BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "griewank")
-ANY_GRAPH = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy")
+BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank")
+ANY_GRAPH = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments")
 #: Methods whose candidate plans do not depend on the budget, so more budget never costs more.
-BUDGET_BLIND = ("checkpoint_all", "recompute_all", "chen_sqrtn", "griewank")
+BUDGET_BLIND = ("checkpoint_all", "recompute_all", "chen_sqrtn", "segments", "griewank")
 
 
 def unit_chain(n):
@@ -213,7 +213,7 @@ def test_plans_are_valid_and_fit(graph, data):
         assert r.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
         if method == "checkpoint_all":
             assert set(r.sim.compute_counts) == {1}
-        if method.startswith("chen"):  # each dropped value is recomputed once, and only forward ones
+        if method.startswith("chen") or method == "segments":  # dropped values recomputed once, forward ones only
             forward = [i for i, node in enumerate(graph.nodes) if node.kind is NodeKind.FORWARD]
             assert max(r.sim.compute_counts) <= 2
             assert all(c == 1 for i, c in enumerate(r.sim.compute_counts) if i not in forward)

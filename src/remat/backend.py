@@ -58,7 +58,7 @@ CUDA_FREE = "cuda-free"
 #: whenever it fits, so it is not solved for.
 OPTIMAL_METHODS = ("milp", "lp_round")
 #: What the backend plans with when the requested method fails (time limit, solver error).
-RESCUE_METHODS = ("chen_greedy", "chen_sqrtn", "checkpoint_all")
+RESCUE_METHODS = ("segments", "chen_greedy", "chen_sqrtn", "checkpoint_all")
 
 
 class BudgetError(RematError, ValueError):

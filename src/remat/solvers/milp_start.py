@@ -22,7 +22,7 @@ from remat.solvers.base import methods, solve
 log = logging.getLogger("remat.solve")
 
 #: The baseline methods tried, in this order, when they are registered.
-BASELINE_METHODS = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "griewank")
+BASELINE_METHODS = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank")
 
 
 @dataclass(frozen=True)
