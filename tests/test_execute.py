@@ -134,3 +134,32 @@ def test_planned_step_checks_its_inputs():
     with pytest.raises(ScheduleError, match="takes .* inputs"):
         step(torch.zeros(1))
     assert "del " in step.describe()
+
+
+def test_backward_op_keeps_what_it_returns_and_frees_the_rest():
+    # 1x1 convolutions with many channels on a tiny image: convolution_backward's weight
+    # gradient (returned by the step) is larger than its input gradient (dropped at once). The
+    # op keeps the weight gradient as kept bytes and is no step output itself, so its input
+    # gradient is freed after its last use, in the simulator as in torch.
+    from remat.models import Workload
+    from remat.trace import trace
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 1, bias=False), torch.nn.ReLU(),
+                                torch.nn.Conv2d(64, 64, 1, bias=False), torch.nn.ReLU(),
+                                torch.nn.Conv2d(64, 64, 1, bias=False))
+    w = Workload("convs", model, (torch.randn(1, 64, 2, 2),), lambda m, x: m(x).square().mean())
+    t = trace(w.model, w.batch, w.loss_fn)
+    g = t.graph
+    keeping = [i for i, node in enumerate(g.nodes) if node.kept_bytes]
+    assert keeping and all(g.nodes[i].name.startswith("convolution_backward") for i in keeping)
+    for i in keeping:
+        node = g.nodes[i]
+        assert node.kept_bytes == 64 * 64 * 4 and i not in g.output_set and not node.recomputable
+        assert node.out_bytes in (0, 64 * 2 * 2 * 4)  # the input gradient, if the op computes one
+    want = eager_step(w, seed=1)
+    for label, plan in baseline_plans(t):
+        step = build_module(t, plan)
+        got, report = planned_step(w, t, step, seed=1)
+        assert_same_step(got, want, label)
+        assert_peak_matches(step, report, label)

@@ -35,8 +35,8 @@ from torch._functorch._aot_autograd.descriptors import (
 )
 
 from remat.backend_joint import JointStep, UnsupportedJointGraph, tangent_marker
-from remat.execute import check_random_order
 from remat.errors import ScheduleError
+from remat.execute import check_random_order, pins_kept
 from remat.schedule import Plan, StepKind
 from remat.simulate import SimResult
 
@@ -250,7 +250,8 @@ class _Builder:
         self.env[side].pop(i, None)
         if not self.step.is_alias(i):
             for v in self.aliases_of[i]:
-                self.env[side].pop(v, None)
+                if not pins_kept(self.step.graph, i, v):
+                    self.env[side].pop(v, None)
 
 
 def _fake_rng_state(node: fx.Node) -> torch.Tensor:

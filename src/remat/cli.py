@@ -26,8 +26,8 @@ from remat.sweep import SweepPoint, checkpoint_all_peak, sweep
 from remat.units import format_bytes, parse_budget
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE = 0, 1, 2
-DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,griewank,lp_round,milp"
-DEMO_METHODS = "checkpoint_all,chen_sqrtn,chen_greedy,lp_round,milp"
+DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,segments,griewank,lp_round,milp"
+DEMO_METHODS = "checkpoint_all,chen_sqrtn,chen_greedy,segments,lp_round,milp"
 DEMO_BUDGETS = "100%,80%,65%,50%"
 DEMO_BATCH = 8
 DEMO_TIME_LIMIT_S = 20.0

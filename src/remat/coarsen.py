@@ -116,9 +116,12 @@ def fold_aliases(graph: Graph) -> Coarsening:
                 out_bytes=sum(graph.nodes[i].out_bytes for i in group),
                 cost=sum(graph.nodes[i].cost for i in group),
                 recomputable=all(graph.nodes[i].recomputable for i in group),
+                temp_bytes=base.temp_bytes,  # the members besides ``base`` hold no bytes
+                kept_bytes=sum(graph.nodes[i].kept_bytes for i in group),
             )
         )
-        if any(i in fine_outputs for i in group):
+        # a zero-byte view of what a node keeps for good (its kept bytes) does not make it an output
+        if any(i in fine_outputs and (graph.nodes[i].out_bytes or not base.kept_bytes) for i in group):
             outputs.append(c)
     coarse = Graph(nodes=tuple(nodes), fixed_bytes=graph.fixed_bytes, outputs=tuple(outputs), name=graph.name)
     return Coarsening(fine=graph, coarse=coarse, groups=tuple(tuple(members[r]) for r in roots))

@@ -232,6 +232,12 @@ def check_random_order(graph: Graph, random_nodes: Iterable[int], plan: Plan) ->
         )
 
 
+def pins_kept(graph: Graph, owner: int, view: int) -> bool:
+    """``view`` is a step output viewing what ``owner`` keeps for good (its ``kept_bytes``):
+    freeing the owner's other outputs must not drop it."""
+    return bool(graph.nodes[owner].kept_bytes) and view in graph.output_set
+
+
 def _compile_program(traced: TracedStep, plan: Plan, sim: SimResult) -> tuple[Instruction, ...]:
     graph = traced.graph
     n = graph.n
@@ -286,7 +292,7 @@ def _compile_program(traced: TracedStep, plan: Plan, sim: SimResult) -> tuple[In
             plan_live[i] = phys_live[i] = False
             if not alias[i]:
                 for v in aliases_of[i]:
-                    if phys_live[v]:
+                    if phys_live[v] and not pins_kept(graph, i, v):
                         program.append(Instruction(Op.RELEASE, v, rebuild=True))
                         phys_live[v] = False
     temps = []

@@ -8,6 +8,7 @@ outputs of multi-output ops are cloned apart so that a large sibling is not held
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -44,7 +45,9 @@ def split_multi_outputs(gm: fx.GraphModule, kinds: dict[str, NodeKind]) -> None:
     backward) would keep its large normalized output alive all step, and a weight gradient
     would keep the input gradient of ``convolution_backward`` alive to the end. An explicit
     clone of the small long-lived output lets the op's node be freed after the large one's
-    last use. Rule: clone an output when it is smaller than the outputs that die before it.
+    last use (``_worth_cloning`` says when), except what a backward op returns from the step (a
+    weight gradient): ``build_graph`` counts that as the op's ``kept_bytes``, so the op's other
+    outputs are freed without a copy.
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -65,13 +68,33 @@ def split_multi_outputs(gm: fx.GraphModule, kinds: dict[str, NodeKind]) -> None:
             g: (last_use.get(_storage_key(g.meta["val"]), pos[g]), g.meta["val"].untyped_storage().nbytes())
             for g in gets
         }
+        backward = kinds.get(x.name, NodeKind.BACKWARD) is NodeKind.BACKWARD
         for g in gets:
-            dies_before = sum(b for h, (l, b) in info.items() if l < info[g][0])
-            if info[g][1] < dies_before:
+            if backward and info[g][0] == end:
+                continue  # returned by a backward op: ``build_graph`` makes it the op's kept bytes
+            if _worth_cloning(info, g, born=pos[x]):
                 with gm.graph.inserting_after(g):  # before every user of g
                     c = gm.graph.call_function(torch.ops.aten.clone.default, (g,))
                 g.replace_all_uses_with(c, delete_user_cb=lambda user: user is not c)
                 kinds[c.name] = kinds.get(x.name, NodeKind.FORWARD)
+
+
+def _worth_cloning(info: dict, g: object, *, born: int) -> bool:
+    """Clone output ``g`` (``info``: output -> (last use, bytes), positions in the graph) when
+    it is smaller than the outputs that die before it and the bytes x time it frees beat the
+    bytes x time the copy adds. Freed: the outputs that die
+    before it, no longer held until it dies. Added: the copy, held while the node is alive
+    anyway. A clone across the forward/backward boundary also costs more than the model sees:
+    only the values the backward reads cross it, so the original dies with the forward graph
+    while the model holds it with its node. Batch norm's statistics (the normalized output dies
+    in the forward pass) are cloned; dropout's mask next to an output the backward reads anyway
+    is not."""
+    last, nbytes = info[g]
+    earlier = [(l, b) for l, b in info.values() if l < last]
+    if not earlier:
+        return False
+    freed = sum(b * (last - l) for l, b in earlier)
+    return nbytes < sum(b for _, b in earlier) and freed > nbytes * (max(l for l, _ in earlier) - born)
 
 
 def build_graph(gm: fx.GraphModule, kinds: dict[str, NodeKind], name: str, *, replay_rng: bool):
@@ -86,13 +109,14 @@ def build_graph(gm: fx.GraphModule, kinds: dict[str, NodeKind], name: str, *, re
     compute = [n for n in gm.graph.nodes if n.op == "call_function"]
     ids = {n: i for i, n in enumerate(compute)}
     nodes, owners, random_nodes = [], [], []
+    fresh_storages: list[dict[int, int]] = []  # node -> the storages it creates, and their bytes
     for i, n in enumerate(compute):
-        fresh, mine = 0, set()
+        created, mine = {}, set()
         for t in _tensors(n.meta.get("val")):
             key = _storage_key(t)
             if key not in owner:
                 owner[key] = i
-                fresh += t.untyped_storage().nbytes()
+                created[key] = t.untyped_storage().nbytes()
             if owner[key] >= 0:
                 mine.add(owner[key])
         deps: set[int] = set()
@@ -105,14 +129,25 @@ def build_graph(gm: fx.GraphModule, kinds: dict[str, NodeKind], name: str, *, re
         if rand:
             random_nodes.append(i)
         kind = kinds.get(n.name, NodeKind.BACKWARD)
-        nodes.append(Node(n.name, kind, tuple(sorted(deps)), fresh, 0.0, recomputable=replay_rng or not rand))
+        nodes.append(Node(n.name, kind, tuple(sorted(deps)), sum(created.values()), 0.0, recomputable=replay_rng or not rand))
         owners.append(tuple(sorted(mine)))
+        fresh_storages.append(created)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = {_storage_key(t) for a in out_node.all_input_nodes for t in _tensors(a.meta.get("val"))}
     outputs: set[int] = set()
     for a in out_node.all_input_nodes:
         if a in ids:
             outputs.add(ids[a])
             outputs.update(owners[ids[a]])
+    direct = {ids[a] for a in out_node.all_input_nodes if a in ids}
+    for o in sorted(outputs - direct):
+        # a backward op returning some storages and dropping others (a weight gradient next to
+        # the input gradient of ``convolution_backward``): the returned ones are its kept bytes,
+        # the others are freed at their last use, as torch frees them
+        kept = sum(b for key, b in fresh_storages[o].items() if key in returned)
+        if nodes[o].kind is NodeKind.BACKWARD and 0 < kept < nodes[o].out_bytes:
+            nodes[o] = dataclasses.replace(nodes[o], out_bytes=nodes[o].out_bytes - kept, kept_bytes=kept, recomputable=False)
+            outputs.discard(o)
     graph = Graph(nodes=tuple(nodes), fixed_bytes=fixed_bytes, outputs=tuple(sorted(outputs)), name=name)
     return graph, tuple(n.name for n in compute), tuple(owners), tuple(random_nodes)
 
