@@ -62,13 +62,13 @@ class _Candidate:
 
 
 # ---------------------------------------------------------------------------- shared machinery
-def _measure(graph: Graph, keep: np.ndarray, label: str) -> _Candidate:
+def measure_kept(graph: Graph, keep: np.ndarray, label: str) -> _Candidate:
     R = least_compute(graph, keep)  # what Schedule.from_kept computes, without its liveness
     sim = simulate(graph, plan_from_order(graph, compute_order(R)))
     return _Candidate(label, R, sim.peak_bytes, sim.total_cost)
 
 
-def _pick(graph: Graph, candidates: Sequence[_Candidate], *, budget_bytes: int, method: str,
+def pick_cheapest(graph: Graph, candidates: Sequence[_Candidate], *, budget_bytes: int, method: str,
           started_s: float, status: SolveStatus = SolveStatus.FEASIBLE,
           lower_bound: float | None = None) -> SolveResult:
     """The cheapest candidate under the budget, or ``InfeasibleBudgetError`` with the lowest peak."""
@@ -132,8 +132,8 @@ def checkpoint_all(graph: Graph, budget_bytes: int) -> SolveResult:
     """
     started = time.perf_counter()
     keep = np.tri(graph.n, graph.n, -1, dtype=bool)
-    candidate = _measure(graph, keep, "checkpoint-all (every value kept)")
-    return _pick(graph, [candidate], budget_bytes=budget_bytes, method="checkpoint_all",
+    candidate = measure_kept(graph, keep, "checkpoint-all (every value kept)")
+    return pick_cheapest(graph, [candidate], budget_bytes=budget_bytes, method="checkpoint_all",
                  started_s=started, status=SolveStatus.OPTIMAL, lower_bound=graph.total_cost)
 
 
@@ -151,8 +151,8 @@ def recompute_all(graph: Graph, budget_bytes: int) -> SolveResult:
     """
     started = time.perf_counter()
     keep = np.eye(graph.n, k=-1, dtype=bool)
-    candidate = _measure(graph, keep, "recompute-all (only the previous node's value kept)")
-    return _pick(graph, [candidate], budget_bytes=budget_bytes, method="recompute_all",
+    candidate = measure_kept(graph, keep, "recompute-all (only the previous node's value kept)")
+    return pick_cheapest(graph, [candidate], budget_bytes=budget_bytes, method="recompute_all",
                  started_s=started)
 
 
@@ -188,7 +188,7 @@ def checkpoint_candidates(graph: Graph, variant: ChenVariant) -> tuple[int, ...]
     return tuple(sorted(nx.articulation_points(undirected)))
 
 
-def _chen_keep(graph: Graph, checkpoints: Iterable[int]) -> np.ndarray:
+def chen_keep(graph: Graph, checkpoints: Iterable[int]) -> np.ndarray:
     """Keep matrix of Chen's schedule. Backward stages reuse the checkpoints, loss and backward
     values, the final segment (forward nodes after the last checkpoint: the backward needs them
     at once, dropping them would only recompute them) and forward values an earlier backward
@@ -209,7 +209,7 @@ def _chen_keep(graph: Graph, checkpoints: Iterable[int]) -> np.ndarray:
 
 def _chen_candidate(graph: Graph, checkpoints: Sequence[int], what: str) -> _Candidate:
     shown = checkpoints if len(checkpoints) <= 8 else f"{len(checkpoints)} nodes"
-    return _measure(graph, _chen_keep(graph, checkpoints), f"{what}, checkpoints {shown}")
+    return measure_kept(graph, chen_keep(graph, checkpoints), f"{what}, checkpoints {shown}")
 
 
 def sqrtn_checkpoints(candidates: Sequence[int]) -> tuple[int, ...]:
@@ -238,7 +238,7 @@ def chen_sqrtn(graph: Graph, budget_bytes: int, *, variant: ChenVariant | str = 
     for v in _variants(variant):
         checkpoints = sqrtn_checkpoints(checkpoint_candidates(graph, v))
         candidates.append(_chen_candidate(graph, checkpoints, f"{v.value} sqrt(n)"))
-    return _pick(graph, candidates, budget_bytes=budget_bytes, method="chen_sqrtn", started_s=started)
+    return pick_cheapest(graph, candidates, budget_bytes=budget_bytes, method="chen_sqrtn", started_s=started)
 
 
 def greedy_checkpoints(graph: Graph, candidates: Iterable[int], threshold_bytes: int
@@ -334,7 +334,7 @@ def chen_greedy(graph: Graph, budget_bytes: int, *, variant: ChenVariant | str =
     for search in searches:
         search.zoom(key=lambda c: c.cost, where=lambda c: c.peak_bytes <= budget_bytes)
     plans = [plan for search in searches for plan in search.plans.values()]
-    return _pick(graph, plans, budget_bytes=budget_bytes, method="chen_greedy", started_s=started)
+    return pick_cheapest(graph, plans, budget_bytes=budget_bytes, method="chen_greedy", started_s=started)
 
 
 # ---------------------------------------------------------------------------- Griewank (revolve)
@@ -464,7 +464,7 @@ def griewank(graph: Graph, budget_bytes: int, *, slots: int | None = None) -> So
     table = revolve_table(layers, most)
     tried = range(most + 1) if slots is None else (most,)
     plans = [
-        _measure(graph, _revolve_keep(graph, layers, s, table), f"revolve with {s} snapshot slots")
+        measure_kept(graph, _revolve_keep(graph, layers, s, table), f"revolve with {s} snapshot slots")
         for s in tried
     ]
-    return _pick(graph, plans, budget_bytes=budget_bytes, method="griewank", started_s=started)
+    return pick_cheapest(graph, plans, budget_bytes=budget_bytes, method="griewank", started_s=started)

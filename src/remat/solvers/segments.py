@@ -24,7 +24,7 @@ import numpy as np
 from remat.cuts import Cut, cut_tiers, light_cuts
 from remat.graph import Graph, NodeKind
 from remat.solvers.base import SolveResult, register
-from remat.solvers.baselines import _chen_keep, _measure, _pick, greedy_checkpoints
+from remat.solvers.baselines import chen_keep, measure_kept, pick_cheapest, greedy_checkpoints
 
 #: Strides tried: every k-th cut of a tier for k = 1..MAX_STRIDE, at every offset.
 MAX_STRIDE = 8
@@ -59,11 +59,12 @@ def segments(graph: Graph, budget_bytes: int) -> SolveResult:
     def consider(checkpoints: set[int], what: str) -> None:
         key = tuple(sorted(checkpoints))
         if key not in tried:
-            tried[key] = _measure(graph, _chen_keep(graph, key), what)
+            tried[key] = measure_kept(graph, chen_keep(graph, key), what)
 
     forward = graph.ids_of_kind(NodeKind.FORWARD)
-    consider(set(forward), "checkpoint-all")
-    read_later = [any(u not in set(forward) for u in graph.users[i]) for i in range(graph.n)]
+    in_forward = set(forward)
+    consider(in_forward, "checkpoint-all")
+    read_later = [any(u not in in_forward for u in graph.users[i]) for i in range(graph.n)]
     total = sum(graph.nodes[i].out_bytes for i in forward)
     for level, tier in enumerate(cut_tiers(light_cuts(graph))):
         by_node = {c.node: c for c in tier}
@@ -82,4 +83,4 @@ def segments(graph: Graph, budget_bytes: int) -> SolveResult:
         for r in sorted({int(round(x)) for x in np.linspace(1, len(parts) - 1, min(len(parts) - 1, SUBSET_POINTS))}):
             kept = {i for s in ranked[r:] for i in parts[s]}
             consider(base | kept, f"{r} of the {len(parts)} segments of tier {level} recomputed")
-    return _pick(graph, list(tried.values()), budget_bytes=budget_bytes, method="segments", started_s=started)
+    return pick_cheapest(graph, list(tried.values()), budget_bytes=budget_bytes, method="segments", started_s=started)
