@@ -18,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "demo_gpt2.json"
 PLOT = HERE / "plots" / "demo_gpt2.png"
-METHODS = ("checkpoint_all", "chen_sqrtn", "chen_greedy", "lp_round", "milp")
+METHODS = ("checkpoint_all", "chen_sqrtn", "chen_greedy", "segments", "lp_round", "milp")
 BUDGETS = ("100%", "80%", "65%", "50%")
 
 
