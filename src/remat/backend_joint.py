@@ -183,6 +183,24 @@ def _depends_on(sources: set[fx.Node], nodes: list[fx.Node]) -> set[fx.Node]:
     return hit - set(sources)
 
 
+def _sink_tangent_free(g: fx.Graph, backward: list[fx.Node], markers: set[fx.Node]) -> None:
+    """Move each pure backward node that reads no tangent to just before its first reader.
+
+    AOTAutograd puts some of them (``detach`` of what attention saves for its backward) right
+    after the forward. The plan's stages follow the node order, so there they would pin every
+    layer's saved values from the end of the forward to the start of the backward; next to their
+    reader, a plan may recompute those values where they are needed.
+    """
+    reads_tangent = _depends_on(markers, list(g.nodes))
+    for n in reversed(backward):
+        if n in reads_tangent or fx_graph.is_random(n) or n.is_impure() or not n.users:
+            continue
+        order = {m: k for k, m in enumerate(g.nodes)}
+        first = min(n.users, key=order.__getitem__)
+        if first.op != "output" and order[first] > order[n] + 1:
+            first.prepend(n)
+
+
 def _fake_like(val: torch.Tensor) -> torch.Tensor:
     """A fake tensor with ``val``'s metadata and a storage of its own."""
     with val.fake_mode:
@@ -270,10 +288,13 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
         m.meta["val"] = _fake_like(t.meta["val"])
         marker_of[t] = m
         kinds[m.name] = NodeKind.BACKWARD
+    backward = []
     for n in compute:
         if n in needed and n not in forward:
             env[n] = g.node_copy(n, lambda a: marker_of.get(a) or env[a])
             kinds[env[n].name] = NodeKind.BACKWARD
+            backward.append(env[n])
+    _sink_tangent_free(g, backward, set(marker_of.values()))
     # mutation sources are outputs of the plan: live until the forward's end copies them
     mapped = [env[o] if isinstance(o, fx.Node) else o for o in [*outputs, *sources]]
     g.output(tuple(mapped))
