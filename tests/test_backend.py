@@ -405,3 +405,44 @@ def test_cuda_free_budget_needs_cuda():
         remat.backend("cuda-free")
     with pytest.raises(rb.BudgetError, match="needs a graph on a CUDA device"):
         rb.Budget(cuda_free=True).resolve(100, 10, torch.device("cpu"))
+
+
+class _Attention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_backward_nodes_reading_no_tangent_sit_next_to_their_reader(monkeypatch):
+    # AOTAutograd emits the detach of what attention saves right after the forward; left there,
+    # every layer's saved values would be pinned into the backward. They must sit just before
+    # their first reader (with only other such nodes in between), and plans stay bitwise right.
+    from remat import backend_joint
+
+    steps = []
+    prepare = backend_joint.prepare
+    monkeypatch.setattr(backend_joint, "prepare", lambda *a, **k: steps.append(prepare(*a, **k)) or steps[-1])
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Attention() for _ in range(4)])
+    batch = (torch.randn(2, 16, 32),)
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    want = run_step(model, batch, loss_fn)
+    be = make_backend(0.95, method="segments", fallback=False)
+    assert_bitwise(run_step(model, batch, loss_fn, be), want, "attention stack")
+    assert be.reports[0].backward_recomputes > 0
+    g = steps[0].graph
+    reads_tangent = [node.name.endswith("_arrives") for node in g.nodes]
+    for i, node in enumerate(g.nodes):
+        reads_tangent[i] = reads_tangent[i] or any(reads_tangent[d] for d in node.deps)
+    free = [i for i, node in enumerate(g.nodes) if node.kind is remat.NodeKind.BACKWARD and not reads_tangent[i]
+            and g.users[i]]
+    assert free, "the attention backward should read values no tangent reaches"
+    for i in free:
+        first = min(g.users[i])
+        assert all(not reads_tangent[j] for j in range(i + 1, first)), g.nodes[i].name
