@@ -409,8 +409,48 @@ def markdown(results: dict) -> str:
             step_text = f"{step:.3f}" if step is not None else "(not timed yet)"
             lines.append(f"| {name} | {peak / MIB:.1f} | {rel_peak} | {step_text} | {rel_time} | {predicted} | "
                          f"{v['grad_max_abs_diff']:.3g} | {'; '.join(notes)} |")
-        lines += ["", *dominance_lines(vs), ""]
+        lines += ["", *dominance_lines(vs), *budget_lines(vs), *[f"- {text}" for text in FINDINGS.get(label, ())], ""]
+        if (PLOTS / f"vs_pytorch_{label}.png").exists():
+            lines += [f"![{label}: peak memory against step time](bench/plots/vs_pytorch_{label}.png)", ""]
     return "\n".join(lines)
+
+
+#: What the tables alone do not say (from the runs of 2026-11-22; check again after a rerun).
+FINDINGS = {
+    "gpt2-4L-d0.1": [
+        "activation_memory_budget 0.5 is not matched, and is not comparable: below a budget of 1 "
+        "PyTorch's min-cut partitioner recomputes dropout with new random numbers, so its gradients differ "
+        "from eager (max abs diff above); remat replays the random numbers and its gradients are bitwise "
+        "equal.",
+    ],
+    "gpt2-12L-d0.1": [
+        "activation_memory_budget 0.5 and 0.1: dropout recomputed with new random numbers, wrong gradients.",
+        "This table was measured before the backend moved backward nodes that read no tangent next to "
+        "their reader (the change that made the 12-layer GPT-2 without dropout plannable at low budgets); "
+        "the other tables after it.",
+    ],
+    "resnet50-b2-224px": [
+        "Why activation_memory_budget 0.5 is not matched (282.5 MiB, 1.14x eager; remat needs 1.20x at "
+        "no more memory): ResNet50's step does not group below 164 nodes and the MILP finds no plan of "
+        "that graph within 60 s, so remat returns its cheapest full-graph baseline (segments), which "
+        "recomputes whole blocks, convolutions included. PyTorch's min-cut partitioner chooses single "
+        "cheap ops to recompute; among remat's methods only the MILP does that, and it does not finish here.",
+        "Why some remat points measure above their budget: the prediction counts op outputs, not the "
+        "scratch space a kernel allocates while it runs (oneDNN's convolution workspace), which the "
+        "profiler sees; the excess is listed above. The GPT-2 steps show none.",
+    ],
+}
+
+
+def budget_lines(vs: list[dict]) -> list[str]:
+    """remat points given a budget in bytes whose measured peak exceeds it."""
+    out = []
+    for v in vs:
+        setting = v.get("setting")
+        if v["family"].startswith("remat") and isinstance(setting, int) and v.get("peak_bytes", 0) > setting:
+            out.append(f"- {v['name']}: measured {v['peak_bytes'] / MIB:.1f} MiB for a {setting / MIB:.1f} MiB budget "
+                       f"(+{v['peak_bytes'] / setting - 1:.1%}; predicted {v['predicted_peak_bytes'] / MIB:.1f} MiB)")
+    return out
 
 
 def dominance_lines(vs: list[dict]) -> list[str]:
