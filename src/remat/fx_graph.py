@@ -82,9 +82,8 @@ def split_multi_outputs(gm: fx.GraphModule, kinds: dict[str, NodeKind]) -> None:
 def _worth_cloning(info: dict, g: object, *, born: int) -> bool:
     """Clone output ``g`` (``info``: output -> (last use, bytes), positions in the graph) when
     it is smaller than the outputs that die before it and the bytes x time it frees beat the
-    bytes x time the copy adds. Freed: the outputs that die
-    before it, no longer held until it dies. Added: the copy, held while the node is alive
-    anyway. A clone across the forward/backward boundary also costs more than the model sees:
+    bytes x time the copy adds. Freed: the outputs that die before it, no longer held until it
+    dies. Added: the copy, held while the node is alive anyway. A clone across the forward/backward boundary also costs more than the model sees:
     only the values the backward reads cross it, so the original dies with the forward graph
     while the model holds it with its node. Batch norm's statistics (the normalized output dies
     in the forward pass) are cloned; dropout's mask next to an output the backward reads anyway

@@ -18,13 +18,14 @@ first); it measures each plan in the simulator and returns the cheapest that fit
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
 from remat.cuts import Cut, cut_tiers, light_cuts
 from remat.graph import Graph, NodeKind
 from remat.solvers.base import SolveResult, register
-from remat.solvers.baselines import chen_keep, measure_kept, pick_cheapest, greedy_checkpoints
+from remat.solvers.baselines import chen_keep, greedy_checkpoints, measure_kept, pick_cheapest
 
 #: Strides tried: every k-th cut of a tier for k = 1..MAX_STRIDE, at every offset.
 MAX_STRIDE = 8
@@ -38,7 +39,7 @@ def _checkpoints(cuts: list[Cut] | tuple[Cut, ...]) -> tuple[int, ...]:
     return tuple(sorted({j for c in cuts for j in c.crossing}))
 
 
-def _segments(graph: Graph, forward: tuple[int, ...], tier: tuple[Cut, ...]) -> list[tuple[int, ...]]:
+def _segments(forward: tuple[int, ...], tier: tuple[Cut, ...]) -> list[tuple[int, ...]]:
     """The forward nodes from the start to the first cut of ``tier``, and between each two."""
     pos = {i: p for p, i in enumerate(forward)}
     bounds = [-1, *(pos[c.node] for c in tier)]
@@ -56,7 +57,7 @@ def segments(graph: Graph, budget_bytes: int) -> SolveResult:
     started = time.perf_counter()
     tried: dict[tuple[int, ...], object] = {}
 
-    def consider(checkpoints: set[int], what: str) -> None:
+    def consider(checkpoints: Iterable[int], what: str) -> None:
         key = tuple(sorted(checkpoints))
         if key not in tried:
             tried[key] = measure_kept(graph, chen_keep(graph, key), what)
@@ -75,7 +76,7 @@ def segments(graph: Graph, budget_bytes: int) -> SolveResult:
             chosen = [by_node[i] for i in greedy_checkpoints(graph, by_node, int(threshold))]
             consider(_checkpoints(chosen), f"greedy cuts of tier {level} (threshold {int(threshold)} B)")
         # recompute only the segments that free the most saved bytes per unit of compute
-        parts = _segments(graph, forward, tier)
+        parts = _segments(forward, tier)
         saved = [sum(graph.nodes[i].out_bytes for i in seg if read_later[i]) for seg in parts]
         cost = [sum(graph.nodes[i].cost for i in seg) for seg in parts]
         ranked = sorted(range(len(parts)), key=lambda s: (-saved[s] / max(cost[s], 1e-12), s))
