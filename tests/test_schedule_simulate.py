@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from remat import Graph, Node, NodeKind, Plan, Schedule, ScheduleError, Step, StepKind, simulate
 from remat.builders import chain_graph, random_training_graph
@@ -176,3 +178,18 @@ def test_solve_rejects_unknown_methods_options_and_budgets():
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="must be a positive int"):
             solve(g, bad, method="checkpoint_all")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 12), seed=st.integers(0, 10_000), keep_p=st.floats(0.0, 1.0))
+def test_fast_peak_and_cost_equal_the_simulator_with_scratch_and_kept_bytes(n: int, seed: int, keep_p: float) -> None:
+    from remat.coarsen import coarsen
+    from remat.schedule import least_compute, order_peak_and_cost, stage_order
+
+    # grouped graphs carry scratch (temp) and kept bytes; random keep matrices recompute
+    graph = coarsen(random_training_graph(n, seed), max_nodes=max(3, n)).coarse
+    keep = np.random.default_rng(seed).random((graph.n, graph.n)) < keep_p
+    _, nodes = stage_order(least_compute(graph, keep))
+    sim = simulate(graph, plan_from_order(graph, nodes.tolist()))
+    assert sim.ok
+    assert order_peak_and_cost(graph, nodes.tolist()) == (sim.peak_bytes, sim.total_cost)

@@ -164,7 +164,19 @@ class Graph:
         """A stable hex digest of the graph's structure, sizes and (optionally) costs.
 
         Leave out costs to key caches on structure alone: profiled costs vary run to run.
+        Computed once per graph (planning caches key on it).
         """
+        return self._fingerprint_with_costs if costs else self._fingerprint_of_structure
+
+    @cached_property
+    def _fingerprint_with_costs(self) -> str:
+        return self._digest(costs=True)
+
+    @cached_property
+    def _fingerprint_of_structure(self) -> str:
+        return self._digest(costs=False)
+
+    def _digest(self, *, costs: bool) -> str:
         payload = {
             "fixed_bytes": self.fixed_bytes,
             "outputs": list(self.outputs),

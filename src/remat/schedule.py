@@ -110,6 +110,14 @@ class Schedule:
         return cls(R=R, S=S)
 
     @classmethod
+    def from_order(cls, graph: Graph, stages: np.ndarray | list[int], nodes: np.ndarray | list[int]) -> Schedule:
+        """The schedule that computes ``nodes[k]`` in stage ``stages[k]`` (the compute matrix
+        of a plan given as its computations)."""
+        R = np.zeros((graph.n, graph.n), dtype=bool)
+        R[np.asarray(stages, dtype=np.int64), np.asarray(nodes, dtype=np.int64)] = True
+        return cls.from_compute(graph, R)
+
+    @classmethod
     def from_kept(cls, graph: Graph, keep: np.ndarray) -> Schedule:
         """The cheapest schedule that keeps the values marked in ``keep`` (``keep[t, i]``: i
         is live at the start of stage t) and recomputes everything else it needs.
@@ -133,6 +141,40 @@ class Schedule:
 def compute_order(R: np.ndarray) -> list[int]:
     """The computations of compute matrix ``R``: stage by stage, each stage in id order."""
     return np.nonzero(np.tril(R))[1].tolist()
+
+
+def stage_order(R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The computations of compute matrix ``R`` as (stages, nodes), in the order they run."""
+    return np.nonzero(np.tril(R))
+
+
+def order_peak_and_cost(graph: Graph, order: list[int] | tuple[int, ...]) -> tuple[int, float]:
+    """Peak bytes and total cost of ``plan_from_order(graph, order)``, without building the
+    plan: what methods that measure many candidate plans need. For an order whose every input
+    is live when read it equals ``simulate``'s peak and cost (a property test checks it); the
+    plan a method returns is still replayed by ``simulate``.
+    """
+    nodes = graph.nodes
+    sizes = graph.out_bytes
+    freed = [0] * len(order)
+    for inst, p in enumerate(_free_positions(graph, order)):
+        if p >= 0:
+            freed[p] += sizes[order[inst]]
+    memory = graph.fixed_bytes
+    peak = memory
+    seen = [False] * graph.n
+    cost = 0.0
+    for p, v in enumerate(order):
+        node = nodes[v]
+        memory += sizes[v]
+        if not seen[v]:
+            seen[v] = True
+            memory += node.kept_bytes
+        if memory + node.temp_bytes > peak:
+            peak = memory + node.temp_bytes
+        cost += node.cost
+        memory -= freed[p]
+    return peak, cost
 
 
 def least_compute(graph: Graph, keep: np.ndarray) -> np.ndarray:
@@ -166,50 +208,49 @@ def plan_from_order(graph: Graph, order: list[int] | tuple[int, ...]) -> Plan:
     before the value is computed again; an output's last instance lives to the end. A
     computation whose input was never computed is kept as is: ``simulate`` reports it.
     """
-    current: dict[int, int] = {}  # node -> position of its live instance
-    free_at: dict[int, int] = {}  # instance position -> position after which it is freed
-    instance_node: dict[int, int] = {}
-    last_instance: dict[int, int] = {}
-    for p, node in enumerate(order):
-        for d in graph.nodes[node].deps:
-            if d in current:
-                free_at[current[d]] = p
-        current[node] = p
-        instance_node[p] = node
-        free_at[p] = p
-        last_instance[node] = p
+    free_at = _free_positions(graph, order)
     frees_after: dict[int, list[int]] = {}
-    for inst, p in free_at.items():
-        node = instance_node[inst]
-        if node in graph.output_set and last_instance[node] == inst:
-            continue
-        frees_after.setdefault(p, []).append(node)
+    for inst, p in enumerate(free_at):
+        if p >= 0:
+            frees_after.setdefault(p, []).append(order[inst])
     steps: list[Step] = []
+    compute, free = StepKind.COMPUTE, StepKind.FREE
     for p, node in enumerate(order):
-        steps.append(Step(StepKind.COMPUTE, node))
+        steps.append(Step(compute, node))
         for freed in sorted(frees_after.get(p, ())):
-            steps.append(Step(StepKind.FREE, freed))
+            steps.append(Step(free, freed))
     return Plan(tuple(steps))
 
 
+def _free_positions(graph: Graph, order: list[int] | tuple[int, ...]) -> list[int]:
+    """For the instance computed at each position of ``order``: the position after which it is
+    freed (its last reader before the value is computed again, or its own position), or -1
+    for the last instance of an output, which is never freed."""
+    current: dict[int, int] = {}  # node -> position of its live instance
+    free_at = list(range(len(order)))
+    nodes = graph.nodes
+    for p, node in enumerate(order):
+        for d in nodes[node].deps:
+            q = current.get(d)
+            if q is not None:
+                free_at[q] = p
+        current[node] = p
+    for o in graph.outputs:
+        if o in current:
+            free_at[current[o]] = -1
+    return free_at
+
+
 def _liveness(graph: Graph, R: np.ndarray) -> np.ndarray:
-    """S[t, i] = value i is live at the start of stage t under ``Schedule.lower``."""
+    """S[t, i] = value i is live at the start of stage t under ``Schedule.lower``: an instance
+    computed in stage a and freed in stage b is live at the start of stages a+1..b."""
     n = graph.n
     S = np.zeros((n, n), dtype=bool)
-    stage_of_compute = np.nonzero(np.tril(R))[0].tolist()
-    plan = Schedule(R=R, S=np.zeros_like(R)).lower(graph)
-    live: set[int] = set()
-    stage, k = 0, 0
-    for step in plan.steps:
-        if step.kind is StepKind.COMPUTE:
-            while stage < stage_of_compute[k]:
-                stage += 1
-                S[stage, sorted(live)] = True
-            live.add(step.node)
-            k += 1
-        else:
-            live.discard(step.node)
-    while stage < n - 1:
-        stage += 1
-        S[stage, sorted(live)] = True
+    stages, order = np.nonzero(np.tril(R))
+    order = order.tolist()
+    stages = stages.tolist()
+    for inst, p in enumerate(_free_positions(graph, order)):
+        end = n - 1 if p < 0 else stages[p]
+        if end > stages[inst]:
+            S[stages[inst] + 1 : end + 1, order[inst]] = True
     return S

@@ -69,6 +69,8 @@ def simulate(graph: Graph, plan: Plan) -> SimResult:
     (5, 7.0, True)
     """
     n = graph.n
+    nodes = graph.nodes
+    out_bytes = graph.out_bytes
     live = [False] * n
     counts = [0] * n
     memory = graph.fixed_bytes
@@ -76,53 +78,59 @@ def simulate(graph: Graph, plan: Plan) -> SimResult:
     cost = 0.0
     timeline: list[int] = []
     violations: list[Violation] = []
+    compute, free = StepKind.COMPUTE, StepKind.FREE
 
     def bad(k: int, node: int, message: str) -> None:
         violations.append(Violation(k, node, message))
 
+    # The loop runs once per step of plans with tens of thousands of steps: messages are
+    # formatted only when a rule is broken.
     for k, step in enumerate(plan.steps):
         i = step.node
         if not isinstance(i, int) or not 0 <= i < n:
             bad(k, -1, f"step {k} names node {i!r}, which is not in graph {graph.name!r} (0..{n - 1})")
             timeline.append(memory)
             continue
-        what = graph.describe(i)
-        if step.kind is StepKind.COMPUTE:
-            for d in graph.nodes[i].deps:
+        kind = step.kind
+        if kind is compute:
+            node = nodes[i]
+            for d in node.deps:
                 if not live[d]:
                     bad(
                         k,
                         i,
-                        f"step {k} computes {what} but its input {graph.describe(d)} is not live; "
-                        f"compute the input first or do not free it before this step",
+                        f"step {k} computes {graph.describe(i)} but its input {graph.describe(d)} is not "
+                        f"live; compute the input first or do not free it before this step",
                     )
             if live[i]:
-                bad(k, i, f"step {k} computes {what} while its output is still live; free it first")
-            elif counts[i] >= 1 and not graph.nodes[i].recomputable:
-                bad(
-                    k,
-                    i,
-                    f"step {k} recomputes {what}, which must run once per step (not "
-                    f"recomputable); keep its output instead",
-                )
-            if not live[i]:
-                memory += graph.nodes[i].out_bytes
+                bad(k, i, f"step {k} computes {graph.describe(i)} while its output is still live; free it first")
+            else:
+                if counts[i] and not node.recomputable:
+                    bad(
+                        k,
+                        i,
+                        f"step {k} recomputes {graph.describe(i)}, which must run once per step (not "
+                        f"recomputable); keep its output instead",
+                    )
+                memory += out_bytes[i]
                 live[i] = True
-            if counts[i] == 0:
-                memory += graph.nodes[i].kept_bytes
-            peak = max(peak, memory + graph.nodes[i].temp_bytes)
+            if not counts[i]:
+                memory += node.kept_bytes
+            if memory + node.temp_bytes > peak:
+                peak = memory + node.temp_bytes
             counts[i] += 1
-            cost += graph.nodes[i].cost
-        elif step.kind is StepKind.FREE:
+            cost += node.cost
+        elif kind is free:
             if not live[i]:
-                bad(k, i, f"step {k} frees {what}, which is not live")
+                bad(k, i, f"step {k} frees {graph.describe(i)}, which is not live")
             else:
                 live[i] = False
-                memory -= graph.nodes[i].out_bytes
+                memory -= out_bytes[i]
         else:
-            bad(k, i, f"step {k} has unknown kind {step.kind!r}")
+            bad(k, i, f"step {k} has unknown kind {kind!r}")
         timeline.append(memory)
-        peak = max(peak, memory)
+        if memory > peak:
+            peak = memory
 
     for o in graph.outputs:
         if not live[o]:
