@@ -320,3 +320,24 @@ def test_bad_variant_is_named_with_the_choices(method):
 def test_bad_slots_is_named(slots):
     with pytest.raises(ValueError, match=rf"slots={slots!r} must be a non-negative int"):
         solve(unit_chain(4), 100, method="griewank", slots=slots)
+
+
+# ---------------------------------------------------------------------------- fast paths
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(1, 14), seed=st.integers(0, 10_000), pick=st.floats(0.0, 1.0))
+def test_chen_plans_built_from_the_graph_equal_the_keep_matrix_route(n_forward: int, seed: int, pick: float) -> None:
+    from remat.schedule import order_peak_and_cost, plan_from_order, stage_order
+    from remat.solvers.baselines import chen_keep, chen_plan
+
+    graph = random_training_graph(n_forward, seed)
+    forward = graph.ids_of_kind(NodeKind.FORWARD)
+    rng = np.random.default_rng(seed)
+    checkpoints = [i for i in forward if rng.random() < pick]
+    direct = chen_plan(graph, checkpoints, "direct")
+    via = Schedule.from_kept(graph, chen_keep(graph, checkpoints))
+    stages, nodes = stage_order(via.R)
+    assert direct.stages.tolist() == stages.tolist() and direct.nodes.tolist() == nodes.tolist()
+    sim = simulate(graph, via.lower(graph))
+    assert (direct.peak_bytes, direct.cost) == (sim.peak_bytes, sim.total_cost)
+    assert order_peak_and_cost(graph, nodes.tolist()) == (sim.peak_bytes, sim.total_cost)
+    assert plan_from_order(graph, nodes.tolist()).steps == via.lower(graph).steps

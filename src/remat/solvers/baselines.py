@@ -17,6 +17,7 @@ can meet (the MILP may meet less).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -29,9 +30,9 @@ import numpy as np
 
 from remat.errors import UnsupportedGraphError
 from remat.graph import Graph, NodeKind
-from remat.schedule import Schedule, compute_order, least_compute, plan_from_order
-from remat.simulate import simulate
+from remat.schedule import Schedule, least_compute, order_peak_and_cost, stage_order
 from remat.solvers.base import SolveResult, SolveStatus, finish, fits_or_raise, register
+from remat.solvers.prepared import prepared
 
 log = logging.getLogger("remat.solve.baselines")
 
@@ -52,23 +53,35 @@ class ChenVariant(enum.Enum):
 
 
 @dataclass(frozen=True)
-class _Candidate:
-    """One plan a baseline considered, measured by the simulator."""
+class BaselinePlan:
+    """One plan a baseline considered: its computations in order (``nodes[k]`` in stage
+    ``stages[k]``) and what they cost and need, measured without building the plan
+    (``order_peak_and_cost``); the plan a method returns is replayed by ``simulate``."""
 
     label: str  # what the plan is, for errors and logs
-    R: np.ndarray  # its compute matrix
+    stages: np.ndarray
+    nodes: np.ndarray
     peak_bytes: int
     cost: float
 
+    def schedule(self, graph: Graph) -> Schedule:
+        return Schedule.from_order(graph, self.stages, self.nodes)
+
 
 # ---------------------------------------------------------------------------- shared machinery
-def measure_kept(graph: Graph, keep: np.ndarray, label: str) -> _Candidate:
-    R = least_compute(graph, keep)  # what Schedule.from_kept computes, without its liveness
-    sim = simulate(graph, plan_from_order(graph, compute_order(R)))
-    return _Candidate(label, R, sim.peak_bytes, sim.total_cost)
+def measure_order(graph: Graph, stages: Sequence[int], nodes: Sequence[int], label: str) -> BaselinePlan:
+    """Measure the plan that computes ``nodes[k]`` in stage ``stages[k]``."""
+    peak, cost = order_peak_and_cost(graph, list(nodes))
+    return BaselinePlan(label, np.asarray(stages, dtype=np.int32), np.asarray(nodes, dtype=np.int32), peak, cost)
 
 
-def pick_cheapest(graph: Graph, candidates: Sequence[_Candidate], *, budget_bytes: int, method: str,
+def measure_kept(graph: Graph, keep: np.ndarray, label: str) -> BaselinePlan:
+    """Measure what ``Schedule.from_kept(graph, keep)`` runs."""
+    stages, nodes = stage_order(least_compute(graph, keep))
+    return measure_order(graph, stages.tolist(), nodes.tolist(), label)
+
+
+def pick_cheapest(graph: Graph, candidates: Sequence[BaselinePlan], *, budget_bytes: int, method: str,
           started_s: float, status: SolveStatus = SolveStatus.FEASIBLE,
           lower_bound: float | None = None) -> SolveResult:
     """The cheapest candidate under the budget, or ``InfeasibleBudgetError`` with the lowest peak."""
@@ -83,7 +96,7 @@ def pick_cheapest(graph: Graph, candidates: Sequence[_Candidate], *, budget_byte
     best = min(fitting, key=lambda c: (c.cost, c.peak_bytes))
     log.debug("%s on %s: chose %s (cost %g, peak %d B)", method, graph.name, best.label,
               best.cost, best.peak_bytes)
-    return finish(graph, Schedule.from_compute(graph, best.R), budget_bytes=budget_bytes, method=method, status=status,
+    return finish(graph, best.schedule(graph), budget_bytes=budget_bytes, method=method, status=status,
                   started_s=started_s, claimed_objective=best.cost, lower_bound=lower_bound)
 
 
@@ -117,6 +130,57 @@ def _computed_in_stage(graph: Graph, t: int, kept: np.ndarray) -> set[int]:
                 computed.add(d)
                 need.append(d)
     return computed
+
+
+def _chen_reused(graph: Graph, checkpoints: set[int]) -> np.ndarray:
+    """What the first backward stage of Chen's schedule reuses: checkpoints, every value that
+    is not a forward value, the final segment (forward values after the last checkpoint: the
+    backward needs them at once, dropping them would only recompute them), outputs and
+    non-recomputable values."""
+    last = max(checkpoints, default=-1)
+    reused = _always_kept(graph)
+    for i, node in enumerate(graph.nodes):
+        reused[i] |= node.kind is not NodeKind.FORWARD or i in checkpoints or i > last
+    return reused
+
+
+def chen_keep(graph: Graph, checkpoints: Iterable[int]) -> np.ndarray:
+    """Keep matrix of Chen's schedule. Backward stages reuse what ``_chen_reused`` lists and
+    forward values an earlier backward stage recomputed: Chen's "recompute each segment once",
+    where ``from_kept`` alone would redo a segment's prefix for every gradient in it.
+    ``chen_plan`` measures the same schedule without the n x n matrix."""
+    keep = _keep_through_forward(graph)
+    reused = _chen_reused(graph, set(checkpoints))
+    for t, node in enumerate(graph.nodes):
+        if node.kind is NodeKind.BACKWARD:
+            keep[t, :t] = reused[:t]
+            reused[list(_computed_in_stage(graph, t, reused))] = True
+    return keep
+
+
+def chen_plan(graph: Graph, checkpoints: Iterable[int], label: str) -> BaselinePlan:
+    """The plan of ``Schedule.from_kept(graph, chen_keep(graph, checkpoints))``, measured, built
+    straight from the graph in O(nodes + edges) and remembered per graph."""
+    key = tuple(sorted(set(checkpoints)))
+    memo = prepared(graph).measured
+    found = memo.get(("chen", key))
+    if found is not None:
+        return dataclasses.replace(found, label=label)
+    reused = _chen_reused(graph, set(key))
+    stages: list[int] = []
+    nodes: list[int] = []
+    for t, node in enumerate(graph.nodes):
+        if node.kind is not NodeKind.BACKWARD:
+            stages.append(t)
+            nodes.append(t)
+            continue
+        computed = sorted(_computed_in_stage(graph, t, reused))
+        stages += [t] * len(computed)
+        nodes += computed
+        reused[computed] = True
+    plan = measure_order(graph, stages, nodes, label)
+    memo[("chen", key)] = plan
+    return plan
 
 
 # ---------------------------------------------------------------------------- checkpoint_all
@@ -188,28 +252,9 @@ def checkpoint_candidates(graph: Graph, variant: ChenVariant) -> tuple[int, ...]
     return tuple(sorted(nx.articulation_points(undirected)))
 
 
-def chen_keep(graph: Graph, checkpoints: Iterable[int]) -> np.ndarray:
-    """Keep matrix of Chen's schedule. Backward stages reuse the checkpoints, loss and backward
-    values, the final segment (forward nodes after the last checkpoint: the backward needs them
-    at once, dropping them would only recompute them) and forward values an earlier backward
-    stage recomputed: Chen's "recompute each segment once", where ``from_kept`` alone would
-    redo a segment's prefix for every gradient in it."""
-    checkpoints = set(checkpoints)
-    keep = _keep_through_forward(graph)
-    last = max(checkpoints, default=-1)
-    reused = _always_kept(graph)
-    for i, node in enumerate(graph.nodes):
-        reused[i] |= node.kind is not NodeKind.FORWARD or i in checkpoints or i > last
-    for t, node in enumerate(graph.nodes):
-        if node.kind is NodeKind.BACKWARD:
-            keep[t, :t] = reused[:t]
-            reused[list(_computed_in_stage(graph, t, reused))] = True
-    return keep
-
-
-def _chen_candidate(graph: Graph, checkpoints: Sequence[int], what: str) -> _Candidate:
+def _chen_candidate(graph: Graph, checkpoints: Sequence[int], what: str) -> BaselinePlan:
     shown = checkpoints if len(checkpoints) <= 8 else f"{len(checkpoints)} nodes"
-    return measure_kept(graph, chen_keep(graph, checkpoints), f"{what}, checkpoints {shown}")
+    return chen_plan(graph, checkpoints, f"{what}, checkpoints {shown}")
 
 
 def sqrtn_checkpoints(candidates: Sequence[int]) -> tuple[int, ...]:
@@ -287,8 +332,8 @@ class _GreedySearch:
         self.variant = variant
         self.candidates = checkpoint_candidates(graph, variant)
         self.thresholds = _greedy_thresholds(graph)
-        self.tried: dict[int, _Candidate] = {}  # threshold index -> plan
-        self.plans: dict[tuple[int, ...], _Candidate] = {}  # checkpoint set -> plan
+        self.tried: dict[int, BaselinePlan] = {}  # threshold index -> plan
+        self.plans: dict[tuple[int, ...], BaselinePlan] = {}  # checkpoint set -> plan
 
     def run(self, indices: Iterable[int]) -> None:
         for idx in indices:
@@ -301,7 +346,7 @@ class _GreedySearch:
                 self.plans[checkpoints] = _chen_candidate(self.graph, checkpoints, what)
             self.tried[idx] = self.plans[checkpoints]
 
-    def zoom(self, key: Callable[[_Candidate], object], where: Callable[[_Candidate], bool]) -> None:
+    def zoom(self, key: Callable[[BaselinePlan], object], where: Callable[[BaselinePlan], bool]) -> None:
         """Try more thresholds between the best tried one (by ``key`` among ``where``) and its
         tried neighbours."""
         for _ in range(GREEDY_REFINE_ROUNDS):

@@ -25,7 +25,7 @@ import numpy as np
 from remat.cuts import Cut, cut_tiers, light_cuts
 from remat.graph import Graph, NodeKind
 from remat.solvers.base import SolveResult, register
-from remat.solvers.baselines import chen_keep, greedy_checkpoints, measure_kept, pick_cheapest
+from remat.solvers.baselines import chen_plan, greedy_checkpoints, pick_cheapest
 
 #: Strides tried: every k-th cut of a tier for k = 1..MAX_STRIDE, at every offset.
 MAX_STRIDE = 8
@@ -60,7 +60,7 @@ def segments(graph: Graph, budget_bytes: int) -> SolveResult:
     def consider(checkpoints: Iterable[int], what: str) -> None:
         key = tuple(sorted(checkpoints))
         if key not in tried:
-            tried[key] = measure_kept(graph, chen_keep(graph, key), what)
+            tried[key] = chen_plan(graph, key, what)
 
     forward = graph.ids_of_kind(NodeKind.FORWARD)
     in_forward = set(forward)
