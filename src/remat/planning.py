@@ -4,13 +4,12 @@
 the plan back and replays it in the simulator on the original graph. This is the path
 ``optimize``, the benchmarks and the compiler backend use.
 
-Reduction has two levels (``remat.coarsen``). Folding zero-byte aliases is exact and always
-on. The MILP and its LP relaxation grow with the square of the node count, so for them the
-folded graph is also grouped down to ``max_nodes`` nodes (runs of neighbouring operations
-computed and kept as one, like the layers of the Checkmate paper). A grouped graph has fewer
-plans than the full one, so its optimum can cost more than the full graph's; to never do
-worse than a baseline, the baselines also run on the full (folded) graph and the cheapest
-plan wins. ``GraphPlan.note`` says which one did.
+Folding zero-byte aliases (``remat.coarsen.fold_aliases``) is exact and always on: every
+method then plans the whole folded graph, the MILP included (its retention model and lower
+bound scale to thousands of nodes). Grouping runs of operations into one node
+(``max_nodes=...``) is still available but not exact: a grouped graph has fewer plans, so the
+baselines also run on the full graph and the cheapest plan wins, and the reported lower
+bound is always the full graph's (``remat.solvers.bounds``), never the grouped problem's.
 """
 
 from __future__ import annotations
@@ -30,18 +29,14 @@ from remat.solvers.base import SolveStatus, relative_gap
 
 log = logging.getLogger("remat.solve")
 
-#: Methods whose model grows with n^2: they solve a grouped graph of at most this many nodes.
-GROUPED_METHODS = ("milp", "lp_round")
-DEFAULT_MAX_NODES = 150
-
 
 @dataclass(frozen=True)
 class GraphPlan:
     """A plan for ``graph``: the solver's result (on the reduced graph when reduced), the
     expanded plan and its simulation on ``graph`` itself.
 
-    When the graph was grouped, ``result.lower_bound`` and ``result.gap`` are those of the
-    grouped problem, not bounds for ``graph``; ``note`` explains any substitution.
+    ``result.lower_bound`` and ``result.gap`` hold for ``graph`` itself (for a grouped solve
+    too); ``note`` explains any substitution.
     """
 
     graph: Graph
@@ -67,23 +62,21 @@ class GraphPlan:
 
 
 def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce: bool = True,
-               max_nodes: int | None | str = "auto", **options: object) -> GraphPlan:
+               max_nodes: int | None = None, **options: object) -> GraphPlan:
     """Solve ``graph`` under ``budget_bytes`` with ``method`` and check the plan.
 
-    ``reduce`` folds zero-byte aliases first (exact). ``max_nodes`` bounds the graph the solver
-    sees by grouping (``"auto"``: ``DEFAULT_MAX_NODES`` for the MILP and ``lp_round``, no
-    grouping for the baselines; None: never group). Raises ``InfeasibleBudgetError`` as
-    ``solve`` does, with the smallest budget any tried plan needs.
+    ``reduce`` folds zero-byte aliases first (exact). ``max_nodes`` groups the folded graph
+    down to at most that many nodes before solving (not exact; None, the default: never).
+    Raises ``InfeasibleBudgetError`` as ``solve`` does, with the smallest budget any tried
+    plan needs.
 
     >>> from remat.builders import chain_graph
     >>> p = plan_graph(chain_graph(6), 2**40, method="checkpoint_all")
     >>> p.sim.peak_bytes <= 2**40, p.overhead
     (True, 1.0)
     """
-    if max_nodes == "auto":
-        max_nodes = DEFAULT_MAX_NODES if method in GROUPED_METHODS else None
-    elif max_nodes is not None and (not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1):
-        raise ValueError(f"max_nodes={max_nodes!r} must be a positive int, None (no grouping) or 'auto'")
+    if max_nodes is not None and (not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1):
+        raise ValueError(f"max_nodes={max_nodes!r} must be a positive int, or None (no grouping)")
     started = time.perf_counter()
     folded = fold_aliases(graph) if reduce else None
     coarse = folded if folded is None or max_nodes is None else group_folded(folded, max_nodes)
@@ -101,6 +94,8 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
     except SolverError as exc:  # e.g. a time limit with no plan found on the grouped graph
         failure = exc
     best, smallest = _best_full_graph_baseline(graph, folded, budget_bytes)
+    # a grouped solve's bound is the grouped problem's: report the full graph's instead
+    bound = _full_graph_bound(folded.coarse, budget_bytes)
     if best is not None and (grouped is None or best.sim.total_cost < grouped.sim.total_cost - 1e-9 * max(1.0, best.sim.total_cost)):
         if grouped is None:
             why = f"no plan of the graph grouped to {target.n} nodes was found ({infeasible or failure})"
@@ -111,14 +106,12 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
             status = grouped.result.status if grouped.result.status is SolveStatus.TIME_LIMIT else SolveStatus.FEASIBLE
         note = f"{best.result.method} on the full graph is cheaper at {best.overhead:.4f}x: {why}"
         log.info("%s: %s", graph.name, note)
-        # the grouped bound does not bound the full graph; computing every node once does
-        gap = relative_gap(best.sim.total_cost, graph.total_cost)
-        if gap is not None and gap <= 1e-9:
-            status = SolveStatus.OPTIMAL
-        result = dataclasses.replace(best.result, method=method, status=status, lower_bound=graph.total_cost,
-                                     gap=gap, solve_s=time.perf_counter() - started)
-        return dataclasses.replace(best, result=result, note=note)
-    if grouped is None:
+        chosen = best
+    elif grouped is not None:
+        note = f"solved on the graph grouped from {coarse.fine.n} to {target.n} nodes; no baseline on the full graph is cheaper"
+        status = grouped.result.status if grouped.result.status is SolveStatus.TIME_LIMIT else SolveStatus.FEASIBLE
+        chosen = grouped
+    else:
         if infeasible is None:
             assert failure is not None
             raise failure
@@ -126,9 +119,20 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
             raise InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=smallest, method=method, graph_name=graph.name,
                                         detail="the smallest budget of the baselines on the full graph") from infeasible
         raise infeasible
-    note = f"solved on the graph grouped from {coarse.fine.n} to {target.n} nodes; no baseline on the full graph is cheaper"
-    result = dataclasses.replace(grouped.result, solve_s=time.perf_counter() - started)
-    return dataclasses.replace(grouped, result=result, note=note)
+    lower = min(bound, chosen.sim.total_cost)
+    gap = relative_gap(chosen.sim.total_cost, lower)
+    if gap is not None and gap <= 1e-9:
+        status = SolveStatus.OPTIMAL
+    result = dataclasses.replace(chosen.result, method=method, status=status, lower_bound=lower, gap=gap,
+                                 solve_s=time.perf_counter() - started)
+    return dataclasses.replace(chosen, result=result, note=note)
+
+
+def _full_graph_bound(graph: Graph, budget_bytes: int) -> float:
+    """The instant bound of the (folded) full graph, in its cost unit."""
+    from remat.solvers.prepared import prepared
+
+    return prepared(graph).bounds.cost_bound(budget_bytes).value
 
 
 def _best_full_graph_baseline(graph: Graph, folded: Coarsening, budget_bytes: int

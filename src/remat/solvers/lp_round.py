@@ -25,6 +25,10 @@ from remat.solvers.milp_backends import BackendStatus, MilpBackend, RelaxationTi
 from remat.solvers.milp_model import ModelObjective, build_model
 from remat.solvers.milp_start import Candidate, baseline_candidates, best_fitting
 
+#: Graphs of at most this many nodes get Checkmate's relaxation (O(n^2) columns); larger ones the
+#: retention model's (the same limit as the exact MILP's, ``remat.solvers.milp.EXACT_MAX_NODES``).
+EXACT_MAX_NODES = 60
+
 log = logging.getLogger("remat.solve")
 
 #: Thresholds of the deterministic sweep: keep S[t, i] when its LP value is at least this.
@@ -39,6 +43,7 @@ class Relaxation:
     S: np.ndarray
     n_variables: int
     n_constraints: int
+    exact_units: bool  # False: sizes were rounded up, the LP is stricter than the graph (no bound)
 
 
 def solve_relaxation(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0) -> Relaxation | None:
@@ -51,7 +56,7 @@ def solve_relaxation(graph: Graph, budget_bytes: int, *, time_limit_s: float = 6
     result = run_backend(model, MilpBackend.HIGHS, settings)
     if result.status is BackendStatus.INFEASIBLE or result.x is None:
         return None
-    return Relaxation(float(result.objective), model.s_values(result.x), model.n_cols, model.n_rows)
+    return Relaxation(float(result.objective), model.s_values(result.x), model.n_cols, model.n_rows, model.exact_units)
 
 
 def rounded_keeps(
@@ -92,8 +97,13 @@ def lp_round(
     seed: int = 0,
     time_limit_s: float = 60.0,
     fallback: bool = True,
+    exact_max_nodes: int = EXACT_MAX_NODES,
 ) -> SolveResult:
-    """LP relaxation plus two-phase rounding; ``lower_bound`` is the LP optimum.
+    """LP relaxation plus rounding. On graphs of at most ``exact_max_nodes`` nodes it is
+    Checkmate's: the relaxation of the exact MILP (a lower bound), then two-phase rounding of
+    its keep matrix. On larger graphs (Checkmate's relaxation has O(n^2) columns) it rounds
+    the retention model's relaxation (``remat.solvers.retention``) at each threshold instead;
+    ``lower_bound`` is then the instant bound of the whole graph (``remat.solvers.bounds``).
 
     With ``fallback`` (default) a budget at which no rounded plan fits returns the cheapest
     baseline plan that does (logged as a warning); otherwise, or if none fits either, it
@@ -108,17 +118,69 @@ def lp_round(
     started = time.perf_counter()
     if n_samples < 0:
         raise ValueError(f"n_samples={n_samples!r} must be >= 0 (randomized roundings to draw)")
+    if graph.n > exact_max_nodes:
+        return _retention_rounding(graph, budget_bytes, thresholds, time_limit_s, fallback, started)
+    bound = _instant_bound(graph, budget_bytes, time_limit_s)
     try:
         relaxation = solve_relaxation(graph, budget_bytes, time_limit_s=time_limit_s)
     except RelaxationTimeout as exc:
         if not fallback:
             raise
-        return _baseline_after_timeout(graph, budget_bytes, started, str(exc))
+        return _baseline_after_timeout(graph, budget_bytes, started, str(exc), lower_bound=bound)
     if relaxation is None:
         raise _infeasible(graph, budget_bytes, "even the LP relaxation is infeasible")
     rounded = rounded_candidates(graph, relaxation.S, thresholds=thresholds, n_samples=n_samples, seed=seed)
-    best = best_fitting(rounded, budget_bytes)
     stats = SolverStats(backend="highs", n_variables=relaxation.n_variables, n_constraints=relaxation.n_constraints)
+    if relaxation.exact_units:
+        bound = max(bound, relaxation.lower_bound)
+    return _best_rounded(graph, budget_bytes, rounded, bound, stats, fallback, started)
+
+
+def _instant_bound(graph: Graph, budget_bytes: int, time_limit_s: float) -> float:
+    from remat.solvers.prepared import prepared
+
+    return prepared(graph).bounds.cost_bound(budget_bytes, time_limit_s=min(10.0, 0.15 * time_limit_s)).value
+
+
+def _retention_rounding(graph: Graph, budget_bytes: int, thresholds: Sequence[float], time_limit_s: float,
+                        fallback: bool, started: float) -> SolveResult:
+    from remat.solvers.prepared import prepared
+    from remat.solvers.retention import relax_retention, round_solution
+
+    prep = prepared(graph)
+    structure = prep.retention
+    bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(10.0, 0.15 * time_limit_s))
+    if not bound.feasible:
+        raise _infeasible(graph, budget_bytes, f"at {graph.describe(bound.instant)} the values no plan can drop "
+                          f"already exceed it")
+    rows = sorted(prep.retention_rows | ({bound.instant} if bound.instant is not None else set()))
+    relaxed = relax_retention(structure, budget_bytes, rows, deadline=started + time_limit_s)
+    if relaxed.infeasible and not fallback:
+        raise _infeasible(graph, budget_bytes, "the retention model's LP relaxation is infeasible")
+    if relaxed.x is None and not relaxed.infeasible:
+        why = (f"the LP relaxation of graph {graph.name!r} ({structure.n_cols} variables) did not finish within "
+               f"{time_limit_s:g} s; raise time_limit_s")
+        if not fallback:
+            raise RelaxationTimeout(why)
+        return _baseline_after_timeout(graph, budget_bytes, started, why, lower_bound=bound.value)
+    rounded: list[Candidate] = []
+    if relaxed.x is not None:
+        for k, threshold in enumerate(thresholds):
+            solution = round_solution(structure, relaxed.x, threshold)
+            if solution.model_peak_bytes <= budget_bytes:
+                order = solution.order(structure)
+                schedule = Schedule.from_order(graph, [t for t, _ in order], [v for _, v in order])
+                sim = simulate(graph, schedule.lower(graph))
+                rounded.append(Candidate(f"lp_round#{k} (threshold {threshold:g})", schedule, sim.peak_bytes,
+                                         sim.total_cost))
+    stats = SolverStats(backend="highs", n_variables=structure.n_cols, n_constraints=len(rows))
+    return _best_rounded(graph, budget_bytes, rounded, bound.value, stats, fallback, started)
+
+
+def _best_rounded(graph: Graph, budget_bytes: int, rounded: list[Candidate], lower_bound: float,
+                  stats: SolverStats, fallback: bool, started: float) -> SolveResult:
+    """The cheapest rounded plan that fits (or the cheapest baseline, with ``fallback``)."""
+    best = best_fitting(rounded, budget_bytes)
     if best is None and fallback:
         best = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
         if best is not None:
@@ -128,22 +190,24 @@ def lp_round(
             )
     if best is None:
         raise _infeasible(graph, budget_bytes, f"none of {len(rounded)} rounded plans fits")
-    log.info("lp_round: %s on %s: cost %g, LP bound %g", best.name, graph.name, best.cost, relaxation.lower_bound)
+    log.info("lp_round: %s on %s: cost %g, lower bound %g", best.name, graph.name, best.cost, lower_bound)
     return finish(
         graph, best.schedule, budget_bytes=budget_bytes, method="lp_round", status=SolveStatus.FEASIBLE,
-        started_s=started, claimed_objective=best.cost, lower_bound=min(relaxation.lower_bound, best.cost),
+        started_s=started, claimed_objective=best.cost, lower_bound=min(lower_bound, best.cost),
         stats=stats,
     )
 
 
-def _baseline_after_timeout(graph: Graph, budget_bytes: int, started: float, why: str) -> SolveResult:
+def _baseline_after_timeout(graph: Graph, budget_bytes: int, started: float, why: str,
+                            lower_bound: float | None = None) -> SolveResult:
     """No LP solution to round in time: the cheapest fitting baseline, marked TIME_LIMIT."""
     best = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
     if best is None:
         raise _infeasible(graph, budget_bytes, f"{why}, and no baseline plan fits")
     log.warning("lp_round: %s; returning baseline %s", why, best.name)
     return finish(graph, best.schedule, budget_bytes=budget_bytes, method="lp_round", status=SolveStatus.TIME_LIMIT,
-                  started_s=started, claimed_objective=best.cost, stats=SolverStats(backend="highs"))
+                  started_s=started, claimed_objective=best.cost, stats=SolverStats(backend="highs"),
+                  lower_bound=None if lower_bound is None else min(lower_bound, best.cost))
 
 
 def _infeasible(graph: Graph, budget_bytes: int, detail: str) -> InfeasibleBudgetError:

@@ -1,11 +1,18 @@
-"""``method="milp"``: the optimal plan under a budget, by mixed-integer programming.
+"""``method="milp"``: the cheapest plan under a budget, with a lower bound for the whole graph.
 
-One model (``milp_model``) for every backend (``milp_backends``): HiGHS by default, OR-Tools
-CP-SAT, or Gurobi when installed. The solver starts from the cheapest known plan that fits
-(the baselines' and the LP rounding's); on the time limit the best plan found is returned
-with status TIME_LIMIT and the proven bound. A budget no plan meets raises
-``InfeasibleBudgetError`` carrying the smallest feasible budget, found by a second model
-that minimizes the peak.
+Every call returns the cheapest plan it found among:
+
+* the baselines' plans (``milp_start``; measured once per graph, so each budget is cheap),
+* the retention model's plan (``retention``): an exact MILP over op-level plans in which every
+  forward value is kept or recomputed once, solved on the whole graph;
+* on graphs of at most ``exact_max_nodes`` nodes, Checkmate's exact MILP (``milp_model``),
+  started from the best of the above.
+
+and reports the instant bound (``bounds``), a lower bound on the cost of *every* plan of the
+graph, as ``lower_bound``, with the gap to it. The search stops as soon as the gap is within
+``mip_gap``, when the models are solved, or at the time limit (status TIME_LIMIT, the best
+plan found so far). A budget no plan meets raises ``InfeasibleBudgetError`` with the smallest
+budget found (``minimum_budget``), which plans: asking for it returns a plan.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from remat.graph import Graph
 from remat.schedule import Schedule
 from remat.simulate import simulate
 from remat.solvers import lp_round
-from remat.solvers.base import SolveResult, SolverStats, SolveStatus, finish, register
+from remat.solvers.base import SolveResult, SolverStats, SolveStatus, finish, register, relative_gap
+from remat.solvers.bounds import CostBound
 from remat.solvers.milp_backends import (
     BackendResult,
     BackendStatus,
@@ -32,24 +40,33 @@ from remat.solvers.milp_backends import (
     backend_available,
     run_backend,
 )
-from remat.solvers.milp_model import MilpModel, ModelObjective, build_model, peak_lower_bound_bytes
-from remat.solvers.milp_start import Candidate, baseline_candidates, without_unread
+from remat.solvers.milp_model import MilpModel, ModelObjective, build_model
+from remat.solvers.milp_start import Candidate, baseline_candidates, best_fitting, without_unread
+from remat.solvers.prepared import prepared
+from remat.solvers.retention import RetentionSolution, solve_retention
 
 log = logging.getLogger("remat.solve")
 
 __all__ = ["MilpBackend", "MinimumBudget", "milp", "minimum_budget"]
 
-#: The least time handed to a solver after the warm start used up the rest of the limit.
+#: Graphs of at most this many nodes also get Checkmate's exact MILP (O(n^2) binaries).
+EXACT_MAX_NODES = lp_round.EXACT_MAX_NODES
+
+#: The least time handed to a solver after earlier steps used up the rest of the limit.
 MIN_SOLVER_TIME_S = 1.0
 
-#: The share of ``time_limit_s`` the warm start's LP relaxation may take.
+#: The share of ``time_limit_s`` the lower bound may take (at most ``BOUND_MAX_S``).
+BOUND_TIME_SHARE = 0.15
+BOUND_MAX_S = 10.0
+
+#: The share of the time left the exact MILP's warm start (its LP relaxation) may take.
 LP_TIME_SHARE = 0.5
 
 
 @dataclass(frozen=True)
 class MinimumBudget:
-    """The smallest budget with a plan; ``proven`` is False when the time limit stopped the
-    search first (then ``budget_bytes`` is feasible but maybe not the least)."""
+    """The smallest budget with a plan found, its plan, and a budget below which no plan
+    exists; ``proven`` when the two meet."""
 
     budget_bytes: int
     proven: bool
@@ -69,18 +86,19 @@ def milp(
     early_proof: bool = True,
     threads: int = 2,
     dominance: bool = True,
+    exact_max_nodes: int = EXACT_MAX_NODES,
 ) -> SolveResult:
-    """The cheapest plan whose simulated peak fits ``budget_bytes`` (optimal within ``mip_gap``).
+    """The cheapest plan found whose simulated peak fits ``budget_bytes``, with a lower bound
+    on every plan's cost (``lower_bound``, ``gap``).
 
-    ``backend``: a ``MilpBackend`` or "highs" (default), "cpsat", "gurobi" (if installed).
-    ``time_limit_s`` covers the whole call, warm start included; an infeasible budget then
-    spends up to as long again finding the smallest feasible one. ``warm_start`` starts the
-    solver from the cheapest fitting plan of the baselines and of the LP rounding (and falls
-    back on it when the solver finds nothing better). With ``early_proof`` (and a warm start)
-    a known plan that meets a proven lower bound (each node's cost once, or the LP relaxation
-    within ``mip_gap``) is returned as OPTIMAL without a search. ``threads`` is fixed so that timings
-    compare (HiGHS' branch and bound is serial; CP-SAT runs that many workers).
-    ``dominance`` adds the rows that make S the exact liveness of R (see ``milp_model``).
+    ``time_limit_s`` covers the whole call; an infeasible budget then spends up to as long
+    again finding the smallest feasible one. The search stops once the gap to the bound is at
+    most ``mip_gap``. ``backend`` ("highs", "cpsat" or "gurobi" if installed) solves
+    Checkmate's exact model on graphs of at most ``exact_max_nodes`` nodes; the retention
+    model and the bound always use HiGHS. ``warm_start`` starts the exact model from the best
+    plan known (and falls back on it); with ``early_proof`` a known plan that meets the bound
+    is returned at once. ``threads`` is fixed so that timings compare. ``dominance`` adds the
+    rows that make S the exact liveness of R in the exact model (see ``milp_model``).
 
     >>> from remat.builders import chain_graph
     >>> from remat.solvers import solve
@@ -89,141 +107,150 @@ def milp(
     ('optimal', 11.0, True)
     """
     started = time.perf_counter()
+    deadline = started + time_limit_s
     backend = MilpBackend.parse(backend)
     _check_numbers(time_limit_s, mip_gap, threads)
-    backend_available(backend)
+    if not (isinstance(exact_max_nodes, int) and exact_max_nodes >= 0):
+        raise ValueError(f"exact_max_nodes={exact_max_nodes!r} must be a non-negative int (0: never the exact model)")
+    exact = graph.n <= exact_max_nodes
+    if exact:
+        backend_available(backend)
+    prep = prepared(graph)
     settings = SolverSettings(time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads)
-    if budget_bytes < peak_lower_bound_bytes(graph):
-        raise _infeasible(graph, budget_bytes, settings, backend, "below what computing some node needs")
+    if budget_bytes < prep.bounds.min_budget_bytes:
+        raise _infeasible(graph, budget_bytes, settings, backend, "below what the values no plan can drop need")
+    known = baseline_candidates(graph, budget_bytes)
+    best = best_fitting(known, budget_bytes)
+    if best is not None and early_proof and best.cost <= graph.total_cost * (1 + 1e-12):
+        return _finish(graph, budget_bytes, best, None, graph.total_cost, SolveStatus.OPTIMAL, started,
+                       SolverStats(backend=backend.value, nodes_explored=0), "checkpoint-all fits: no search needed")
+    bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s))
+    if not bound.feasible:
+        raise _infeasible(graph, budget_bytes, settings, backend, f"at {graph.describe(bound.instant)} the values "
+                          f"no plan can drop already exceed it")
+    target = bound.value * (1 + mip_gap)
+    if best is not None and early_proof and best.cost <= target:
+        return _finish(graph, budget_bytes, best, None, bound.value, SolveStatus.OPTIMAL, started,
+                       SolverStats(backend=backend.value, nodes_explored=0), "a known plan meets the bound: no search needed")
+    # the retention model on the whole graph
+    solved = _retention(graph, budget_bytes, bound, target, deadline, mip_gap, threads)
+    if solved is not None and (best is None or solved.cost < best.cost - 1e-9 * max(1.0, best.cost)):
+        best = solved
+    timed_out = time.perf_counter() >= deadline - 1e-3
+    lower = bound.value
+    stats = SolverStats(backend="highs", n_variables=prep.retention.n_cols)
+    if exact and (best is None or best.cost > target) and not timed_out:
+        result = _exact(graph, budget_bytes, settings, backend, dominance, warm_start, best, deadline)
+        if result is not None:
+            schedule, claimed, model_bound, status, stats = result
+            if best is None or claimed < best.cost - 1e-9 * max(1.0, best.cost):
+                sim = simulate(graph, schedule.lower(graph))
+                best = Candidate("milp", schedule, sim.peak_bytes, sim.total_cost)
+            if model_bound is not None:
+                lower = max(lower, model_bound)
+            timed_out = status is BackendStatus.FEASIBLE or status is BackendStatus.NO_SOLUTION
+    if best is None:
+        found = minimum_budget(graph, backend=backend, time_limit_s=max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S),
+                               threads=threads)
+        if found.budget_bytes > budget_bytes:
+            raise _infeasible(graph, budget_bytes, settings, backend, "no plan found fits", found=found)
+        sim = simulate(graph, found.schedule.lower(graph))
+        best = Candidate("min-peak plan", found.schedule, sim.peak_bytes, sim.total_cost)
+    gap = relative_gap(best.cost, lower)
+    if gap is not None and gap <= mip_gap:
+        status = SolveStatus.OPTIMAL
+    else:
+        status = SolveStatus.TIME_LIMIT if timed_out else SolveStatus.FEASIBLE
+    return _finish(graph, budget_bytes, best, None, lower, status, started, stats, best.name)
+
+
+def _retention(graph: Graph, budget_bytes: int, bound: CostBound, target: float, deadline: float,
+               mip_gap: float, threads: int) -> Candidate | None:
+    """The retention model's plan under the budget, as a candidate (None if it has none)."""
+    prep = prepared(graph)
+    structure = prep.retention
+    start = prep.best_retention_plan(budget_bytes)
+    rows = tuple(sorted(prep.retention_rows)) + ((bound.instant,) if bound.instant is not None else ())
+    result = solve_retention(structure, budget_bytes, time_limit_s=max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S),
+                             mip_gap=mip_gap, threads=threads, start=start,
+                             stop_at=target - graph.total_cost, rows=rows)
+    if result.solution is None:
+        return None
+    prep.remember(result.solution, result.rows)
+    return _retention_candidate(graph, result.solution)
+
+
+def _retention_candidate(graph: Graph, solution: RetentionSolution) -> Candidate:
+    structure = prepared(graph).retention
+    order = solution.order(structure)
+    schedule = Schedule.from_order(graph, [s for s, _ in order], [v for _, v in order])
+    sim = simulate(graph, schedule.lower(graph))
+    if not sim.ok or sim.peak_bytes > solution.model_peak_bytes:
+        # the model counts memory conservatively: a plan above it is a bug, never a plan to run
+        raise SolverError(
+            f"the retention model's plan for graph {graph.name!r} simulates to a peak of {sim.peak_bytes} B over "
+            f"the model's {solution.model_peak_bytes} B ({len(sim.violations)} violations); please report this"
+        )
+    return Candidate("retention", schedule, sim.peak_bytes, sim.total_cost)
+
+
+def _finish(graph: Graph, budget_bytes: int, best: Candidate, claimed: float | None, lower: float,
+            status: SolveStatus, started: float, stats: SolverStats, why: str) -> SolveResult:
+    log.info("milp: %s on %s: cost %.6g (%.4fx), bound %.6g, %s", best.name, graph.name, best.cost,
+             best.cost / graph.total_cost if graph.total_cost else 1.0, lower, why)
+    return finish(graph, best.schedule, budget_bytes=budget_bytes, method="milp", status=status, started_s=started,
+                  claimed_objective=best.cost if claimed is None else claimed, lower_bound=min(lower, best.cost),
+                  stats=stats)
+
+
+# ---------------------------------------------------------------------------- Checkmate's exact model
+def _exact(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: MilpBackend, dominance: bool,
+           warm_start: bool, best: Candidate | None, deadline: float):
+    """Checkmate's MILP on the whole graph: (schedule, cost, bound, status, stats), or None when it
+    finds nothing better than ``best``. The bound counts only if the model's memory units are
+    exact (rounded-up sizes make the model stricter than the graph)."""
     model = build_model(graph, budget_bytes, ModelObjective.COST, dominance=dominance)
     if model.infeasible_reason is not None:
-        raise _infeasible(graph, budget_bytes, settings, backend, model.infeasible_reason)
-    candidates: list[Candidate] = []
-    if warm_start:
-        candidates = baseline_candidates(graph, budget_bytes)
-        # Every node runs at least once: a plan costing that much is optimal outright.
-        proven = _proven(candidates, budget_bytes, graph.total_cost, mip_gap) if early_proof else None
-        if proven is not None:
-            return _finish_proven(graph, budget_bytes, proven, graph.total_cost, model, backend, started)
-        try:
-            relaxation = lp_round.solve_relaxation(graph, budget_bytes, time_limit_s=LP_TIME_SHARE * time_limit_s)
-        except RelaxationTimeout as exc:
-            log.warning("milp: %s; warm-starting from the baselines only", exc)
-        else:
-            if relaxation is None:
-                raise _infeasible(graph, budget_bytes, settings, backend, "its LP relaxation is infeasible")
-            candidates += lp_round.rounded_candidates(graph, relaxation.S)
-            proven = _proven(candidates, budget_bytes, relaxation.lower_bound, mip_gap) if early_proof else None
-            if proven is not None:  # the LP bound already closes the gap: no search needed
-                return _finish_proven(graph, budget_bytes, proven, relaxation.lower_bound, model, backend, started)
-    start = _start_vector(model, candidates, budget_bytes)
-    remaining_s = max(time_limit_s - (time.perf_counter() - started), MIN_SOLVER_TIME_S)
-    result = run_backend(model, backend, _with_time(settings, remaining_s), start[0] if start else None)
-    if result.status is BackendStatus.INFEASIBLE:
-        raise _infeasible(graph, budget_bytes, settings, backend, "the solver proved it")
-    return _package(graph, budget_bytes, model, result, start[1] if start else None, backend, started)
-
-
-def _proven(candidates: list[Candidate], budget_bytes: int, bound: float, mip_gap: float) -> Candidate | None:
-    """The cheapest fitting candidate if ``bound`` proves it optimal within ``mip_gap``."""
-    fitting = [c for c in candidates if c.peak_bytes <= budget_bytes]
-    best = min(fitting, key=lambda c: (c.cost, c.peak_bytes), default=None)
-    if best is None or best.cost - bound > mip_gap * abs(best.cost) + 1e-9:
         return None
-    return best
-
-
-def _finish_proven(graph: Graph, budget_bytes: int, best: Candidate, bound: float, model: MilpModel,
-                   backend: MilpBackend, started: float) -> SolveResult:
-    log.info("milp: %s (cost %g) meets the lower bound %g on %s; no search needed", best.name, best.cost, bound,
-             graph.name)
-    stats = SolverStats(backend=backend.value, n_variables=model.n_cols, n_constraints=model.n_rows, nodes_explored=0)
-    return finish(graph, best.schedule, budget_bytes=budget_bytes, method="milp", status=SolveStatus.OPTIMAL,
-                  started_s=started, claimed_objective=best.cost, lower_bound=min(bound, best.cost), stats=stats)
-
-
-def _package(graph, budget_bytes, model: MilpModel, result: BackendResult, fallback: Candidate | None,
-             backend: MilpBackend, started: float) -> SolveResult:
-    """Decode the solver's plan (or keep the start when it is no better) and check it."""
+    candidates = [best] if best is not None and warm_start else []
+    if warm_start:
+        try:
+            relaxation = lp_round.solve_relaxation(
+                graph, budget_bytes, time_limit_s=max(LP_TIME_SHARE * (deadline - time.perf_counter()), 0.1))
+        except RelaxationTimeout as exc:
+            log.warning("milp: %s; warm-starting from the known plans only", exc)
+        else:
+            if relaxation is not None:
+                candidates += lp_round.rounded_candidates(graph, relaxation.S)
+    start = _start_vector(model, candidates, budget_bytes)
+    remaining = max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S)
+    result = run_backend(model, backend, _with_time(settings, remaining), start[0] if start else None)
     stats = SolverStats(backend=backend.value, n_variables=model.n_cols, n_constraints=model.n_rows,
                         nodes_explored=result.nodes, iterations=result.iterations)
-    schedule, claimed = None, None
-    if result.x is not None:
-        try:
-            schedule = model.decode(result.x)
-        except ValueError as exc:
-            raise SolverError(f"{backend.value} returned a solution remat cannot read as a plan: {exc}") from None
-        claimed = result.objective if backend is not MilpBackend.CPSAT else schedule.cost(graph)
-    if fallback is not None and (schedule is None or fallback.cost < schedule.cost(graph) - 1e-9):
-        schedule, claimed = fallback.schedule, fallback.cost
-    if schedule is None:
-        raise SolverError(
-            f"{backend.value} found no plan for graph {graph.name!r} under {budget_bytes} B within the "
-            f"time limit and no baseline fits; raise time_limit_s or the budget"
-        )
-    optimal = result.status is BackendStatus.OPTIMAL
-    status = SolveStatus.OPTIMAL if optimal else SolveStatus.TIME_LIMIT
+    if result.status is BackendStatus.INFEASIBLE or result.x is None:
+        return None
+    try:
+        schedule = model.decode(result.x)
+    except ValueError as exc:
+        raise SolverError(f"{backend.value} returned a solution remat cannot read as a plan: {exc}") from None
+    claimed = result.objective if backend is not MilpBackend.CPSAT else schedule.cost(graph)
+    bound = _model_bound(model, result, backend)
+    return schedule, claimed, bound, result.status, stats
+
+
+def _model_bound(model: MilpModel, result: BackendResult, backend: MilpBackend) -> float | None:
+    if result.bound is None or not model.exact_units:
+        return None
     bound = result.bound
-    if bound is not None and backend is MilpBackend.CPSAT:
-        bound = _cpsat_true_bound(model, bound)
-    return finish(graph, schedule, budget_bytes=budget_bytes, method="milp", status=status, started_s=started,
-                  claimed_objective=claimed, lower_bound=bound, stats=stats)
+    if backend is MilpBackend.CPSAT:
+        # CP-SAT optimizes costs rounded to integers; each computed node may be off by half a
+        # unit of the scale, so the bound on true costs is looser by that much per R variable.
+        from remat.solvers.milp_backends import cpsat_cost_scale
 
-
-def _cpsat_true_bound(model: MilpModel, bound: float) -> float:
-    # CP-SAT optimizes costs rounded to integers; each computed node may be off by half a
-    # unit of the scale, so the bound on true costs is looser by that much per R variable.
-    from remat.solvers.milp_backends import cpsat_cost_scale
-
-    scale, exact = cpsat_cost_scale(model.col_cost)
-    if exact:
-        return bound
-    return bound - 0.5 / scale * float(model.col_integer.sum())
-
-
-def minimum_budget(
-    graph: Graph,
-    *,
-    backend: MilpBackend | str = MilpBackend.HIGHS,
-    time_limit_s: float = 60.0,
-    threads: int = 2,
-) -> MinimumBudget:
-    """The smallest budget under which some plan exists (the least simulated peak).
-
-    >>> from remat.builders import chain_graph
-    >>> minimum_budget(chain_graph(4, bytes_per_node=1)).budget_bytes
-    3
-    """
-    backend = MilpBackend.parse(backend)
-    _check_numbers(time_limit_s, 0.0, threads)
-    backend_available(backend)
-    lower = peak_lower_bound_bytes(graph)
-    known = baseline_candidates(graph, lower, lowest_peak=True)
-    known.append(_candidate("checkpoint_all", graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool))))
-    best = min(known, key=lambda c: (c.peak_bytes, c.cost))
-    if best.peak_bytes <= lower:
-        return MinimumBudget(best.peak_bytes, True, best.schedule, lower)
-    model = build_model(graph, None, ModelObjective.PEAK, peak_upper_bytes=best.peak_bytes)
-    start, _why = _start_of(model, best.schedule)
-    # Peaks are whole units of model.bytes_unit: an absolute gap below one unit is exact.
-    settings = SolverSettings(time_limit_s=time_limit_s, mip_gap=0.0, mip_abs_gap=0.999, threads=threads,
-                              label="min-budget")
-    result = run_backend(model, backend, settings, start)
-    if result.x is not None:
-        found = _candidate("milp-peak", graph, model.decode(result.x))
-        if found.peak_bytes < best.peak_bytes:
-            best = found
-    if result.bound is not None:  # rounded-up sizes over-count by less than a unit per live value
-        slack = 0 if model.exact_units else graph.n
-        lower = max(lower, graph.fixed_bytes + model.bytes_unit * (math.ceil(result.bound - 1e-6) - slack))
-    proven = best.peak_bytes <= lower
-    log.info("min-budget: %s needs %d B (%s)", graph.name, best.peak_bytes, "proven" if proven else "not proven")
-    return MinimumBudget(best.peak_bytes, proven, best.schedule, lower)
-
-
-def _candidate(name: str, graph: Graph, schedule: Schedule) -> Candidate:
-    sim = simulate(graph, schedule.lower(graph))
-    return Candidate(name, schedule, sim.peak_bytes, sim.total_cost)
+        scale, exact = cpsat_cost_scale(model.col_cost)
+        if not exact:
+            bound -= 0.5 / scale * float(model.col_integer.sum())
+    return bound
 
 
 def _start_vector(model: MilpModel, candidates: list[Candidate], budget_bytes: int):
@@ -244,10 +271,76 @@ def _start_of(model: MilpModel, schedule: Schedule):
     return x, why
 
 
-def _infeasible(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: MilpBackend,
-                why: str) -> InfeasibleBudgetError:
-    found = minimum_budget(graph, backend=backend, time_limit_s=settings.time_limit_s, threads=settings.threads)
-    detail = why if found.proven else f"{why}; the smallest budget is not proven (time limit): at least {found.lower_bound_bytes} B"
+# ---------------------------------------------------------------------------- the smallest budget
+def minimum_budget(
+    graph: Graph,
+    *,
+    backend: MilpBackend | str = MilpBackend.HIGHS,
+    time_limit_s: float = 60.0,
+    threads: int = 2,
+    exact_max_nodes: int = EXACT_MAX_NODES,
+) -> MinimumBudget:
+    """The smallest budget under which ``milp`` finds a plan: the least simulated peak among
+    the baselines' plans, the retention model's least-peak plan and (on small graphs) the
+    exact least-peak MILP. ``proven`` when it meets ``bounds``' smallest-budget bound or the
+    exact model proved it. Remembered per graph: asking ``milp`` for this budget plans.
+
+    >>> from remat.builders import chain_graph
+    >>> minimum_budget(chain_graph(4, bytes_per_node=1)).budget_bytes
+    3
+    """
+    backend = MilpBackend.parse(backend)
+    _check_numbers(time_limit_s, 0.0, threads)
+    prep = prepared(graph)
+    if isinstance(prep.minimum, MinimumBudget):
+        return prep.minimum
+    started = time.perf_counter()
+    lower = prep.bounds.min_budget_bytes
+    known = baseline_candidates(graph, lower, lowest_peak=True)
+    known.append(_candidate("checkpoint_all", graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool))))
+    best = min(known, key=lambda c: (c.peak_bytes, c.cost))
+    proven = best.peak_bytes <= lower
+    if not proven:
+        result = solve_retention(prep.retention, best.peak_bytes, time_limit_s=0.5 * time_limit_s, threads=threads,
+                                 minimize_peak=True, rows=tuple(prep.retention_rows))
+        if result.solution is not None:
+            found = _retention_candidate(graph, result.solution)
+            if found.peak_bytes < best.peak_bytes or (found.peak_bytes == best.peak_bytes and found.cost < best.cost):
+                best = found
+            proven = best.peak_bytes <= lower
+    if not proven and graph.n <= exact_max_nodes:
+        backend_available(backend)
+        model = build_model(graph, None, ModelObjective.PEAK, peak_upper_bytes=best.peak_bytes)
+        start, _why = _start_of(model, best.schedule)
+        # Peaks are whole units of model.bytes_unit: an absolute gap below one unit is exact.
+        settings = SolverSettings(time_limit_s=max(time_limit_s - (time.perf_counter() - started), MIN_SOLVER_TIME_S),
+                                  mip_gap=0.0, mip_abs_gap=0.999, threads=threads, label="min-budget")
+        result = run_backend(model, backend, settings, start)
+        if result.x is not None:
+            found = _candidate("milp-peak", graph, model.decode(result.x))
+            if found.peak_bytes < best.peak_bytes:
+                best = found
+        if result.bound is not None:  # rounded-up sizes over-count by less than a unit per live value
+            slack = 0 if model.exact_units else graph.n
+            lower = max(lower, graph.fixed_bytes + model.bytes_unit * (math.ceil(result.bound - 1e-6) - slack))
+        proven = best.peak_bytes <= lower
+    log.info("min-budget: %s needs %d B (%s; no plan below %d B)", graph.name, best.peak_bytes,
+             "proven" if proven else "not proven", lower)
+    prep.minimum = MinimumBudget(best.peak_bytes, proven, best.schedule, lower)
+    return prep.minimum
+
+
+def _candidate(name: str, graph: Graph, schedule: Schedule) -> Candidate:
+    sim = simulate(graph, schedule.lower(graph))
+    return Candidate(name, schedule, sim.peak_bytes, sim.total_cost)
+
+
+def _infeasible(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: MilpBackend, why: str,
+                found: MinimumBudget | None = None) -> InfeasibleBudgetError:
+    found = found or minimum_budget(graph, backend=backend, time_limit_s=settings.time_limit_s,
+                                    threads=settings.threads)
+    detail = why if found.proven else (f"{why}; the smallest budget found is not proven the least: no plan fits "
+                                       f"below {found.lower_bound_bytes} B")
     return InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=found.budget_bytes, method="milp",
                                  graph_name=graph.name, detail=detail)
 

@@ -224,7 +224,7 @@ def _child_main() -> None:
         send(("error", exc if isinstance(exc, SolverError) else SolverError(f"{backend.value}: {exc!r}")))
 
 
-class _Progress:
+class Progress:
     """Throttled progress logging shared by the adapters."""
 
     def __init__(self, label: str) -> None:
@@ -260,6 +260,19 @@ def objective_scale(costs: np.ndarray) -> float:
     if top <= HIGHS_MAX_COST:
         return 1.0
     return 2.0 ** -math.ceil(math.log2(top / HIGHS_MAX_COST))
+
+
+def run_highs(h) -> None:
+    """``h.run()`` on a ``highspy.Highs``, whatever thread count earlier runs used.
+
+    HiGHS keeps one thread pool per process, sized by the first run; a run asking for another
+    size is refused until the pool is rebuilt.
+    """
+    import highspy
+
+    if h.run() == highspy.HighsStatus.kError and h.getModelStatus() == highspy.HighsModelStatus.kNotset:
+        highspy.Highs.resetGlobalScheduler(True)
+        h.run()
 
 
 def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | None) -> BackendResult:
@@ -303,7 +316,7 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
         raise SolverError(f"HiGHS rejected the model for graph {model.graph.name!r} (a bug in remat)")
     if start is not None and not settings.relax:
         h.setSolution(model.n_cols, np.arange(model.n_cols, dtype=np.int32), np.asarray(start, dtype=float))
-    progress = _Progress(settings.label)
+    progress = Progress(settings.label)
     if not settings.relax:
         def on_improve(event) -> None:
             out = event.data_out
@@ -316,11 +329,7 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
         h.cbMipImprovingSolution.subscribe(on_improve)
         h.cbMipLogging.subscribe(on_log)
     started = time.perf_counter()
-    if h.run() == highspy.HighsStatus.kError and h.getModelStatus() == highspy.HighsModelStatus.kNotset:
-        # HiGHS keeps one thread pool per process, sized by the first run; a run asking for
-        # another size is refused until the pool is rebuilt.
-        highspy.Highs.resetGlobalScheduler(True)
-        h.run()
+    run_highs(h)
     elapsed = time.perf_counter() - started
     model_status = h.getModelStatus()
     info = h.getInfo()
@@ -405,7 +414,7 @@ def _run_cpsat(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
     solver.parameters.num_workers = int(settings.threads)
     solver.parameters.relative_gap_limit = float(settings.mip_gap)
     solver.parameters.absolute_gap_limit = max(float(settings.mip_abs_gap) * scale, 0.0)
-    progress = _Progress(settings.label)
+    progress = Progress(settings.label)
     offset = model.cost_offset
 
     class _OnSolution(cp_model.CpSolverSolutionCallback):
@@ -459,7 +468,7 @@ def _run_gurobi(model: MilpModel, settings: SolverSettings, start: np.ndarray | 
     if start is not None and not settings.relax:
         for i in range(model.n_cols):
             xs[i].Start = float(start[i])
-    progress = _Progress(settings.label)
+    progress = Progress(settings.label)
 
     def callback(mdl, where) -> None:
         if where == GRB.Callback.MIPSOL:

@@ -1,0 +1,94 @@
+"""Lower bounds for the whole graph: never above the true optimum (exhaustive search, the exact
+MILP), exact where they should be, and what they prove about infeasible budgets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remat import Graph, InfeasibleBudgetError, SolveStatus, solve
+from remat.builders import chain_graph, random_training_graph, unet_graph
+from remat.graph import Node, NodeKind
+from remat.solvers.bounds import InstantBounds
+from remat.solvers.milp import minimum_budget
+from reference import SMALL_GRAPHS, checkpoint_all_peak, exhaustive_min_cost, exhaustive_min_peak
+
+
+@pytest.mark.parametrize("graph", SMALL_GRAPHS, ids=lambda g: g.name)
+def test_bound_never_exceeds_the_exhaustive_optimum(graph: Graph) -> None:
+    bounds = InstantBounds(graph)
+    low = exhaustive_min_peak(graph)
+    assert bounds.min_budget_bytes <= low
+    top = checkpoint_all_peak(graph)
+    for budget in sorted({low, (low + top) // 2, top}):
+        optimum = exhaustive_min_cost(graph, budget)
+        bound = bounds.cost_bound(budget)
+        assert bound.feasible and graph.total_cost <= bound.value <= optimum + 1e-9, budget
+
+
+@pytest.mark.parametrize("graph", SMALL_GRAPHS, ids=lambda g: g.name)
+def test_below_the_smallest_budget_the_bound_proves_nothing_fits(graph: Graph) -> None:
+    bounds = InstantBounds(graph)
+    below = bounds.min_budget_bytes - 1
+    assert exhaustive_min_cost(graph, below) is None
+    bound = bounds.cost_bound(below)
+    assert not bound.feasible and bound.value == math.inf and bound.instant is not None
+
+
+def test_the_bound_is_every_node_once_when_checkpoint_all_fits() -> None:
+    graph = unet_graph(3)
+    bound = InstantBounds(graph).cost_bound(checkpoint_all_peak(graph))
+    assert bound.value == graph.total_cost and bound.instant is None and bound.instants_tried == 0
+
+
+def test_bound_by_hand_on_a_chain() -> None:
+    # chain of 3 layers, 1 byte and cost 1 per node: f0 f1 f2 loss g2 g1 g0 (nodes 0..6).
+    # Right after g2 (node 4) is computed, g2 and its inputs loss and f2 are live (3 bytes)
+    # while f0 and f1 are still read later. With 4 bytes one of them is recomputed: f0 alone
+    # (cost 1), or f1 from a live f0 (cost 1), so every plan costs at least 7 + 1 = 8, which
+    # exhaustive search confirms is the optimum. With 3 bytes both go, and f1 comes back only
+    # from a recomputed f0: at least 7 + 2.
+    graph = chain_graph(3, bytes_per_node=1)
+    bound = InstantBounds(graph).cost_bound(4)
+    assert bound.value == 8.0 == exhaustive_min_cost(graph, 4)
+    assert 9.0 <= InstantBounds(graph).cost_bound(3).value <= exhaustive_min_cost(graph, 3)
+
+
+def test_values_that_cannot_be_recomputed_must_stay_live() -> None:
+    F, L, B = NodeKind.FORWARD, NodeKind.LOSS, NodeKind.BACKWARD
+    # x is read by the gradient but may not run twice: it is held from its computation on
+    nodes = (Node("x", F, (), 10, 1.0, recomputable=False), Node("y", F, (0,), 1, 1.0),
+             Node("loss", L, (1,), 1, 1.0), Node("g", B, (0, 2), 1, 1.0))
+    graph = Graph(nodes=nodes, fixed_bytes=0, outputs=(3,))
+    bounds = InstantBounds(graph)
+    assert bounds.min_budget_bytes == 12  # loss, y and x live when the loss is computed
+    assert not bounds.cost_bound(11).feasible
+    assert bounds.cost_bound(12).value == graph.total_cost
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(2, 10), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0))
+def test_bound_is_below_the_proven_optimum_on_random_graphs(n_forward: int, seed: int, where: float) -> None:
+    graph = random_training_graph(n_forward, seed)
+    low = minimum_budget(graph).budget_bytes
+    budget = low + int(where * (checkpoint_all_peak(graph) - low))
+    result = solve(graph, budget, method="milp")
+    assert result.status is SolveStatus.OPTIMAL
+    bound = InstantBounds(graph).cost_bound(budget)
+    assert graph.total_cost <= bound.value <= result.objective + 1e-6
+    assert result.lower_bound is not None and bound.value - 1e-6 <= result.lower_bound <= result.objective + 1e-6
+
+
+def test_milp_reports_the_whole_graph_bound_and_refuses_what_it_proves_infeasible() -> None:
+    graph = random_training_graph(40, seed=5)
+    bounds = InstantBounds(graph)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, bounds.min_budget_bytes - 1, method="milp", exact_max_nodes=0)
+    assert info.value.min_budget_bytes >= bounds.min_budget_bytes
+    budget = (info.value.min_budget_bytes + checkpoint_all_peak(graph)) // 2
+    result = solve(graph, budget, method="milp", exact_max_nodes=0)
+    assert result.lower_bound == pytest.approx(min(bounds.cost_bound(budget).value, result.objective))
+    assert result.gap == pytest.approx(max(0.0, 1 - result.lower_bound / result.objective))
