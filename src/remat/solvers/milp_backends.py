@@ -276,6 +276,24 @@ def run_highs(h) -> None:
 
 
 def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | None) -> BackendResult:
+    started = time.perf_counter()
+    result = _run_highs_once(model, settings, start)
+    if start is not None and result.x is not None and result.objective is not None and not settings.relax:
+        actual = model.objective_value(result.x)
+        if abs(actual - result.objective) > 1e-6 * max(1.0, abs(actual)):
+            # HiGHS 1.16, given a start, was seen to report an improved objective with the start's
+            # values as the solution (and its bound then cannot be trusted either): solve again
+            # from scratch with the time left
+            log.warning("%s: HiGHS reported objective %g for a solution whose objective is %g; solving again "
+                        "without the start", settings.label, result.objective, actual)
+            left = max(settings.time_limit_s - (time.perf_counter() - started), 1.0)
+            again = SolverSettings(time_limit_s=left, mip_gap=settings.mip_gap, mip_abs_gap=settings.mip_abs_gap,
+                                   threads=settings.threads, relax=settings.relax, label=settings.label)
+            result = _run_highs_once(model, again, None)
+    return result
+
+
+def _run_highs_once(model: MilpModel, settings: SolverSettings, start: np.ndarray | None) -> BackendResult:
     import highspy
 
     h = highspy.Highs()

@@ -418,6 +418,17 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
         fits = rounded.model_peak_bytes <= budget_bytes or minimize_peak
         if fits and (start is None or _better(rounded, start, minimize_peak)):
             start = rounded
+        # the LP is often integral or nearly: a rounded plan that meets the target (or the LP
+        # value itself, a bound for the model) needs no MIP
+        if fits and not minimize_peak and (
+                (stop_at is not None and rounded.cost <= stop_at + 1e-9 * max(1.0, stop_at))
+                or rounded.cost <= lp.value * (1 + mip_gap) + 1e-9):
+            optimal = rounded.cost <= lp.value * (1 + mip_gap) + 1e-9
+            log.info("retention: %s under %d B: the rounded LP plan (recomputation %g%s), %d memory rows, "
+                     "%d rounds, %.2f s", g.name, budget_bytes, rounded.cost, ", model optimum" if optimal else "",
+                     len(chosen), rounds, time.perf_counter() - started)
+            return RetentionResult(rounded, optimal, False, lp.value, tuple(chosen), rounds, 0,
+                                   time.perf_counter() - started)
     best: RetentionSolution | None = None
     optimal, bound, nodes = False, None, 0
     start_x = structure.columns_of(start) if start is not None else None
@@ -653,6 +664,7 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
 
         h.cbMipImprovingSolution.subscribe(on_improve)
         h.cbMipLogging.subscribe(on_log)
+    run_started = time.perf_counter()
     run_highs(h)
     status = h.getModelStatus()
     S = highspy.HighsModelStatus
@@ -667,6 +679,17 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
         x = x[:structure.n_cols]
     if relax:
         return _Run(x if status == S.kOptimal else None, False, status == S.kOptimal, None, 0, peak)
+    if start is not None and x is not None and not minimize_peak:
+        reported = float(info.objective_function_value)
+        actual = float(col_cost @ x)
+        if abs(reported - actual) > 1e-6 * max(1.0, abs(actual)):
+            # HiGHS 1.16, given a start, was seen to report an improved objective with the start's
+            # values as the solution: solve again from scratch (see milp_backends._run_highs)
+            log.warning("retention: HiGHS reported objective %g for a solution whose objective is %g; solving again "
+                        "without the start", reported / scale, actual / scale)
+            left = max(time_limit_s - (time.perf_counter() - run_started), 0.1)
+            return _solve(structure, budget_bytes, stages, relax=False, threads=threads, time_limit_s=left,
+                          mip_gap=mip_gap, start=None, stop_at=stop_at, minimize_peak=minimize_peak)
     bound = float(info.mip_dual_bound)
     bound = bound / scale if math.isfinite(bound) and not minimize_peak else None
     return _Run(x, False, status == S.kOptimal, bound, int(info.mip_node_count), peak)
