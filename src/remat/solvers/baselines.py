@@ -100,6 +100,38 @@ def pick_cheapest(graph: Graph, candidates: Sequence[BaselinePlan], *, budget_by
                   started_s=started_s, claimed_objective=best.cost, lower_bound=lower_bound)
 
 
+#: method name -> the plans that method considers under a budget (its default options)
+_PLANS: dict[str, Callable[[Graph, int], list[BaselinePlan]]] = {}
+
+
+def considers(method: str) -> Callable:
+    """Register the function that lists the plans ``method`` chooses from under a budget."""
+
+    def wrap(fn: Callable[[Graph, int], list[BaselinePlan]]) -> Callable:
+        _PLANS[method] = fn
+        return fn
+
+    return wrap
+
+
+def plans_of(method: str, graph: Graph, budget_bytes: int) -> list[BaselinePlan]:
+    """The plans baseline ``method`` (default options) chooses from under ``budget_bytes``: its
+    result is the cheapest that fits. Measured plans are remembered per graph, so asking
+    again (another budget) costs little. ``UnsupportedGraphError`` as the method raises it."""
+    if method not in _PLANS:
+        import remat.solvers.segments  # noqa: F401 - registers its plans
+
+    return _PLANS[method](graph, budget_bytes)
+
+
+def remembered(graph: Graph, key: tuple, make: Callable[[], object]):
+    """``make()``, computed once per graph and ``key`` (see ``remat.solvers.prepared``)."""
+    memo = prepared(graph).measured
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def _keep_through_forward(graph: Graph) -> np.ndarray:
     """A keep matrix whose non-backward stages reuse every earlier value; backward rows empty.
 
@@ -162,25 +194,23 @@ def chen_plan(graph: Graph, checkpoints: Iterable[int], label: str) -> BaselineP
     """The plan of ``Schedule.from_kept(graph, chen_keep(graph, checkpoints))``, measured, built
     straight from the graph in O(nodes + edges) and remembered per graph."""
     key = tuple(sorted(set(checkpoints)))
-    memo = prepared(graph).measured
-    found = memo.get(("chen", key))
-    if found is not None:
-        return dataclasses.replace(found, label=label)
-    reused = _chen_reused(graph, set(key))
-    stages: list[int] = []
-    nodes: list[int] = []
-    for t, node in enumerate(graph.nodes):
-        if node.kind is not NodeKind.BACKWARD:
-            stages.append(t)
-            nodes.append(t)
-            continue
-        computed = sorted(_computed_in_stage(graph, t, reused))
-        stages += [t] * len(computed)
-        nodes += computed
-        reused[computed] = True
-    plan = measure_order(graph, stages, nodes, label)
-    memo[("chen", key)] = plan
-    return plan
+
+    def make() -> BaselinePlan:
+        reused = _chen_reused(graph, set(key))
+        stages: list[int] = []
+        nodes: list[int] = []
+        for t, node in enumerate(graph.nodes):
+            if node.kind is not NodeKind.BACKWARD:
+                stages.append(t)
+                nodes.append(t)
+                continue
+            computed = sorted(_computed_in_stage(graph, t, reused))
+            stages += [t] * len(computed)
+            nodes += computed
+            reused[computed] = True
+        return measure_order(graph, stages, nodes, label)
+
+    return dataclasses.replace(remembered(graph, ("chen", key), make), label=label)
 
 
 # ---------------------------------------------------------------------------- checkpoint_all
@@ -195,10 +225,16 @@ def checkpoint_all(graph: Graph, budget_bytes: int) -> SolveResult:
     (5, 7.0, 'optimal')
     """
     started = time.perf_counter()
-    keep = np.tri(graph.n, graph.n, -1, dtype=bool)
-    candidate = measure_kept(graph, keep, "checkpoint-all (every value kept)")
-    return pick_cheapest(graph, [candidate], budget_bytes=budget_bytes, method="checkpoint_all",
-                 started_s=started, status=SolveStatus.OPTIMAL, lower_bound=graph.total_cost)
+    return pick_cheapest(graph, _checkpoint_all_plans(graph, budget_bytes), budget_bytes=budget_bytes,
+                         method="checkpoint_all", started_s=started, status=SolveStatus.OPTIMAL,
+                         lower_bound=graph.total_cost)
+
+
+@considers("checkpoint_all")
+def _checkpoint_all_plans(graph: Graph, budget_bytes: int) -> list[BaselinePlan]:
+    every = list(range(graph.n))
+    return [remembered(graph, ("checkpoint_all",),
+                        lambda: measure_order(graph, every, every, "checkpoint-all (every value kept)"))]
 
 
 # ---------------------------------------------------------------------------- recompute_all
@@ -214,10 +250,15 @@ def recompute_all(graph: Graph, budget_bytes: int) -> SolveResult:
     13.0
     """
     started = time.perf_counter()
+    return pick_cheapest(graph, _recompute_all_plans(graph, budget_bytes), budget_bytes=budget_bytes,
+                         method="recompute_all", started_s=started)
+
+
+@considers("recompute_all")
+def _recompute_all_plans(graph: Graph, budget_bytes: int) -> list[BaselinePlan]:
     keep = np.eye(graph.n, k=-1, dtype=bool)
-    candidate = measure_kept(graph, keep, "recompute-all (only the previous node's value kept)")
-    return pick_cheapest(graph, [candidate], budget_bytes=budget_bytes, method="recompute_all",
-                 started_s=started)
+    return [remembered(graph, ("recompute_all",),
+                        lambda: measure_kept(graph, keep, "recompute-all (only the previous node's value kept)"))]
 
 
 # ---------------------------------------------------------------------------- Chen et al. 2016
@@ -245,11 +286,15 @@ def checkpoint_candidates(graph: Graph, variant: ChenVariant) -> tuple[int, ...]
     forward = graph.ids_of_kind(NodeKind.FORWARD)
     if variant is ChenVariant.LINEARIZED:
         return forward
-    in_forward = set(forward)
-    undirected = nx.Graph()
-    undirected.add_nodes_from(forward)
-    undirected.add_edges_from((d, i) for i in forward for d in graph.nodes[i].deps if d in in_forward)
-    return tuple(sorted(nx.articulation_points(undirected)))
+
+    def articulation() -> tuple[int, ...]:
+        in_forward = set(forward)
+        undirected = nx.Graph()
+        undirected.add_nodes_from(forward)
+        undirected.add_edges_from((d, i) for i in forward for d in graph.nodes[i].deps if d in in_forward)
+        return tuple(sorted(nx.articulation_points(undirected)))
+
+    return remembered(graph, ("articulation",), articulation)
 
 
 def _chen_candidate(graph: Graph, checkpoints: Sequence[int], what: str) -> BaselinePlan:
@@ -279,11 +324,15 @@ def chen_sqrtn(graph: Graph, budget_bytes: int, *, variant: ChenVariant | str = 
     (23.0, 7)
     """
     started = time.perf_counter()
-    candidates = []
-    for v in _variants(variant):
-        checkpoints = sqrtn_checkpoints(checkpoint_candidates(graph, v))
-        candidates.append(_chen_candidate(graph, checkpoints, f"{v.value} sqrt(n)"))
-    return pick_cheapest(graph, candidates, budget_bytes=budget_bytes, method="chen_sqrtn", started_s=started)
+    return pick_cheapest(graph, _chen_sqrtn_plans(graph, budget_bytes, variant), budget_bytes=budget_bytes,
+                         method="chen_sqrtn", started_s=started)
+
+
+@considers("chen_sqrtn")
+def _chen_sqrtn_plans(graph: Graph, budget_bytes: int, variant: ChenVariant | str = ChenVariant.AUTO
+                      ) -> list[BaselinePlan]:
+    return [_chen_candidate(graph, sqrtn_checkpoints(checkpoint_candidates(graph, v)), f"{v.value} sqrt(n)")
+            for v in _variants(variant)]
 
 
 def greedy_checkpoints(graph: Graph, candidates: Iterable[int], threshold_bytes: int
@@ -331,7 +380,7 @@ class _GreedySearch:
         self.graph = graph
         self.variant = variant
         self.candidates = checkpoint_candidates(graph, variant)
-        self.thresholds = _greedy_thresholds(graph)
+        self.thresholds = remembered(graph, ("greedy thresholds",), lambda: _greedy_thresholds(graph))
         self.tried: dict[int, BaselinePlan] = {}  # threshold index -> plan
         self.plans: dict[tuple[int, ...], BaselinePlan] = {}  # checkpoint set -> plan
 
@@ -340,7 +389,8 @@ class _GreedySearch:
             if idx in self.tried:
                 continue
             threshold = int(self.thresholds[idx])
-            checkpoints = greedy_checkpoints(self.graph, self.candidates, threshold)
+            checkpoints = remembered(self.graph, ("greedy", self.variant, threshold),
+                                      lambda: greedy_checkpoints(self.graph, self.candidates, threshold))
             if checkpoints not in self.plans:
                 what = f"{self.variant.value} greedy (threshold {threshold} B)"
                 self.plans[checkpoints] = _chen_candidate(self.graph, checkpoints, what)
@@ -372,14 +422,20 @@ def chen_greedy(graph: Graph, budget_bytes: int, *, variant: ChenVariant | str =
     True
     """
     started = time.perf_counter()
+    return pick_cheapest(graph, _chen_greedy_plans(graph, budget_bytes, variant), budget_bytes=budget_bytes,
+                         method="chen_greedy", started_s=started)
+
+
+@considers("chen_greedy")
+def _chen_greedy_plans(graph: Graph, budget_bytes: int, variant: ChenVariant | str = ChenVariant.AUTO
+                       ) -> list[BaselinePlan]:
     searches = [_GreedySearch(graph, v) for v in _variants(variant)]
     for search in searches:
         search.run(_spread(0, len(search.thresholds) - 1, GREEDY_GRID_POINTS))
         search.zoom(key=lambda c: c.peak_bytes, where=lambda c: True)
     for search in searches:
         search.zoom(key=lambda c: c.cost, where=lambda c: c.peak_bytes <= budget_bytes)
-    plans = [plan for search in searches for plan in search.plans.values()]
-    return pick_cheapest(graph, plans, budget_bytes=budget_bytes, method="chen_greedy", started_s=started)
+    return [plan for search in searches for plan in search.plans.values()]
 
 
 # ---------------------------------------------------------------------------- Griewank (revolve)
@@ -501,15 +557,18 @@ def griewank(graph: Graph, budget_bytes: int, *, slots: int | None = None) -> So
     18.0
     """
     started = time.perf_counter()
+    return pick_cheapest(graph, _griewank_plans(graph, budget_bytes, slots), budget_bytes=budget_bytes,
+                         method="griewank", started_s=started)
+
+
+@considers("griewank")
+def _griewank_plans(graph: Graph, budget_bytes: int, slots: int | None = None) -> list[BaselinePlan]:
     layers = chain_length(graph)
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 0):
         raise ValueError(f"slots={slots!r} must be a non-negative int (snapshot slots), or None to search")
     # More than L-1 slots change nothing: with L-1 every layer but the top is already a snapshot.
     most = layers - 1 if slots is None else min(slots, layers - 1)
-    table = revolve_table(layers, most)
+    table = remembered(graph, ("revolve table",), lambda: revolve_table(layers, layers - 1))
     tried = range(most + 1) if slots is None else (most,)
-    plans = [
-        measure_kept(graph, _revolve_keep(graph, layers, s, table), f"revolve with {s} snapshot slots")
-        for s in tried
-    ]
-    return pick_cheapest(graph, plans, budget_bytes=budget_bytes, method="griewank", started_s=started)
+    return [remembered(graph, ("revolve", s), lambda s=s: measure_kept(
+        graph, _revolve_keep(graph, layers, s, table), f"revolve with {s} snapshot slots")) for s in tried]

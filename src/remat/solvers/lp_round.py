@@ -83,7 +83,7 @@ def rounded_candidates(
     for k, keep in enumerate(rounded_keeps(S, thresholds=thresholds, n_samples=n_samples, seed=seed)):
         schedule = Schedule.from_kept(graph, keep)
         sim = simulate(graph, schedule.lower(graph))
-        out.append(Candidate(f"lp_round#{k}", schedule, sim.peak_bytes, sim.total_cost))
+        out.append(Candidate.known(f"lp_round#{k}", schedule, sim.peak_bytes, sim.total_cost))
     return out
 
 
@@ -171,7 +171,7 @@ def _retention_rounding(graph: Graph, budget_bytes: int, thresholds: Sequence[fl
                 order = solution.order(structure)
                 schedule = Schedule.from_order(graph, [t for t, _ in order], [v for _, v in order])
                 sim = simulate(graph, schedule.lower(graph))
-                rounded.append(Candidate(f"lp_round#{k} (threshold {threshold:g})", schedule, sim.peak_bytes,
+                rounded.append(Candidate.known(f"lp_round#{k} (threshold {threshold:g})", schedule, sim.peak_bytes,
                                          sim.total_cost))
     stats = SolverStats(backend="highs", n_variables=structure.n_cols, n_constraints=len(rows))
     return _best_rounded(graph, budget_bytes, rounded, bound.value, stats, fallback, started)

@@ -119,11 +119,13 @@ def milp(
     settings = SolverSettings(time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads)
     if budget_bytes < prep.bounds.min_budget_bytes:
         raise _infeasible(graph, budget_bytes, settings, backend, "below what the values no plan can drop need")
+    if early_proof:  # computing every node once is the least any plan costs: nothing to search
+        everything = baseline_candidates(graph, budget_bytes, methods=("checkpoint_all",))
+        if everything and everything[0].peak_bytes <= budget_bytes:
+            return _finish(graph, budget_bytes, everything[0], None, graph.total_cost, SolveStatus.OPTIMAL, started,
+                           SolverStats(backend=backend.value, nodes_explored=0), "checkpoint-all fits: no search needed")
     known = baseline_candidates(graph, budget_bytes)
     best = best_fitting(known, budget_bytes)
-    if best is not None and early_proof and best.cost <= graph.total_cost * (1 + 1e-12):
-        return _finish(graph, budget_bytes, best, None, graph.total_cost, SolveStatus.OPTIMAL, started,
-                       SolverStats(backend=backend.value, nodes_explored=0), "checkpoint-all fits: no search needed")
     bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s))
     if not bound.feasible:
         raise _infeasible(graph, budget_bytes, settings, backend, f"at {graph.describe(bound.instant)} the values "
@@ -145,7 +147,7 @@ def milp(
             schedule, claimed, model_bound, status, stats = result
             if best is None or claimed < best.cost - 1e-9 * max(1.0, best.cost):
                 sim = simulate(graph, schedule.lower(graph))
-                best = Candidate("milp", schedule, sim.peak_bytes, sim.total_cost)
+                best = Candidate.known("milp", schedule, sim.peak_bytes, sim.total_cost)
             if model_bound is not None:
                 lower = max(lower, model_bound)
             timed_out = status is BackendStatus.FEASIBLE or status is BackendStatus.NO_SOLUTION
@@ -155,7 +157,7 @@ def milp(
         if found.budget_bytes > budget_bytes:
             raise _infeasible(graph, budget_bytes, settings, backend, "no plan found fits", found=found)
         sim = simulate(graph, found.schedule.lower(graph))
-        best = Candidate("min-peak plan", found.schedule, sim.peak_bytes, sim.total_cost)
+        best = Candidate.known("min-peak plan", found.schedule, sim.peak_bytes, sim.total_cost)
     gap = relative_gap(best.cost, lower)
     if gap is not None and gap <= mip_gap:
         status = SolveStatus.OPTIMAL
@@ -191,7 +193,7 @@ def _retention_candidate(graph: Graph, solution: RetentionSolution) -> Candidate
             f"the retention model's plan for graph {graph.name!r} simulates to a peak of {sim.peak_bytes} B over "
             f"the model's {solution.model_peak_bytes} B ({len(sim.violations)} violations); please report this"
         )
-    return Candidate("retention", schedule, sim.peak_bytes, sim.total_cost)
+    return Candidate.known("retention", schedule, sim.peak_bytes, sim.total_cost)
 
 
 def _finish(graph: Graph, budget_bytes: int, best: Candidate, claimed: float | None, lower: float,
@@ -332,7 +334,7 @@ def minimum_budget(
 
 def _candidate(name: str, graph: Graph, schedule: Schedule) -> Candidate:
     sim = simulate(graph, schedule.lower(graph))
-    return Candidate(name, schedule, sim.peak_bytes, sim.total_cost)
+    return Candidate.known(name, schedule, sim.peak_bytes, sim.total_cost)
 
 
 def _infeasible(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: MilpBackend, why: str,

@@ -8,16 +8,19 @@ model.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
-from remat.errors import InfeasibleBudgetError, RematError, UnsupportedGraphError
+from remat.errors import RematError, UnsupportedGraphError
 from remat.graph import Graph
 from remat.schedule import Schedule
-from remat.solvers.base import methods, solve
+from remat.solvers.base import methods as registered_methods
+from remat.solvers.baselines import plans_of
 
 log = logging.getLogger("remat.solve")
 
@@ -31,14 +34,24 @@ BASELINE_METHODS = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greed
 RECOMPUTE_ALL_MAX_NODES = 400
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Candidate:
-    """A plan from some method, with what the simulator says about it."""
+    """A plan from some method, with what the simulator says about it. Its schedule (n x n
+    matrices) is built when first asked for: most candidates are compared, few are used."""
 
     name: str
-    schedule: Schedule
     peak_bytes: int
     cost: float
+    make_schedule: Callable[[], Schedule]
+
+    @cached_property
+    def schedule(self) -> Schedule:
+        return self.make_schedule()
+
+    @classmethod
+    def known(cls, name: str, schedule: Schedule, peak_bytes: int, cost: float) -> Candidate:
+        """A candidate whose schedule exists already."""
+        return cls(name, peak_bytes, cost, lambda: schedule)
 
 
 def best_fitting(candidates: Iterable[Candidate], budget_bytes: int) -> Candidate | None:
@@ -76,36 +89,34 @@ def _unread_extras(graph: Graph, R: np.ndarray) -> list[tuple[int, int]]:
     return [(t, i) for (t, i), was_read in read.items() if not was_read and t != i and i not in graph.output_set]
 
 
-def baseline_candidates(graph: Graph, budget_bytes: int, *, lowest_peak: bool = False) -> list[Candidate]:
-    """The plan of every registered baseline under ``budget_bytes``.
+def baseline_candidates(graph: Graph, budget_bytes: int, *, lowest_peak: bool = False,
+                        methods: tuple[str, ...] = BASELINE_METHODS) -> list[Candidate]:
+    """The plan each registered baseline (of ``methods``) returns under ``budget_bytes``.
 
-    A baseline that cannot meet the budget is skipped, unless ``lowest_peak``: then it is
-    asked again at the smallest budget it says it can meet, so that the list holds each
-    baseline's least-memory plan (what the memory-minimizing model starts from).
+    A baseline that cannot meet the budget is skipped, unless ``lowest_peak``: then its
+    least-memory plan is listed (what it would return at the smallest budget it says it can
+    meet, and what the memory-minimizing model starts from).
     """
-    registered = set(methods())
+    registered = set(registered_methods())
     out: list[Candidate] = []
-    for method in BASELINE_METHODS:
+    for method in methods:
         if method not in registered or (method == "recompute_all" and graph.n > RECOMPUTE_ALL_MAX_NODES):
             continue
-        result = _try(graph, budget_bytes, method)
-        if isinstance(result, InfeasibleBudgetError):
-            if not lowest_peak or result.min_budget_bytes is None:
-                continue
-            result = _try(graph, result.min_budget_bytes, method)
-        if result is None or isinstance(result, InfeasibleBudgetError):
+        try:
+            plans = plans_of(method, graph, budget_bytes)
+        except UnsupportedGraphError:
             continue
-        out.append(Candidate(method, result.schedule, result.peak_bytes, result.cost))
+        except RematError as exc:  # a baseline's own failure must not sink the MILP
+            log.warning("baseline %s failed on %s (skipped as a known plan): %s", method, graph.name, exc)
+            continue
+        fitting = [p for p in plans if p.peak_bytes <= budget_bytes]
+        if fitting:  # what the method returns: the cheapest that fits, ties to the lower peak
+            best = min(fitting, key=lambda p: (p.cost, p.peak_bytes))
+        elif lowest_peak and plans:
+            lowest = min(p.peak_bytes for p in plans)
+            best = min((p for p in plans_of(method, graph, lowest) if p.peak_bytes <= lowest),
+                       key=lambda p: (p.cost, p.peak_bytes))
+        else:
+            continue
+        out.append(Candidate(method, best.peak_bytes, best.cost, functools.partial(best.schedule, graph)))
     return out
-
-
-def _try(graph: Graph, budget_bytes: int, method: str):
-    try:
-        return solve(graph, budget_bytes, method=method)
-    except InfeasibleBudgetError as exc:
-        return exc
-    except UnsupportedGraphError:
-        return None
-    except RematError as exc:  # a baseline's own failure must not sink the MILP
-        log.warning("baseline %s failed on %s (skipped as a MIP start): %s", method, graph.name, exc)
-        return None

@@ -25,7 +25,7 @@ import numpy as np
 from remat.cuts import Cut, cut_tiers, light_cuts
 from remat.graph import Graph, NodeKind
 from remat.solvers.base import SolveResult, register
-from remat.solvers.baselines import chen_plan, greedy_checkpoints, pick_cheapest
+from remat.solvers.baselines import chen_plan, considers, greedy_checkpoints, pick_cheapest, remembered
 
 #: Strides tried: every k-th cut of a tier for k = 1..MAX_STRIDE, at every offset.
 MAX_STRIDE = 8
@@ -49,12 +49,24 @@ def _segments(forward: tuple[int, ...], tier: tuple[Cut, ...]) -> list[tuple[int
 @register("segments")
 def segments(graph: Graph, budget_bytes: int) -> SolveResult:
     """Keep what crosses light cuts of the forward pass and recompute the segments between
-    them once in the backward pass; the cheapest such plan that fits. Two families per tier of
-    cuts: every k-th cut with every segment recomputed (``torch.utils.checkpoint`` on every
-    k-th block; also Chen's greedy rule over the tier), and every cut with only some segments
-    recomputed, those that free the most bytes per unit of compute first (checkpointing every
-    other block). Raises ``InfeasibleBudgetError`` with the lowest peak of the plans tried."""
+    them once in the backward pass; the cheapest such plan that fits (see ``_plans``). Raises
+    ``InfeasibleBudgetError`` with the lowest peak of the plans tried."""
     started = time.perf_counter()
+    return pick_cheapest(graph, _plans(graph, budget_bytes), budget_bytes=budget_bytes, method="segments",
+                         started_s=started)
+
+
+@considers("segments")
+def _plans(graph: Graph, budget_bytes: int) -> list:
+    """The plans ``segments`` chooses from, the same for every budget (measured once per graph).
+    Two families per tier of cuts: every k-th cut with every segment recomputed
+    (``torch.utils.checkpoint`` on every k-th block; also Chen's greedy rule over the tier),
+    and every cut with only some segments recomputed, those that free the most bytes per unit
+    of compute first (checkpointing every other block)."""
+    return remembered(graph, ("segments",), lambda: _measure_all(graph))
+
+
+def _measure_all(graph: Graph) -> list:
     tried: dict[tuple[int, ...], object] = {}
 
     def consider(checkpoints: Iterable[int], what: str) -> None:
@@ -84,4 +96,4 @@ def segments(graph: Graph, budget_bytes: int) -> SolveResult:
         for r in sorted({int(round(x)) for x in np.linspace(1, len(parts) - 1, min(len(parts) - 1, SUBSET_POINTS))}):
             kept = {i for s in ranked[r:] for i in parts[s]}
             consider(base | kept, f"{r} of the {len(parts)} segments of tier {level} recomputed")
-    return pick_cheapest(graph, list(tried.values()), budget_bytes=budget_bytes, method="segments", started_s=started)
+    return list(tried.values())
