@@ -47,15 +47,18 @@ from remat.solvers.milp_backends import run_highs
 
 log = logging.getLogger("remat.solve")
 
-#: Instants whose knapsack LP is solved first: the most crowded under checkpoint-all ...
-SCREEN_TOP = 24
+#: Instants whose knapsack LP is solved: all where checkpoint-all is over budget if there are at
+#: most SCREEN_ALL, else the most crowded under checkpoint-all and the SCREEN_TOP whose own
+#: working set is largest ...
+SCREEN_ALL = 64
+SCREEN_TOP = 12
 #: ... plus this many spread evenly over the other instants where checkpoint-all is over budget.
-SCREEN_SPREAD = 24
+SCREEN_SPREAD = 12
 #: Instants whose knapsack is then solved as a MIP (its dual bound counts), best LP value first,
 #: each for at most MIP_TIME_S: the LP is within 0.1% of the MIP on the models we benchmark, and
 #: the MIP (presolve off, see ``_solve_knapsack``) can take seconds to close that.
-MIP_INSTANTS = 2
-MIP_TIME_S = 1.0
+MIP_INSTANTS = 1
+MIP_TIME_S = 0.5
 #: Default time for one bound: LPs first, the MIPs with what is left.
 DEFAULT_TIME_LIMIT_S = 10.0
 
@@ -237,8 +240,12 @@ class InstantBounds:
         if over.size == 0:
             return CostBound(budget_bytes, g.total_cost, None, True, 0, time.perf_counter() - started)
         ranked = over[np.argsort(-excess[over], kind="stable")]
-        chosen = list(ranked[:SCREEN_TOP])
-        rest = np.sort(ranked[SCREEN_TOP:])
+        top = ranked.size if ranked.size <= SCREEN_ALL else SCREEN_TOP
+        # the most crowded instants, and those whose own working set (what no plan can drop)
+        # is largest: a large node with large inputs makes a sharp peak of the bound
+        heavy = over[np.argsort(-self.forced_bytes[over], kind="stable")][:SCREEN_TOP]
+        chosen = list(dict.fromkeys([*ranked[:top].tolist(), *heavy.tolist()]))
+        rest = np.sort(np.setdiff1d(ranked, chosen))
         if rest.size:
             chosen += list(rest[np.unique(np.linspace(0, rest.size - 1, min(SCREEN_SPREAD, rest.size)).astype(int))])
         chosen += [t for t in instants if 0 <= t < g.n]
@@ -252,13 +259,19 @@ class InstantBounds:
             lp_values[t] = value
             if math.isinf(value):
                 break
-        # the LP values are smooth in t: look next to the best one too
+        # the LP values are smooth in t: climb from the best one, in steps halving from the
+        # spacing of the screen down to single instants
+        step = max(1, int(over.size // max(1, len(lp_values))))
         best_t = max(lp_values, key=lp_values.get)
-        for t in range(max(0, best_t - 3), min(g.n, best_t + 4)):
-            if t not in lp_values and excess[t] > 0 and time.perf_counter() < deadline:
-                lp_values[t] = _solve_knapsack(self.knapsack(t), budget_bytes, relax=True,
-                                               time_limit_s=time_limit_s, threads=threads)
-        best_t = max(lp_values, key=lp_values.get)
+        while step >= 1 and time.perf_counter() < deadline and math.isfinite(lp_values[best_t]):
+            for t in (best_t - step, best_t + step):
+                if 0 <= t < g.n and t not in lp_values and excess[t] > 0 and time.perf_counter() < deadline:
+                    lp_values[t] = _solve_knapsack(self.knapsack(t), budget_bytes, relax=True,
+                                                   time_limit_s=time_limit_s, threads=threads)
+            moved = max(lp_values, key=lp_values.get)
+            if moved == best_t:
+                step //= 2
+            best_t = moved
         best = lp_values[best_t]
         if math.isfinite(best):
             for t in sorted(lp_values, key=lp_values.get, reverse=True)[:MIP_INSTANTS]:
