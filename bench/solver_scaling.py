@@ -1,17 +1,24 @@
-"""Solver scaling: the largest graph each MILP backend solves to proven optimality in time.
+"""The planner at real-model scale: plan cost, a lower bound for the whole graph, the gap and the
+wall time of each budget, on traced training steps of 300 to 5,500 operations.
 
-For linear chains (``chain_graph(L)``, 2L+1 nodes) and U-Nets (``unet_graph(D)``, 4D+3 nodes)
-of about 20, 40, 80, 160 and 320 nodes, at budgets of 100%, 70%, 50% and 30% of the
-checkpoint-all peak and at the smallest feasible budget, solve ``method="milp"`` with HiGHS
-and with CP-SAT (2 threads each: HiGHS ``threads=2``, whose branch and bound is serial;
-CP-SAT ``num_workers=2``) from the same warm start, and with the default pipeline (HiGHS plus
-early proofs by lower bounds), and record status, objective, bound, gap and wall time of the
-whole ``solve()`` call (warm start included). Results go to JSON after every cell; a rerun skips the
-cells already there.
+Workloads, traced on the meta device with ``CostModel.ESTIMATE`` costs (nothing allocated):
+GPT-2 from transformers (width 256, 4 heads, sequence 256, batch 8, vocabulary 8192, dropout
+0.1) with 2, 4, 8, 12, 24 and 48 layers; the paper's ResNet50 (batch 32), MobileNet (batch
+256) and VGG U-Net (batch 32). For each, in one process and in this order: trace, then
+``plan_graph(method="milp")`` at 80%, 60% and 40% of the checkpoint-all peak and at the
+smallest budget ``milp`` finds (``minimum_budget``). Recorded per budget: the plan's overhead
+(simulated cost over computing every node once), the lower bound for the whole graph
+(``remat.solvers.bounds``) and the gap, the status, the plan's simulated peak, the wall time
+of the call (the first budget's includes tracing, the smallest budget's includes finding
+it), and the best baseline's plan at that budget for comparison.
 
-    python bench/solver_scaling.py                      # the full grid, 60 s per solve
-    python bench/solver_scaling.py --sizes 20,40,80     # some sizes only
-    python bench/solver_scaling.py --quick              # 20 and 40 nodes, 10 s, own JSON
+Results are keyed by what produced them (the workload's configuration, the traced graph's
+fingerprint, ``planner_version()``, time limit and threads): a rerun recomputes a workload
+whose key changed and skips the rest. ``--fresh`` recomputes everything.
+
+    python bench/solver_scaling.py                          # everything (~15 minutes on 2 cores)
+    python bench/solver_scaling.py --workloads gpt2-12L,resnet50
+    python bench/solver_scaling.py --plot-only              # redraw the plot from the JSON
 """
 
 from __future__ import annotations
@@ -20,218 +27,224 @@ import argparse
 import json
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from remat import InfeasibleBudgetError, RematError, simulate, solve
-from remat.builders import chain_graph, unet_graph
-from remat.graph import Graph
-from remat.schedule import Schedule
-from remat.solvers.milp import minimum_budget
-
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "solver_scaling.json"
 PLOT = HERE / "plots" / "solver_scaling.png"
-SIZES = (20, 40, 80, 160, 320)
-LEVELS = ("100%", "70%", "50%", "30%", "min")
-#: "highs" and "cpsat": the backend's own search from the same warm start (early_proof=False);
-#: "highs+bounds": the default pipeline, which returns a warm-start plan that meets a proven
-#: lower bound (every node's cost once, or the LP relaxation) without searching.
-BACKENDS = ("highs", "cpsat", "highs+bounds")
-_OPTIONS = {"highs": {"backend": "highs", "early_proof": False},
-            "cpsat": {"backend": "cpsat", "early_proof": False},
-            "highs+bounds": {"backend": "highs", "early_proof": True}}
-FAMILIES = ("chain", "unet")
+GPT2_LAYERS = (2, 4, 8, 12, 24, 48)
+#: (name, model, batch) of the paper's networks
+PAPER = (("resnet50", "resnet50", 32), ("mobilenet", "mobilenet", 256), ("vgg-unet", "vgg-unet", 32))
+WORKLOADS = (*(f"gpt2-{n}L" for n in GPT2_LAYERS), *(name for name, _, _ in PAPER))
+LEVELS = ("80%", "60%", "40%", "min")
 THREADS = 2
+DEFAULT_TIME_LIMIT_S = 60.0
+#: The goals this benchmark checks: gap per workload family, wall time of the first budget
+#: (tracing included) and of each further one.
+GAP_GOAL = {"gpt2": 0.03, "mobilenet": 0.03, "resnet50": 0.05, "vgg-unet": 0.05}
+FIRST_BUDGET_GOAL_S = 60.0
+FURTHER_BUDGET_GOAL_S = 5.0
+SCHEMA = 2
 
 
-def make_graph(family: str, target_n: int) -> Graph:
-    """The graph of ``family`` whose node count is closest to ``target_n``."""
-    if family == "chain":
-        return chain_graph(max(1, round((target_n - 1) / 2)))
-    if family == "unet":
-        return unet_graph(max(1, round((target_n - 3) / 4)))
-    raise ValueError(f"unknown family {family!r}; use chain or unet")
+def family(workload: str) -> str:
+    return "gpt2" if workload.startswith("gpt2") else workload
 
 
-def checkpoint_all_peak(graph: Graph) -> int:
-    plan = Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph)
-    return simulate(graph, plan).peak_bytes
+def gpt2_config(layers: int) -> dict:
+    return {"layers": layers, "width": 256, "heads": 4, "sequence": 256, "batch": 8, "vocab": 8192, "dropout": 0.1}
 
 
-def graph_info(graph: Graph, family: str, target_n: int, time_limit_s: float) -> dict:
+def config_of(workload: str) -> dict:
+    if workload.startswith("gpt2-"):
+        return {"model": "gpt2", **gpt2_config(int(workload[5:].rstrip("L")))}
+    for name, model, batch in PAPER:
+        if name == workload:
+            return {"model": model, "batch": batch}
+    raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def trace_workload(workload: str):
+    """The traced step of ``workload`` on the meta device, ESTIMATE costs."""
+    import torch
+
+    from remat.cost import CostModel
+    from remat.models.gpt2 import gpt2_lm
+    from remat.sweep import trace_on_meta
+    from remat.trace import trace
+
+    cfg = config_of(workload)
+    if cfg["model"] != "gpt2":
+        return trace_on_meta(cfg["model"], cfg["batch"])
+    with torch.device("meta"):
+        w = gpt2_lm(cfg["batch"], name=workload, layers=cfg["layers"], width=cfg["width"], heads=cfg["heads"],
+                    vocab=cfg["vocab"], sequence=cfg["sequence"], dropout=cfg["dropout"])
+    return trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE, name=workload)
+
+
+# ---------------------------------------------------------------------------- measuring
+def measure(workload: str, time_limit_s: float) -> dict:
+    """Trace ``workload`` and plan it at every level; the record of one workload."""
+    from remat.coarsen import fold_aliases
+    from remat.errors import InfeasibleBudgetError
+    from remat.planning import plan_graph
+    from remat.solvers import planner_version
+    from remat.solvers.milp import minimum_budget
+    from remat.solvers.milp_start import baseline_candidates, best_fitting
+    from remat.solvers.prepared import clear
+    from remat.sweep import checkpoint_all_peak
+
+    clear()  # a cold start: the first budget pays for everything the later ones reuse
     started = time.perf_counter()
-    found = minimum_budget(graph, time_limit_s=time_limit_s, threads=THREADS)
-    return {
-        "family": family,
-        "target_n": target_n,
-        "n_nodes": graph.n,
-        "checkpoint_all_peak_bytes": checkpoint_all_peak(graph),
-        "min_budget_bytes": found.budget_bytes,
-        "min_budget_proven": found.proven,
-        "min_budget_lower_bytes": found.lower_bound_bytes,
-        "min_budget_s": round(time.perf_counter() - started, 3),
-    }
+    traced = trace_workload(workload)
+    trace_s = time.perf_counter() - started
+    graph = traced.graph
+    folded = fold_aliases(graph).coarse
+    top = checkpoint_all_peak(folded)
+    record = {"workload": workload, "config": config_of(workload), "fingerprint": graph.fingerprint(),
+              "planner": planner_version(), "time_limit_s": time_limit_s, "threads": THREADS,
+              "n_traced": graph.n, "n_folded": folded.n, "fixed_bytes": graph.fixed_bytes,
+              "checkpoint_all_bytes": top, "total_cost": folded.total_cost, "trace_s": round(trace_s, 2),
+              "cells": []}
+    options = {"time_limit_s": time_limit_s, "threads": THREADS}
+    for k, level in enumerate(LEVELS):
+        started = time.perf_counter()
+        extra = {}
+        if level == "min":
+            found = minimum_budget(folded, time_limit_s=time_limit_s, threads=THREADS)
+            budget = found.budget_bytes
+            extra = {"min_proven": found.proven, "min_lower_bytes": found.lower_bound_bytes,
+                     "min_search_s": round(time.perf_counter() - started, 2)}
+        else:
+            budget = int(float(level.rstrip("%")) / 100 * top)
+        try:
+            planned = plan_graph(graph, budget, "milp", **options)
+        except InfeasibleBudgetError as exc:  # below the smallest budget: recorded with what it needs
+            cell = {"level": level, "budget_bytes": budget, "fraction": budget / top, "infeasible": True,
+                    "min_budget_bytes": exc.min_budget_bytes, "wall_s": round(time.perf_counter() - started, 2)}
+        except Exception as exc:  # noqa: BLE001 - recorded, and the report names it
+            cell = {"level": level, "budget_bytes": budget, "error": f"{type(exc).__name__}: {exc}"}
+        else:
+            wall = time.perf_counter() - started + (trace_s if k == 0 else 0.0)
+            r = planned.result
+            known = best_fitting(baseline_candidates(folded, budget), budget)
+            cell = {"level": level, "budget_bytes": budget, "fraction": budget / top, "status": r.status.value,
+                    "overhead": planned.overhead, "bound": r.lower_bound / folded.total_cost if r.lower_bound else None,
+                    "gap": r.gap, "peak_bytes": planned.sim.peak_bytes, "wall_s": round(wall, 2),
+                    "baseline": known.name if known else None,
+                    "baseline_overhead": known.cost / folded.total_cost if known else None, **extra}
+        record["cells"].append(cell)
+        _progress(workload, cell)
+    return record
 
 
-def budget_of(info: dict, level: str) -> int:
-    if level == "min":
-        return info["min_budget_bytes"]
-    return int(info["checkpoint_all_peak_bytes"] * float(level.rstrip("%")) / 100)
+def _progress(workload: str, cell: dict) -> None:
+    if "error" in cell:
+        print(f"  {workload} {cell['level']}: {cell['error']}", flush=True)
+        return
+    if cell.get("infeasible"):
+        print(f"  {workload} {cell['level']:>4s}: infeasible, needs {cell['min_budget_bytes']} B", flush=True)
+        return
+    print(f"  {workload} {cell['level']:>4s} ({cell['fraction']:.1%}): {cell['overhead']:.4f}x, bound "
+          f"{cell['bound']:.4f}, gap {cell['gap']:.2%}, {cell['status']}, {cell['wall_s']} s; best baseline "
+          f"{cell['baseline']} {cell['baseline_overhead'] or float('nan'):.4f}x", flush=True)
 
 
-def run_cell(graph: Graph, info: dict, backend: str, level: str, time_limit_s: float) -> dict:
-    budget = budget_of(info, level)
-    cell = {"family": info["family"], "target_n": info["target_n"], "n_nodes": graph.n, "backend": backend,
-            "level": level, "budget_bytes": budget, "time_limit_s": time_limit_s}
-    if budget < info["min_budget_lower_bytes"]:  # equal to min_budget_bytes when proven
-        return cell | {"status": "infeasible", "wall_s": None, "note": "below a proven lower bound on the minimum budget"}
-    started = time.perf_counter()
-    try:
-        r = solve(graph, budget, method="milp", time_limit_s=time_limit_s, threads=THREADS, **_OPTIONS[backend])
-    except InfeasibleBudgetError as exc:
-        return cell | {"status": "infeasible", "wall_s": round(time.perf_counter() - started, 3),
-                       "note": f"min budget {exc.min_budget_bytes} B"}
-    except RematError as exc:
-        return cell | {"status": "error", "wall_s": round(time.perf_counter() - started, 3), "note": str(exc)}
-    return cell | {
-        "status": r.status.value,
-        "objective": r.objective,
-        "lower_bound": r.lower_bound,
-        "gap": r.gap,
-        "peak_bytes": r.peak_bytes,
-        "overhead": r.overhead,
-        "wall_s": round(time.perf_counter() - started, 3),
-        "n_variables": r.stats.n_variables,
-        "n_constraints": r.stats.n_constraints,
-        "nodes_explored": r.stats.nodes_explored,
-    }
+def run(workloads: list[str], time_limit_s: float, out: Path, fresh: bool) -> dict:
+    from remat.solvers import planner_version
+    from remat.sweep import environment, pin_estimate_rates, save_json
 
-
-def _key(cell: dict) -> tuple:
-    return (cell["family"], cell["target_n"], cell["backend"], cell["level"])
-
-
-def run(sizes, families, backends, levels, time_limit_s: float, out: Path) -> dict:
-    results = json.loads(out.read_text()) if out.exists() else {}
-    results.setdefault("meta", {})
-    results["meta"].update(_meta(time_limit_s))
-    results.setdefault("graphs", {})
-    results.setdefault("cells", [])
-    done = {_key(c) for c in results["cells"]}
-    for target_n in sizes:
-        for family in families:
-            graph = make_graph(family, target_n)
-            gkey = f"{family}:{target_n}"
-            if gkey not in results["graphs"]:
-                results["graphs"][gkey] = graph_info(graph, family, target_n, time_limit_s)
-                _save(results, out)
-            info = results["graphs"][gkey]
-            print(f"{gkey}: {graph.n} nodes, min budget {info['min_budget_bytes']} B "
-                  f"({'proven' if info['min_budget_proven'] else 'not proven'}, {info['min_budget_s']} s)", flush=True)
-            for backend in backends:
-                for level in levels:
-                    key = (family, target_n, backend, level)
-                    if key in done:
-                        continue
-                    cell = run_cell(graph, info, backend, level, time_limit_s)
-                    print(f"  {backend:6s} {level:>4s}: {cell['status']:10s} obj={cell.get('objective')} "
-                          f"bound={cell.get('lower_bound')} {cell.get('wall_s')} s", flush=True)
-                    results["cells"].append(cell)
-                    done.add(key)
-                    _save(results, out)
+    results = {} if fresh or not out.exists() else json.loads(out.read_text())
+    if results.get("schema") != SCHEMA:
+        results = {"schema": SCHEMA, "workloads": {}}
+    results["environment"] = environment()
+    results["estimate_rates"] = pin_estimate_rates(out.parent)
+    for workload in workloads:
+        stored = results["workloads"].get(workload)
+        if stored and stored.get("planner") == planner_version() and stored.get("time_limit_s") == time_limit_s \
+                and stored.get("config") == config_of(workload) and not any("error" in c for c in stored["cells"]):
+            print(f"{workload}: stored ({stored['n_folded']} nodes), skipped", flush=True)
+            continue
+        print(f"{workload}: tracing and planning", flush=True)
+        results["workloads"][workload] = measure(workload, time_limit_s)
+        save_json(results, out)
     return results
 
 
-def _meta(time_limit_s: float) -> dict:
-    import highspy
-    import ortools
-
-    return {
-        "time_limit_s": time_limit_s,
-        "threads": {"highs": THREADS, "cpsat": THREADS},
-        "highspy": getattr(highspy, "__version__", None) or ".".join(map(str, (highspy.Highs().versionMajor(), highspy.Highs().versionMinor(), highspy.Highs().versionPatch()))),
-        "ortools": ortools.__version__,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.platform(),
-        "python": platform.python_version(),
-    }
-
-
-def _save(results: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
-    tmp.replace(out)
-
-
 # ---------------------------------------------------------------------------- reporting
-def proven_within(cell: dict, limit_s: float) -> bool:
-    return cell["status"] == "optimal" and cell["wall_s"] is not None and cell["wall_s"] <= limit_s
+def _planned(cell: dict) -> bool:
+    return "error" not in cell and not cell.get("infeasible")
 
 
-def headline(results: dict) -> dict:
-    """``{(family, backend, level): largest n proven optimal within the limit, or None}``."""
-    best: dict = {}
-    for c in results["cells"]:
-        key = (c["family"], c["backend"], c["level"])
-        best.setdefault(key, None)
-        if proven_within(c, c["time_limit_s"]):
-            best[key] = max(best[key] or 0, c["n_nodes"])
-    return best
+def checks(results: dict) -> list[str]:
+    """Each goal of this benchmark, met or not, in one line each."""
+    lines = []
+    cells = [(w, c) for w, rec in results["workloads"].items() for c in rec["cells"] if _planned(c)]
+    errors = [(w, c) for w, rec in results["workloads"].items() for c in rec["cells"] if "error" in c]
+    over = [f"{w} {c['level']} ({c['gap']:.1%})" for w, c in cells if c["gap"] is not None
+            and c["gap"] > GAP_GOAL[family(w)] + 1e-12]
+    lines.append("- Gap at most 3% on GPT-2 and MobileNet, 5% on ResNet50 and U-Net: "
+                 + ("met at every point." if not over else "**not met** at " + ", ".join(over) + "."))
+    worse = [f"{w} {c['level']}" for w, c in cells if c["baseline_overhead"] is not None
+             and c["overhead"] > c["baseline_overhead"] + 1e-9]
+    lines.append("- Never worse than the best baseline: " + ("met at every point." if not worse else
+                                                               "**not met** at " + ", ".join(worse) + "."))
+    slow_first = [f"{w} ({c['wall_s']:.0f} s)" for w, c in cells if c["level"] == LEVELS[0]
+                  and c["wall_s"] > FIRST_BUDGET_GOAL_S]
+    lines.append(f"- First budget within {FIRST_BUDGET_GOAL_S:.0f} s, tracing included: "
+                 + ("met for every workload." if not slow_first else "**not met** for " + ", ".join(slow_first) + "."))
+    slow = [f"{w} {c['level']} ({c['wall_s']:.1f} s)" for w, c in cells if c["level"] not in (LEVELS[0], "min")
+            and c["wall_s"] > FURTHER_BUDGET_GOAL_S]
+    lines.append(f"- Each further budget within {FURTHER_BUDGET_GOAL_S:.0f} s: "
+                 + ("met at every point." if not slow else "**not met** at " + ", ".join(slow) + "."))
+    if errors:
+        lines.append("- Errors: " + "; ".join(f"{w} {c['level']}: {c['error']}" for w, c in errors))
+    return lines
 
 
 def markdown(results: dict) -> str:
-    """The BENCHMARKS.md section: the headline (largest n proven optimal per backend and
-    budget level) and every cell."""
-    meta, cells = results["meta"], results["cells"]
-    limit = meta["time_limit_s"]
-    families = [f for f in FAMILIES if any(c["family"] == f for c in cells)]
-    backends = [b for b in BACKENDS if any(c["backend"] == b for c in cells)]
-    best = headline(results)
-    infeasible = {(c["family"], c["level"]) for c in cells if c["status"] == "infeasible"}
+    """The BENCHMARKS.md section."""
+    env = results.get("environment", {})
+    recs = [results["workloads"][w] for w in WORKLOADS if w in results["workloads"]]
+    limit = recs[0]["time_limit_s"] if recs else DEFAULT_TIME_LIMIT_S
     lines = [
-        "## Solver scaling (MILP)",
+        "## The planner at real-model scale",
         "",
-        f"`python bench/solver_scaling.py` (time limit {limit:g} s per solve, {meta['threads']['highs']} threads "
-        f"for HiGHS, {meta['threads']['cpsat']} CP-SAT workers; {meta['cpu_count']} CPU cores; highspy "
-        f"{meta['highspy']}, ortools {meta['ortools']}). Budgets are fractions of the checkpoint-all peak, and "
-        f"`min` is the smallest feasible budget (found by the peak-minimizing MILP). Times are the wall time of the "
-        f"whole `solve()` call, warm start included. `highs` and `cpsat`: the backend's own branch and bound from "
-        f"the same warm start (baselines and LP rounding; `early_proof=False`); `highs+bounds`: the default "
-        f"pipeline, which skips the search when a warm-start plan meets a proven lower bound (every node's cost "
-        f"once, or the LP relaxation).",
+        f"`python bench/solver_scaling.py` (time limit {limit:g} s per call, {THREADS} threads, "
+        f"{env.get('cpu_count')} CPU cores, torch {env.get('torch')}, highspy {env.get('highspy')}). Each training "
+        "step is traced on the meta device with estimated costs (`CostModel.ESTIMATE`) and planned with "
+        "`plan_graph(method=\"milp\")` on the whole alias-folded graph at 80%, 60%, 40% of the checkpoint-all peak "
+        "and at the smallest budget `milp` finds. **Overhead** is the plan's simulated cost over computing every "
+        "node once; **bound** is a lower bound on the overhead of every plan of the whole graph under that budget "
+        "(the instant bound, `remat.solvers.bounds`, or the exact model's on small graphs); **gap** = 1 - "
+        "bound/overhead. **Wall** is the whole call: the first budget includes tracing, `min` includes finding the "
+        "smallest budget. GPT-2: transformers, width 256, 4 heads, sequence 256, batch 8, vocabulary 8192, dropout "
+        "0.1.",
         "",
-        "**Largest graph (nodes) proven optimal within the time limit**",
-        "",
-        "| budget | " + " | ".join(f"{f} / {b}" for f in families for b in backends) + " |",
-        "|---|" + "---|" * (len(families) * len(backends)),
+        "| workload | nodes (folded) | trace (s) | budget | overhead | bound | gap | status | wall (s) | best baseline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for level in LEVELS:
-        row = []
-        for f in families:
-            for b in backends:
-                n = best.get((f, b, level))
-                row.append(str(n) if n else ("infeasible" if (f, level) in infeasible and n is None else "none"))
-        lines.append(f"| {level} | " + " | ".join(row) + " |")
-    lines += ["", "| graph | nodes | budget | B | backend | status | objective | bound | gap | time (s) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    order = {lv: i for i, lv in enumerate(LEVELS)}
-    for c in sorted(cells, key=lambda c: (c["family"], c["n_nodes"], order[c["level"]], c["backend"])):
-        gap = "" if c.get("gap") is None else f"{c['gap']:.3%}"
-        bound = "" if c.get("lower_bound") is None else f"{c['lower_bound']:.6g}"
-        obj = "" if c.get("objective") is None else f"{c['objective']:.6g}"
-        t = "" if c.get("wall_s") is None else f"{c['wall_s']:.1f}"
-        lines.append(f"| {c['family']} | {c['n_nodes']} | {c['level']} | {c['budget_bytes']} | {c['backend']} | "
-                     f"{c['status']} | {obj} | {bound} | {gap} | {t} |")
-    unproven = [g for g in results["graphs"].values() if not g["min_budget_proven"]]
-    if unproven:
-        names = ", ".join(f"{g['family']} {g['n_nodes']}" for g in unproven)
-        lines += ["", f"Minimum budgets not proven minimal within the limit (best found used): {names}."]
+    for rec in recs:
+        for k, c in enumerate(rec["cells"]):
+            head = (f"| {rec['workload']} | {rec['n_traced']} ({rec['n_folded']}) | {rec['trace_s']:.1f} |" if k == 0
+                    else "| | | |")
+            if "error" in c:
+                lines.append(f"{head} {c['level']} | error | | | | | {c['error'][:80]} |")
+                continue
+            if c.get("infeasible"):
+                need = c["min_budget_bytes"] / rec["checkpoint_all_bytes"] if c["min_budget_bytes"] else None
+                lines.append(f"{head} {c['level']} | infeasible" + (f" (needs {need:.1%})" if need else "")
+                             + f" | | | | {c['wall_s']:.1f} | |")
+                continue
+            level = f"{c['level']} ({c['fraction']:.1%})" if c["level"] == "min" else c["level"]
+            if c["level"] == "min" and not c.get("min_proven"):
+                level += f", none below {c['min_lower_bytes'] / rec['checkpoint_all_bytes']:.1%}"
+            base = "-" if c["baseline"] is None else f"{c['baseline']} {c['baseline_overhead']:.4f}x"
+            lines.append(f"{head} {level} | {c['overhead']:.4f}x | {c['bound']:.4f} | {c['gap']:.2%} | {c['status']} | "
+                         f"{c['wall_s']:.1f} | {base} |")
+    lines += ["", "Goals:", "", *checks(results), "", "![planner at scale](bench/plots/solver_scaling.png)"]
     return "\n".join(lines) + "\n"
 
 
@@ -241,32 +254,47 @@ def plot(results: dict, path: Path = PLOT) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    limit = results["meta"]["time_limit_s"]
-    families = [f for f in FAMILIES if any(c["family"] == f for c in results["cells"])]
-    fig, axes = plt.subplots(1, len(families), figsize=(6 * len(families), 4.5), squeeze=False)
-    colors = dict(zip(LEVELS, ("tab:blue", "tab:green", "tab:orange", "tab:red", "tab:purple")))
-    styles = {"highs": "-", "cpsat": "--", "highs+bounds": ":"}
-    for ax, family in zip(axes[0], families):
-        for backend in BACKENDS:
-            for level in LEVELS:
-                cells = sorted((c for c in results["cells"] if c["family"] == family and c["backend"] == backend
-                                and c["level"] == level and c.get("wall_s") is not None
-                                and c["status"] != "infeasible"), key=lambda c: c["n_nodes"])
-                if not cells:
-                    continue
-                xs = [c["n_nodes"] for c in cells]
-                ys = [c["wall_s"] for c in cells]
-                ax.plot(xs, ys, styles[backend], color=colors[level], marker="o", label=f"{backend} {level}")
-                timed_out = [(x, y) for x, y, c in zip(xs, ys, cells) if c["status"] != "optimal"]
-                if timed_out:
-                    ax.scatter(*zip(*timed_out), marker="x", s=80, color="black", zorder=3)
-        ax.axhline(limit, color="gray", lw=0.8, ls=":")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("graph nodes")
-        ax.set_ylabel("solve time (s)")
-        ax.set_title(f"{family}: solve time (x = not proven optimal)")
-        ax.legend(fontsize=7, ncol=2)
+    recs = [results["workloads"][w] for w in WORKLOADS if w in results["workloads"]]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = dict(zip(LEVELS, ("tab:blue", "tab:green", "tab:orange", "tab:red")))
+    markers = {"gpt2": "o", "resnet50": "s", "mobilenet": "^", "vgg-unet": "D"}
+    for level in LEVELS:
+        gpt = sorted(((r["n_folded"], c) for r in recs if family(r["workload"]) == "gpt2"
+                      for c in r["cells"] if c["level"] == level and _planned(c)), key=lambda p: p[0])
+        if gpt:
+            xs = [n for n, _ in gpt]
+            ax.plot(xs, [c["overhead"] for _, c in gpt], "-", marker="o", color=colors[level], label=f"GPT-2 plan {level}")
+            ax.plot(xs, [c["bound"] for _, c in gpt], ":", color=colors[level], label=f"GPT-2 bound {level}")
+        for r in recs:
+            if family(r["workload"]) == "gpt2":
+                continue
+            for c in r["cells"]:
+                if c["level"] == level and _planned(c):
+                    m = markers[family(r["workload"])]
+                    ax.scatter([r["n_folded"]], [c["overhead"]], marker=m, color=colors[level])
+                    ax.scatter([r["n_folded"]], [c["bound"]], marker=m, facecolors="none", edgecolors=colors[level])
+    for name, m in markers.items():
+        if name != "gpt2" and any(family(r["workload"]) == name for r in recs):
+            ax.scatter([], [], marker=m, color="gray", label=f"{name} (hollow: bound)")
+    ax.set_xscale("log")
+    ax.set_xlabel("nodes of the folded graph")
+    ax.set_ylabel("overhead (x computing every node once)")
+    ax.set_title("plan cost and lower bound for the whole graph")
+    ax.legend(fontsize=7, ncol=2)
+    for k, level in enumerate(LEVELS):
+        pts = sorted((r["n_folded"], c["wall_s"]) for r in recs for c in r["cells"]
+                     if c["level"] == level and _planned(c))
+        if pts:
+            bx.plot(*zip(*pts), "o" if k == 0 else "x", color=colors[level],
+                    label=f"{level}" + (" (tracing included)" if k == 0 else ""))
+    bx.axhline(FIRST_BUDGET_GOAL_S, color="gray", lw=0.8, ls=":")
+    bx.axhline(FURTHER_BUDGET_GOAL_S, color="gray", lw=0.8, ls="--")
+    bx.set_xscale("log")
+    bx.set_yscale("log")
+    bx.set_xlabel("nodes of the folded graph")
+    bx.set_ylabel("wall time of the call (s)")
+    bx.set_title("time per budget (lines: 60 s first, 5 s further)")
+    bx.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -275,28 +303,25 @@ def plot(results: dict, path: Path = PLOT) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated node counts")
-    p.add_argument("--families", default=",".join(FAMILIES))
-    p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--levels", default=",".join(LEVELS))
-    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
-    p.add_argument("--quick", action="store_true", help="20 and 40 nodes, 10 s, written to solver_scaling_quick.json")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from: {', '.join(WORKLOADS)}")
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per call")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--fresh", action="store_true", help="recompute every workload")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    time_limit = args.time_limit
-    out = args.out or RESULTS
-    if args.quick:
-        sizes, time_limit = [s for s in sizes if s <= 40] or [20, 40], 10.0
-        out = args.out or RESULTS.with_name("solver_scaling_quick.json")
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown or not workloads:
+        p.error(f"unknown workload {', '.join(unknown) or '(none)'}; choose from {', '.join(WORKLOADS)}")
+    if not (args.time_limit > 0):
+        p.error(f"--time-limit {args.time_limit} must be a positive number of seconds")
     logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.plot_only:
-        results = json.loads(out.read_text())
+        results = json.loads(args.out.read_text())
     else:
-        results = run(sizes, args.families.split(","), args.backends.split(","), args.levels.split(","),
-                      time_limit, out)
-    plot(results, PLOT if out == RESULTS else PLOT.with_name(out.stem + ".png"))
+        results = run(workloads, args.time_limit, args.out, args.fresh)
+    plot(results, PLOT if args.out == RESULTS else args.out.with_suffix(".png"))
     print(markdown(results))
     return 0
 

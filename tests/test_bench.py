@@ -433,3 +433,58 @@ def test_spot_checks_name_unknown_models(capsys):
     with pytest.raises(SystemExit):
         spot_mod.main(["--models", "vgg17"])
     assert "unknown model(s) vgg17; choose from vgg16" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- the planner at scale
+scaling_mod = _load("solver_scaling")
+
+
+def _small_traced(workload: str):
+    from remat.cost import CostModel
+    from remat.trace import trace
+
+    w = get_workload("cnn", 4)
+    return trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE, name=workload)
+
+
+def test_scaling_records_every_level_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setattr(scaling_mod, "trace_workload", _small_traced)
+    out = tmp_path / "scaling.json"
+    results = scaling_mod.run(["gpt2-2L"], 20.0, out, fresh=False)
+    record = json.loads(out.read_text())["workloads"]["gpt2-2L"]
+    assert [c["level"] for c in record["cells"]] == list(scaling_mod.LEVELS)
+    smallest = record["cells"][-1]
+    assert "error" not in smallest and not smallest.get("infeasible"), smallest
+    for cell in record["cells"]:
+        assert "error" not in cell, cell
+        if cell.get("infeasible"):  # below the smallest budget, which the last level plans
+            assert cell["min_budget_bytes"] == smallest["budget_bytes"] > cell["budget_bytes"]
+            continue
+        assert cell["peak_bytes"] <= cell["budget_bytes"]
+        assert 1.0 <= cell["bound"] <= cell["overhead"] + 1e-9
+        assert cell["baseline_overhead"] is None or cell["overhead"] <= cell["baseline_overhead"] + 1e-9
+    text = scaling_mod.markdown(results)
+    assert "| gpt2-2L |" in text and "Goals:" in text and "Never worse than the best baseline: met" in text
+    assert all(c.get("infeasible") is None or "infeasible (needs" in text for c in record["cells"])
+    # a rerun with the same code and options measures nothing again
+    monkeypatch.setattr(scaling_mod, "measure", lambda *a: pytest.fail("a stored workload was measured again"))
+    scaling_mod.run(["gpt2-2L"], 20.0, out, fresh=False)
+
+
+def test_scaling_checks_name_every_goal_missed():
+    cell = {"level": "80%", "budget_bytes": 10, "fraction": 0.8, "status": "feasible", "overhead": 1.2,
+            "bound": 1.1, "gap": 1 - 1.1 / 1.2, "peak_bytes": 9, "wall_s": 75.0, "baseline": "segments",
+            "baseline_overhead": 1.15}
+    further = dict(cell, level="60%", wall_s=9.0, gap=0.01, overhead=1.1, bound=1.089, baseline_overhead=None)
+    results = {"workloads": {"resnet50": {"cells": [cell, further]}}}
+    lines = "\n".join(scaling_mod.checks(results))
+    assert "not met** at resnet50 80% (8.3%)" in lines
+    assert "Never worse than the best baseline: **not met** at resnet50 80%" in lines
+    assert "First budget within 60 s, tracing included: **not met** for resnet50 (75 s)" in lines
+    assert "Each further budget within 5 s: **not met** at resnet50 60% (9.0 s)" in lines
+
+
+def test_scaling_cli_refuses_unknown_workloads(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        scaling_mod.main(["--workloads", "gpt2-3L"])
+    assert exit_info.value.code == 2 and "unknown workload gpt2-3L" in capsys.readouterr().err
