@@ -5,9 +5,12 @@ Pure computation: returns records; printing, plotting and files are the caller's
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,10 +119,155 @@ def parse_solver_options(text: str | None) -> dict[str, dict[str, object]]:
 def save_json(value: object, path: Path) -> None:
     """Write ``value`` as JSON to ``path`` atomically (a reader never sees half a file), so a
     long benchmark can be interrupted at any time and resume from what it wrote."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    # one temporary name per process: two runs writing the same file never share a half-written one
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
     tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------- keyed results
+#: Version of what a stored result means; part of every key. Bump it when a result's fields
+#: or their meaning change without a new release, so stale results are measured again.
+RESULTS_SCHEMA = 1
+RESULTS_FORMAT = "remat.results"
+
+
+def result_key(
+    *,
+    fingerprint: str,
+    method: str,
+    options: Mapping[str, object] | None = None,
+    code_version: str | None = None,
+    schema: int = RESULTS_SCHEMA,
+    **fields: object,
+) -> dict[str, object]:
+    """The identity of one result: what produced it. Two results with equal keys are
+    interchangeable; a result whose key differs in anything (the graph's fingerprint, the
+    method, an option, remat's version, the schema) is not reused.
+
+    ``fields`` add what else decides the result (``budget_bytes=...``, ``model=...``).
+    ``code_version`` defaults to ``remat.__version__``. Values must be JSON scalars, lists or
+    dicts (enums become their value, tuples lists, paths strings).
+
+    >>> result_key(fingerprint="ab12", method="milp", options={"time_limit_s": 60}, budget_bytes=1000,
+    ...            code_version="0.1.0")
+    {'budget_bytes': 1000, 'code_version': '0.1.0', 'fingerprint': 'ab12', 'method': 'milp', 'options': {'time_limit_s': 60}, 'schema': 1}
+    """
+    if code_version is None:
+        from remat import __version__ as code_version
+    key = {"fingerprint": fingerprint, "method": method, "options": dict(options or {}),
+           "code_version": code_version, "schema": schema, **fields}
+    return {name: _plain(value, name) for name, value in sorted(key.items())}
+
+
+def _plain(value: object, where: str) -> object:
+    """``value`` as plain JSON data, or TypeError naming the field that is not."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise TypeError(f"result key field {where!r} is {value!r}; keys need finite numbers")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    raise TypeError(
+        f"result key field {where!r} is a {type(value).__name__} ({value!r}), which JSON cannot hold; pass "
+        f"a string, number, list or dict that identifies it"
+    )
+
+
+def _canonical(key: Mapping[str, object]) -> str:
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+class ResultStore:
+    """Keyed, resumable results in one JSON file: each result is stored with the key of what
+    produced it (see ``result_key``). ``put`` rewrites the file atomically at once, merged with
+    what is on disk, so an interrupted run keeps every result it finished, a rerun skips them,
+    and a run that measures only some keys leaves every other stored result untouched (also
+    those written meanwhile by another process, and those of other code versions).
+
+    >>> import tempfile
+    >>> from remat.builders import chain_graph
+    >>> g = chain_graph(8)
+    >>> path = Path(tempfile.mkdtemp()) / "results.json"
+    >>> store = ResultStore(path)
+    >>> key = result_key(fingerprint=g.fingerprint(), method="chen_sqrtn", budget_bytes=2**30)
+    >>> key in store
+    False
+    >>> store.put(key, {"overhead": 1.25})
+    >>> ResultStore(path).get(key)                    # a rerun finds it and skips the work
+    {'overhead': 1.25}
+    >>> len(ResultStore(path).select(method="chen_sqrtn"))
+    1
+
+    The file: ``{"format": "remat.results", "meta": {...}, "results": [{"key": {...},
+    "result": {...}}, ...]}``, readable without remat.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.meta: dict[str, object] = {}
+        self._entries: dict[str, dict[str, object]] = {}
+        self._mine: dict[str, dict[str, object]] = {}  # put by this object: they win over the file's
+        self._reload()
+
+    def _reload(self) -> None:
+        if not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(
+                f"results file {os.fspath(self.path)!r} is not readable JSON ({exc}); move it away or pass "
+                f"another path"
+            ) from None
+        if not isinstance(data, dict) or data.get("format") != RESULTS_FORMAT or not isinstance(data.get("results"), list):
+            raise ValueError(
+                f"{os.fspath(self.path)!r} is not a remat results file (no format {RESULTS_FORMAT!r} with a "
+                f"'results' list); move it away or pass another path"
+            )
+        meta = data.get("meta")
+        self.meta = {**(meta if isinstance(meta, dict) else {}), **self.meta}
+        entries = {_canonical(e["key"]): e for e in data["results"] if isinstance(e, dict) and isinstance(e.get("key"), dict)}
+        self._entries = {**entries, **self._mine}
+
+    def __contains__(self, key: Mapping[str, object]) -> bool:
+        return _canonical(key) in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Mapping[str, object]) -> dict[str, object] | None:
+        """The result stored under ``key``, or None."""
+        entry = self._entries.get(_canonical(key))
+        return None if entry is None else entry["result"]
+
+    def select(self, **fields: object) -> list[tuple[dict[str, object], dict[str, object]]]:
+        """``(key, result)`` of every stored result whose key has these field values, in the
+        order they were stored."""
+        want = {name: _plain(value, name) for name, value in fields.items()}
+        return [(e["key"], e["result"]) for e in self._entries.values()
+                if all(e["key"].get(name) == value for name, value in want.items())]
+
+    def put(self, key: Mapping[str, object], result: Mapping[str, object]) -> None:
+        """Store ``result`` under ``key`` (replacing one with the same key) and write the file."""
+        self._mine[_canonical(key)] = {"key": dict(key), "result": dict(result)}
+        self._reload()  # what another process wrote since we read the file stays
+        self._entries.update(self._mine)
+        self.save()
+
+    def save(self) -> None:
+        """Write the file (atomically) with every stored result and ``meta``."""
+        save_json({"format": RESULTS_FORMAT, "meta": self.meta, "results": list(self._entries.values())}, self.path)
 
 
 # ---------------------------------------------------------------------------- benchmark helpers
