@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,11 @@ class SweepPoint:
             "skipped": self.skipped,
         }
 
+    @classmethod
+    def from_json(cls, record: Mapping[str, object]) -> SweepPoint:
+        return cls(record["method"], record["budget_bytes"], record["budget_fraction"], record["result"],
+                   min_budget_bytes=record.get("min_budget_bytes"), skipped=record.get("skipped"))
+
 
 def checkpoint_all_peak(graph: Graph) -> int:
     """Peak bytes of keeping everything: the reference that percentage budgets refer to."""
@@ -62,11 +68,20 @@ def sweep(
     *,
     options: dict[str, dict[str, object]] | None = None,
     on_point: Callable[[SweepPoint], None] | None = None,
+    store: ResultStore | None = None,
 ) -> list[SweepPoint]:
     """Solve ``graph`` with every method at every budget.
 
     ``options[method]`` are keyword options for that method (e.g. ``time_limit_s``).
-    ``on_point`` is called after each cell (for progress bars and incremental files).
+    ``on_point`` is called after each cell (for progress bars). With a ``store``, each cell is
+    written to it as soon as it is solved, and a cell the store already holds for the same
+    graph fingerprint, method, options, budget and remat version is read back, not solved:
+    an interrupted sweep resumes where it stopped.
+
+    Each solve runs in a worker thread while this thread waits, so Ctrl-C
+    (``KeyboardInterrupt``) stops the sweep at once, even inside a solver's C code; the
+    abandoned solve is left to finish in the background (``solves_running()`` says whether
+    one is), and every cell solved before it is in the store.
 
     >>> from remat.builders import chain_graph
     >>> pts = sweep(chain_graph(6), ["checkpoint_all", "chen_sqrtn"], [2**40])
@@ -74,15 +89,61 @@ def sweep(
     [True, True]
     """
     ref = checkpoint_all_peak(graph)
+    fingerprint = graph.fingerprint() if store is not None else ""
     points: list[SweepPoint] = []
     opts = options or {}
     for budget in budgets_bytes:
         for method in methods:
-            point = _solve_point(graph, method, int(budget), ref, opts.get(method, {}))
+            method_options = opts.get(method, {})
+            key = None
+            if store is not None:
+                key = result_key(fingerprint=fingerprint, method=method, options=method_options, budget_bytes=int(budget))
+                stored = store.get(key)
+                if stored is not None:
+                    point = SweepPoint.from_json(stored)
+                    points.append(point)
+                    if on_point is not None:
+                        on_point(point)
+                    continue
+            point = _run_interruptibly(lambda: _solve_point(graph, method, int(budget), ref, method_options))
+            if store is not None:
+                store.put(key, point.to_json())
             points.append(point)
             if on_point is not None:
                 on_point(point)
     return points
+
+
+_running: list[threading.Thread] = []
+
+
+def solves_running() -> bool:
+    """Whether a solve abandoned by Ctrl-C is still running in a worker thread (a process
+    that wants to exit at once then ends with ``os._exit``: solver threads in C code cannot be
+    stopped from Python)."""
+    _running[:] = [t for t in _running if t.is_alive()]
+    return bool(_running)
+
+
+def _run_interruptibly(fn: Callable[[], SweepPoint]) -> SweepPoint:
+    """``fn()`` in a daemon thread; this thread waits in short, interruptible joins."""
+    box: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=work, name="remat-sweep-solve", daemon=True)
+    _running.append(worker)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+    _running.remove(worker)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _solve_point(graph: Graph, method: str, budget: int, ref: int, options: dict[str, object]) -> SweepPoint:
