@@ -6,7 +6,7 @@ import json
 import pytest
 
 import remat
-from remat.sweep import RESULTS_SCHEMA, ResultStore, result_key, save_json
+from remat.sweep import RESULTS_SCHEMA, ResultStore, record_key, result_key, save_json
 
 
 def key(**extra):
@@ -22,6 +22,13 @@ def test_key_names_what_produced_the_result():
     assert result_key(fingerprint="f00d", method="milp", options={"time_limit_s": 30}, budget_bytes=1000) != k
     assert key(budget_bytes=1000, code_version="9.9") != k
     assert key(budget_bytes=1000, schema=RESULTS_SCHEMA + 1) != k
+
+
+def test_record_key_for_results_that_are_not_one_graphs():
+    k = record_key(model="gpt2", variant="eager", threads=1)
+    assert k == {"code_version": remat.__version__, "model": "gpt2", "schema": RESULTS_SCHEMA, "threads": 1,
+                 "variant": "eager"}
+    assert record_key(model="gpt2", variant="eager", threads=1, schema=7)["schema"] == 7
 
 
 def test_key_makes_enums_tuples_and_paths_plain(tmp_path):

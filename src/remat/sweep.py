@@ -216,10 +216,21 @@ def result_key(
     ...            code_version="0.1.0")
     {'budget_bytes': 1000, 'code_version': '0.1.0', 'fingerprint': 'ab12', 'method': 'milp', 'options': {'time_limit_s': 60}, 'schema': 1}
     """
+    return record_key(fingerprint=fingerprint, method=method, options=dict(options or {}), code_version=code_version,
+                      schema=schema, **fields)
+
+
+def record_key(*, code_version: str | None = None, schema: int = RESULTS_SCHEMA, **fields: object) -> dict[str, object]:
+    """A result key from any fields that identify what produced a result (for results that are
+    not one graph's, e.g. a measured training step: model configuration, variant, budget),
+    plus ``code_version`` (default ``remat.__version__``) and ``schema``.
+
+    >>> record_key(model="gpt2-4L", variant="eager", code_version="0.1.0")
+    {'code_version': '0.1.0', 'model': 'gpt2-4L', 'schema': 1, 'variant': 'eager'}
+    """
     if code_version is None:
         from remat import __version__ as code_version
-    key = {"fingerprint": fingerprint, "method": method, "options": dict(options or {}),
-           "code_version": code_version, "schema": schema, **fields}
+    key = {**fields, "code_version": code_version, "schema": schema}
     return {name: _plain(value, name) for name, value in sorted(key.items())}
 
 
