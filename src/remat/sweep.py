@@ -14,12 +14,14 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from remat.errors import InfeasibleBudgetError, UnsupportedGraphError
 from remat.graph import Graph
 from remat.solvers import solve
 
 log = logging.getLogger("remat.sweep")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def sweep(
                     if on_point is not None:
                         on_point(point)
                     continue
-            point = _run_interruptibly(lambda: _solve_point(graph, method, int(budget), ref, method_options))
+            point = run_interruptibly(lambda: _solve_point(graph, method, int(budget), ref, method_options))
             if store is not None:
                 store.put(key, point.to_json())
             points.append(point)
@@ -125,8 +127,14 @@ def solves_running() -> bool:
     return bool(_running)
 
 
-def _run_interruptibly(fn: Callable[[], SweepPoint]) -> SweepPoint:
-    """``fn()`` in a daemon thread; this thread waits in short, interruptible joins."""
+def run_interruptibly(fn: Callable[[], T]) -> T:
+    """``fn()`` in a daemon thread while this thread waits in short joins, so that Ctrl-C
+    (``KeyboardInterrupt``) is raised here at once even while ``fn`` runs native code (HiGHS
+    releases the interpreter lock while it solves). ``fn`` is then abandoned, not stopped.
+
+    >>> run_interruptibly(lambda: 6 * 7)
+    42
+    """
     box: dict[str, object] = {}
 
     def work() -> None:
