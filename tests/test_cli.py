@@ -214,6 +214,7 @@ def test_every_help_works(capsys):
         (["solve", "--graph", "chain:4", "--budget", "150%"], "percentage in (0%, 100%]"),
         (["solve", "--graph", "chain:4", "--budget", "50%", "--backend", "foo"], "invalid choice: 'foo'"),
         (["solve", "--model", "mlp", "--batch", "0", "--budget", "50%"], "0 must be at least 1"),
+        (["solve", "--model", "mlp", "--batch", "x", "--budget", "50%"], "'x' is not a whole number"),
         (["sweep", "--graph", "chain:4", "--methods", ""], "--methods '' lists no method"),
         (["sweep", "--graph", "chain:4", "--methods", " , "], "lists no method"),
         (["demo", "--methods", ""], "--methods '' lists no method"),

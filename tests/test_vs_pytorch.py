@@ -58,6 +58,8 @@ def stored(vs, tmp_path):
     store = ResultStore(tmp_path / "vs.json")
     for v in vs.variants(args, w):
         store.put(vs.variant_key(w, v, args), fake_result(v))
+    for v in vs.at_competitor_peaks(store, w, args):
+        store.put(vs.variant_key(w, v, args), fake_result(v))
     other = vs.Workload("other", {"width": 1}, None, (), None, [])
     eager = vs.Variant("eager", "eager")
     store.put(vs.variant_key(other, eager, args), fake_result(eager, command="other model"))
@@ -70,11 +72,15 @@ def entries(path: Path) -> dict[str, dict]:
     return {json.dumps(e["key"], sort_keys=True): e["result"] for e in json.loads(path.read_text())["results"]}
 
 
-def test_nothing_stored_is_measured_again(vs, stored):
+def test_nothing_stored_is_measured_again(vs, stored, capsys):
     path, w = stored
     args = args_for(vs)
     store = ResultStore(path)
     assert vs.pending(store, w, vs.variants(args, w), args) == []
+    before = path.read_text()
+    vs.measure_model(w, args, store, {"started": "now", "command": "this run"})
+    assert "nothing to measure: every selected variant is stored (--fresh measures them again)" in capsys.readouterr().out
+    assert path.read_text() == before
     # another thread count, method or time limit is another key: measured
     assert len(vs.pending(store, w, vs.variants(args, w), args_for(vs, "--threads", "2"))) == len(vs.variants(args, w))
     remat_only = vs.pending(store, w, vs.variants(args, w), args_for(vs, "--time-limit-s", "30"))
