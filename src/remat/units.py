@@ -72,8 +72,9 @@ class BudgetSpec:
                 f"give {_FORMS}"
             )
         if reference_bytes is None:
+            kind = "a percentage" if self.text.rstrip("'\" ").endswith("%") else "a fraction"
             raise BudgetError(
-                f"budget {self.text} is a fraction but there is no reference peak to take it of; give bytes "
+                f"budget {self.text} is {kind} but there is no reference peak to take it of; give bytes "
                 f"instead ('2GiB')"
             )
         result = int(self.fraction * reference_bytes)
