@@ -27,9 +27,16 @@ to the system (``GLIBC_TUNABLES``, set by re-executing this script), medians.
     python bench/vs_pytorch.py --quick                 # smoke run, a few minutes
     python bench/vs_pytorch.py                         # the full run (~20 minutes on 2 cores)
     python bench/vs_pytorch.py --layers 12 --models gpt2-d0
+    python bench/vs_pytorch.py --models resnet50 --variants eager,remat --fresh   # re-measure some
 
-Results go to ``bench/results/vs_pytorch.json`` (rewritten after every measurement) and
-``bench/plots/vs_pytorch_<model>.png``; ``markdown(results)`` renders the BENCHMARKS.md table.
+Results go to ``bench/results/vs_pytorch.json``, one entry per variant, keyed by what produced
+it (the model's configuration, the variant and its budget, the remat method and options, the
+thread count, remat's version; ``remat.sweep.ResultStore``). A run measures only the variants
+it selects (``--models``, ``--variants``) that are not stored yet (``--fresh``: measure them
+again), writes each as soon as it is measured, and leaves every other stored entry as it is;
+step times are medians of the rounds of one run, so a table whose variants come from several
+runs says so. Plots go to ``bench/plots/vs_pytorch_<model>.png``; ``markdown(results)``
+renders the BENCHMARKS.md section.
 """
 
 from __future__ import annotations
@@ -53,6 +60,12 @@ QUICK_RESULTS = HERE / "results" / "vs_pytorch_quick.json"
 PLOTS = HERE / "plots"
 #: glibc malloc: never map big blocks fresh nor trim: 67k page faults per GPT-2 step otherwise.
 GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+#: Kineto (torch.profiler's backend) prints "USDT: ... profiler_start/stop" lines on stdout at
+#: its default log level; above its highest level it prints nothing. Read when the profiler starts.
+KINETO_LOG_LEVEL = "6"
+#: Version of what a stored entry means; part of its key (bump when the measurement changes).
+SCHEMA = 1
+FAMILIES = ("eager", "remat", "checkpoint", "sac", "aot")
 MODELS = ("gpt2-d0", "gpt2-d0.1", "resnet50")
 #: remat budgets (fractions of its unoptimized peak) per model family; a budget below what the
 #: method can meet falls back to PyTorch's partitioner and is reported as such.
@@ -70,6 +83,11 @@ def _reexec_with_tunables() -> None:
     """glibc reads GLIBC_TUNABLES at process start only: restart with it set."""
     if os.environ.get("GLIBC_TUNABLES") != GLIBC_TUNABLES:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": GLIBC_TUNABLES})
+
+
+def quiet_profiler() -> None:
+    """Silence Kineto's USDT lines (unless the caller chose a log level)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_LOG_LEVEL)
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -264,19 +282,70 @@ def max_abs_diff(a: list, b: list) -> float:
     return worst
 
 
-def measure_model(w: Workload, args: argparse.Namespace, results: dict, save) -> None:
+# ---------------------------------------------------------------------------- stored entries
+def variant_key(w: Workload, v: Variant, args: argparse.Namespace) -> dict:
+    """What produced a variant's entry: the model's configuration, the variant and its budget,
+    remat's method and options (remat variants), the thread count, remat's version."""
+    from remat.sweep import record_key
+
+    planner = {}
+    if v.family == "remat":
+        planner = {"method": args.method}
+        if args.method in ("milp", "lp_round"):
+            planner["time_limit_s"] = args.time_limit_s
+    return record_key(benchmark="vs_pytorch", schema=SCHEMA, model=w.label, config=w.config, variant=v.name,
+                      family=v.family, setting=v.setting, planner=planner, threads=args.threads)
+
+
+def complete(result: dict | None) -> bool:
+    """An entry measured to the end (timed), or one that failed for good."""
+    return result is not None and ("step_s" in result or "error" in result)
+
+
+def selected(v: Variant, wanted: set[str] | None) -> bool:
+    """``--variants`` names families (eager, remat, checkpoint, sac, aot) or exact variant names."""
+    return wanted is None or v.family in wanted or v.name in wanted
+
+
+def pending(store, w: Workload, candidates: list[Variant], args: argparse.Namespace) -> list[Variant]:
+    """The variants this run measures: selected, and not stored complete (unless --fresh)."""
+    return [v for v in candidates if selected(v, args.variants)
+            and (args.fresh or not complete(store.get(variant_key(w, v, args))))]
+
+
+def at_competitor_peaks(store, w: Workload, args: argparse.Namespace) -> list[Variant]:
+    """remat at each competitor's measured peak (its budget in bytes), so that every competitor
+    point has a remat point of the same memory; competitors measured now or stored before."""
+    out = []
+    for v in variants(args, w):
+        if v.family in ("eager", "remat"):
+            continue
+        r = store.get(variant_key(w, v, args))
+        if r is not None and "peak_bytes" in r and r.get("grad_max_abs_diff", 0.0) <= WRONG_GRAD:
+            out.append(Variant(f"remat {args.method} at {v.name}'s peak", "remat", int(r["peak_bytes"])))
+    return out
+
+
+def measure_model(w: Workload, args: argparse.Namespace, store, run: dict) -> None:
+    """Measure the pending variants of ``w``; each entry is stored as soon as it is measured
+    (peak and gradients first, then its step time)."""
     import torch
 
     from remat.memory import MemoryMethod, measure_peak
 
-    record = results["models"].setdefault(w.label, {})
-    record.update(config=w.config, variants={}, command=" ".join(["python bench/vs_pytorch.py", *sys.argv[1:]]),
-                  measured=time.strftime("%Y-%m-%d %H:%M"), method=args.method)
+    todo = pending(store, w, variants(args, w), args)
+    if not todo and not pending(store, w, at_competitor_peaks(store, w, args), args):
+        print("  nothing to measure: every selected variant is stored (--fresh measures them again)", flush=True)
+        return
     reference = copy.deepcopy(w.model)
     run_step(lambda *b: w.loss_fn(reference, *b), reference, w.batch, seed=1)
     want_grads = [p.grad for p in reference.parameters()]
     want_buffers = [b.clone() for b in reference.buffers()]
     runnable = []
+
+    def store_result(v: Variant) -> None:
+        v.result.update(measured=run["started"], command=run["command"])
+        store.put(variant_key(w, v, args), v.result)
 
     def first_step(v: Variant) -> None:
         model = copy.deepcopy(w.model)
@@ -288,8 +357,7 @@ def measure_model(w: Workload, args: argparse.Namespace, results: dict, save) ->
                 run_step(fn, model, w.batch, seed=1)
             except Exception as exc:  # a variant that cannot run is reported, not fatal
                 v.result = {"name": v.name, "family": v.family, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                record["variants"][v.name] = v.result
-                save()
+                store_result(v)
                 print(f"  {v.name}: ERROR {v.result['error']}", flush=True)
                 return
         compile_s = time.perf_counter() - started
@@ -308,19 +376,17 @@ def measure_model(w: Workload, args: argparse.Namespace, results: dict, save) ->
         args_resident = [*model.parameters(), *model.buffers(), *w.batch]
         report = measure_peak(lambda *a: run_step(fn, model, w.batch, seed=2), *args_resident, method=MemoryMethod.PROFILER)
         v.result.update(peak_bytes=report.peak_bytes, resident_bytes=report.resident_bytes)
-        record["variants"][v.name] = v.result
+        store_result(v)
         runnable.append((v, model, fn))
-        save()
         print(f"  {v.name}: peak {report.peak_bytes / MIB:.1f} MiB, first step {compile_s:.1f} s, "
               f"grad diff {v.result['grad_max_abs_diff']:.3g}", flush=True)
 
-    for v in variants(args, w):
+    for v in todo:
         first_step(v)
-    # remat again at each competitor's measured peak (its budget in bytes), so that every
-    # competitor point has a remat point of the same memory to be compared with
-    for v in [v for v in list(record["variants"].values()) if v["family"] not in ("eager", "remat")]:
-        if "peak_bytes" in v and v["grad_max_abs_diff"] <= WRONG_GRAD:
-            first_step(Variant(f"remat {args.method} at {v['name']}'s peak", "remat", int(v["peak_bytes"])))
+    for v in pending(store, w, at_competitor_peaks(store, w, args), args):
+        first_step(v)
+    if not runnable:
+        return
     times: dict[str, list[float]] = {v.name: [] for v, _, _ in runnable}
     for r in range(args.rounds):
         for v, model, fn in runnable:
@@ -333,7 +399,50 @@ def measure_model(w: Workload, args: argparse.Namespace, results: dict, save) ->
         print(f"  round {r + 1}/{args.rounds} done", flush=True)
     for v, _, _ in runnable:
         v.result.update(step_s=statistics.median(times[v.name]), step_s_all=times[v.name])
-    save()
+        store_result(v)
+
+
+def models_view(results: dict) -> dict[str, dict]:
+    """The stored entries as ``{model: {"config", "measured", "command", "runs", "variants"}}``,
+    in the order they were first stored; of two entries for one variant (another code version,
+    another thread count) the one measured last."""
+    if "models" in results:  # the layout before entries were keyed
+        return results["models"]
+    view: dict[str, dict] = {}
+    for entry in results.get("results", []):
+        key, result = entry.get("key", {}), entry.get("result", {})
+        if key.get("benchmark") != "vs_pytorch":
+            continue
+        record = view.setdefault(key["model"], {"config": key["config"], "variants": {}})
+        old = record["variants"].get(key["variant"])
+        if old is None or result.get("measured", "") >= old.get("measured", ""):
+            record["variants"][key["variant"]] = result
+    for record in view.values():
+        runs = sorted({(v.get("measured", "?"), v.get("command", "")) for v in record["variants"].values()})
+        record["runs"] = runs
+        record["measured"] = ", ".join(dict.fromkeys(m for m, _ in runs))
+        record["command"] = "`; `".join(dict.fromkeys(c for _, c in runs))
+    return view
+
+
+def upgrade_legacy(data: dict, path: Path) -> None:
+    """Rewrite a results file of the layout before entries were keyed (one record per model)
+    as keyed entries (``remat.sweep.ResultStore``'s file), each with its model's configuration,
+    command and date."""
+    from remat.sweep import RESULTS_FORMAT, save_json
+
+    meta = data.get("meta", {})
+    entries = []
+    for label, record in data.get("models", {}).items():
+        command = record.get("command", meta.get("command", ""))
+        words = command.split()
+        limit = float(words[words.index("--time-limit-s") + 1]) if "--time-limit-s" in words else 60.0
+        args = argparse.Namespace(method=record.get("method", "milp"), time_limit_s=limit, threads=meta.get("threads", 1))
+        w = Workload(label, record.get("config", {}), None, (), None, [])
+        for name, result in record.get("variants", {}).items():
+            key = variant_key(w, Variant(name, result["family"], result.get("setting")), args)
+            entries.append({"key": key, "result": {**result, "measured": record.get("measured", "?"), "command": command}})
+    save_json({"format": RESULTS_FORMAT, "meta": meta, "results": entries}, path)
 
 
 def _partition_facts(v: Variant) -> None:
@@ -382,11 +491,13 @@ def markdown(results: dict) -> str:
         f"is both smaller and faster).",
         "",
     ]
-    for label, record in results.get("models", {}).items():
+    for label, record in models_view(results).items():
         vs = list(record.get("variants", {}).values())
         eager = next((v for v in vs if v["name"] == "eager" and "step_s" in v), None)
         front = pareto(vs)
-        lines += [f"### {label}", "", f"Measured {record.get('measured', '?')} with `{record.get('command', meta.get('command', ''))}`.", "",
+        several = len(record.get("runs", ())) > 1
+        lines += [f"### {label}", "", f"Measured {record.get('measured', '?')} with `{record.get('command', meta.get('command', ''))}`"
+                  + ("; step times compare best within one run." if several else "."), "",
                   "| variant | peak MiB | peak vs eager | step s | time vs eager | remat predicted MiB | grad max abs diff | notes |",
                   "|---|---:|---:|---:|---:|---:|---:|---|"]
         for v in vs:
@@ -479,7 +590,7 @@ def dominance_lines(vs: list[dict]) -> list[str]:
     return out
 
 
-def plot(results: dict, suffix: str = "") -> list[Path]:
+def plot(results: dict, suffix: str = "", folder: Path = PLOTS) -> list[Path]:
     """One Pareto plot per model: peak memory against median step time, one legend entry per
     variant (crosses: gradients differ from eager); remat's budget sweep joined by a line."""
     import matplotlib
@@ -491,7 +602,7 @@ def plot(results: dict, suffix: str = "") -> list[Path]:
               "sac": "tab:green", "aot": "tab:orange"}
     markers = "osD^v<>p"
     written = []
-    for label, record in results.get("models", {}).items():
+    for label, record in models_view(results).items():
         vs = [v for v in record.get("variants", {}).values() if "step_s" in v and "peak_bytes" in v]
         if not vs:
             continue
@@ -512,7 +623,7 @@ def plot(results: dict, suffix: str = "") -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
         fig.tight_layout()
-        out = PLOTS / f"vs_pytorch_{label}{suffix}.png"
+        out = folder / f"vs_pytorch_{label}{suffix}.png"
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=120)
         plt.close(fig)
@@ -521,25 +632,50 @@ def plot(results: dict, suffix: str = "") -> list[Path]:
 
 
 # ---------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vs_pytorch.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller batch, fewer budgets and rounds; own JSON")
     parser.add_argument("--layers", type=int, default=4, choices=range(4, 13), metavar="4..12")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated families ({', '.join(FAMILIES)}) or exact variant names; default all")
     parser.add_argument("--method", default="milp", help="remat method for the budget sweep")
     parser.add_argument("--time-limit-s", type=float, default=60.0, help="solver time limit (milp, lp_round)")
-    parser.add_argument("--fresh", action="store_true", help="start a new JSON instead of adding to the existing one")
+    parser.add_argument("--fresh", action="store_true",
+                        help="measure the selected variants again even if they are stored (their entries are replaced)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5, quick 2)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the results file (default bench/results/vs_pytorch.json); its plots go next to it")
     parser.add_argument("--replot", action="store_true", help="only redraw the plots and print the table from the JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def open_results(path: Path):
+    """The keyed results at ``path`` (a file of the older layout is rewritten as keyed entries)."""
+    from remat.sweep import ResultStore
+
+    if path.exists():
+        data = json.loads(path.read_text())
+        if "models" in data and "results" not in data:
+            upgrade_legacy(data, path)
+    return ResultStore(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    plots = PLOTS if args.out is None else args.out.parent  # a results file elsewhere: its plots beside it
+    args.out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
+    quiet_profiler()
     if args.replot:
-        results = json.loads((QUICK_RESULTS if args.quick else RESULTS).read_text())
-        for path in plot(results):
+        results = json.loads(args.out.read_text())
+        for path in plot(results, folder=plots):
             print(f"wrote {path}")
         print(markdown(results))
         return 0
     args.models = [m for m in args.models.split(",") if m]
+    args.variants = None if args.variants is None else {v.strip() for v in args.variants.split(",") if v.strip()}
     args.rounds = args.rounds or (2 if args.quick else 5)
 
     import torch
@@ -550,35 +686,26 @@ def main(argv: list[str] | None = None) -> int:
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False
 
-    out_path = QUICK_RESULTS if args.quick else RESULTS
-    previous = {} if args.fresh or not out_path.exists() else json.loads(out_path.read_text()).get("models", {})
-    results = {
-        "meta": {
-            "command": "python bench/vs_pytorch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "threads": args.threads,
-            "rounds": args.rounds,
-            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        },
-        "models": previous,  # other models (e.g. other layer counts) measured by earlier runs stay
+    store = open_results(args.out)
+    run = {"command": "python bench/vs_pytorch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "started": time.strftime("%Y-%m-%d %H:%M")}
+    store.meta = {
+        "command": run["command"],
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-
-    def save() -> None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(results, indent=1))
-        os.replace(tmp, out_path)
-
     for w in workloads(args):
         print(f"{w.label}:", flush=True)
-        measure_model(w, args, results, save)
-        plot(results)
-    results["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    save()
-    for path in plot(results):
+        measure_model(w, args, store, run)
+    store.meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    store.save()
+    results = json.loads(args.out.read_text())
+    for path in plot(results, folder=plots):
         print(f"wrote {path}")
     print(markdown(results))
     return 0

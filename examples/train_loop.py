@@ -67,7 +67,7 @@ def mlp(args: argparse.Namespace):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2")
-    parser.add_argument("--budget", default="0.6", help="bytes, a fraction (0.6), '60%%', '2GiB'")
+    parser.add_argument("--budget", default="0.6", help="bytes (1500000, 2GiB), a fraction (0.6) or a percentage (60%%)")
     parser.add_argument("--method", default="chen_greedy", help="remat method: milp (small graphs), chen_greedy, ...")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
@@ -80,8 +80,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     model, batches, loss_fn = (gpt2 if args.model == "gpt2" else mlp)(args)
-    budget = float(args.budget) if "." in args.budget and args.budget.replace(".", "", 1).isdigit() else args.budget
-    backend = remat.backend(budget, method=args.method, cost_model=CostModel.PROFILE, cache_dir=None)
+    # "0.6", "60%", "2GiB" or "1500000": remat reads a budget the same way everywhere
+    backend = remat.backend(args.budget, method=args.method, cost_model=CostModel.PROFILE, cache_dir=None)
     # Compile the step's model call and loss together: remat plans one graph for both.
     step = torch.compile(lambda *batch: loss_fn(model, *batch), backend=backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

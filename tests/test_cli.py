@@ -1,10 +1,17 @@
 """The command line: exit codes, JSON fields, tables, sweeps and every usage error."""
 
+import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from remat.cli import main
+from remat.cli import build_parser, main
 
 
 def run(capsys, *argv):
@@ -66,19 +73,231 @@ def test_methods_lists_the_registry(capsys):
     assert code == 0 and "checkpoint_all" in out.split()
 
 
+def _sweep_points(path):
+    """The sweep's points in the order they were stored."""
+    return [entry["result"] for entry in json.loads(path.read_text())["results"]]
+
+
 def test_sweep_writes_json_and_plot(capsys, tmp_path):
     out_json = tmp_path / "s.json"
     code, out, _ = run(capsys, "sweep", "--graph", "chain:6", "--methods", "checkpoint_all",
                        "--budgets", "50%,100%", "--out", str(out_json))
     assert code == 0
     payload = json.loads(out_json.read_text())
-    points = payload["points"]
+    (graph,) = payload["meta"]["graphs"].values()
+    points = _sweep_points(out_json)
     assert [p["budget_fraction"] for p in points] == pytest.approx([0.5, 1.0], abs=0.01)
-    assert points[0]["result"] is None and points[0]["min_budget_bytes"] == payload["checkpoint_all_peak_bytes"]
+    assert points[0]["result"] is None and points[0]["min_budget_bytes"] == graph["checkpoint_all_peak_bytes"]
     assert points[1]["result"]["overhead"] == 1.0
     png = out_json.with_suffix(".png")
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "overhead by budget" in out
+
+
+def test_sweep_table_shows_the_smallest_feasible_budget(capsys, tmp_path):
+    code, out, _ = run(capsys, "sweep", "--graph", "chain:6", "--methods", "checkpoint_all,chen_sqrtn",
+                       "--budgets", "50%,100%", "--out", str(tmp_path / "s.json"))
+    assert code == 0
+    point = _sweep_points(tmp_path / "s.json")[0]
+    assert point["result"] is None and point["min_budget_bytes"] > point["budget_bytes"]
+    assert "needs 100.0%" in out and " - " not in out
+
+
+def test_sweep_resumes_from_its_json(capsys, tmp_path, monkeypatch):
+    import remat.sweep
+
+    argv = ["sweep", "--graph", "unet:3", "--methods", "checkpoint_all,chen_greedy", "--budgets", "60%,100%",
+            "--out", str(tmp_path / "s.json")]
+    assert run(capsys, *argv)[0] == 0
+    first = _sweep_points(tmp_path / "s.json")
+
+    def no_solving(*args, **kwargs):
+        raise AssertionError("a stored point was solved again")
+
+    monkeypatch.setattr(remat.sweep, "_solve_point", no_solving)
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and "4 of 4 points read back" in err
+    assert _sweep_points(tmp_path / "s.json") == first
+    # other options are other points: solved, and the stored ones stay
+    monkeypatch.undo()
+    code, _, err = run(capsys, *argv[:-2], "--time-limit", "5", "--methods", "chen_greedy,lp_round",
+                       "--out", str(tmp_path / "s.json"))
+    assert code == 0 and "2 of 4 points read back" in err
+    assert len(_sweep_points(tmp_path / "s.json")) == 6
+
+
+def test_sweep_stops_at_ctrl_c_keeps_what_it_solved_and_resumes(tmp_path):
+    out = tmp_path / "s.json"
+    # the MILP at 50% of random:60:7 runs into its time limit (a minute): Ctrl-C lands inside HiGHS
+    argv = ["sweep", "--graph", "random:60:7", "--methods", "checkpoint_all,chen_sqrtn,milp", "--budgets", "50%,45%",
+            "--time-limit", "120", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "remat.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and len(_sweep_points(out)) >= 2):  # then the MILP at 50% runs
+            assert proc.poll() is None and time.monotonic() < deadline, "no point written while sweeping"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        stopped_s = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and stopped_s < 3.0, (proc.returncode, stopped_s, err[-1000:])
+    assert "Traceback" not in err and "run the same command again to resume" in err
+    kept = _sweep_points(out)
+    assert len(kept) == 2
+    # a rerun solves only what is missing
+    import remat.sweep
+    from remat.builders import graph_from_spec
+    from remat.sweep import ResultStore, sweep
+
+    solved = []
+    real = remat.sweep._solve_point
+    graph = graph_from_spec("random:60:7")
+    budgets = [int(f * remat.sweep.checkpoint_all_peak(graph)) for f in (0.5, 0.45)]
+    remat.sweep._solve_point = lambda *a: solved.append(a[1:3]) or remat.sweep.SweepPoint(a[1], a[2], 0.0, None)
+    try:
+        points = sweep(graph, ["checkpoint_all", "chen_sqrtn", "milp"], budgets,
+                       options={"milp": {"time_limit_s": 120.0}}, store=ResultStore(out))
+    finally:
+        remat.sweep._solve_point = real
+    assert len(points) == 6 and len(solved) == 6 - len(kept)
+
+
+def test_solve_stops_at_ctrl_c_inside_the_solver():
+    argv = ["solve", "--graph", "random:60:7", "--budget", "50%", "--method", "milp", "--time-limit", "120"]
+    proc = subprocess.Popen([sys.executable, "-m", "remat.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(4.0)  # imports, then the MILP (which alone takes far longer than this)
+        assert proc.poll() is None, "the solve ended before it could be interrupted"
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        stopped_s = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and stopped_s < 3.0, (proc.returncode, stopped_s, err[-1000:])
+    assert "Traceback" not in err and "interrupted" in err
+
+
+def _subcommands(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield [name], sub
+                for more, subsub in _subcommands(sub):
+                    yield [name, *more], subsub
+
+
+def test_every_help_works(capsys):
+    commands = [[]] + [path for path, _ in _subcommands(build_parser())]
+    assert ["solve"] in commands and ["sweep"] in commands and len(commands) >= 6
+    for path in commands:
+        code = main([*path, "--help"])
+        out = capsys.readouterr().out
+        assert code == 0, path
+        assert out.startswith("usage: remat") and "--help" in out, path
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "0"], "time limit 0.0 s must be a positive"),
+        (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "-5"], "time limit -5.0 s must be a positive"),
+        (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "nan"], "time limit nan s must be"),
+        (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "soon"], "'soon' is not a number of seconds"),
+        (["solve", "--graph", "chain:4", "--budget", "1e400"], "'1e400' is not a finite number"),
+        (["solve", "--graph", "chain:4", "--budget", "150%"], "percentage in (0%, 100%]"),
+        (["solve", "--graph", "chain:4", "--budget", "50%", "--backend", "foo"], "invalid choice: 'foo'"),
+        (["solve", "--model", "mlp", "--batch", "0", "--budget", "50%"], "0 must be at least 1"),
+        (["solve", "--model", "mlp", "--batch", "x", "--budget", "50%"], "'x' is not a whole number"),
+        (["sweep", "--graph", "chain:4", "--methods", ""], "--methods '' lists no method"),
+        (["sweep", "--graph", "chain:4", "--methods", " , "], "lists no method"),
+        (["demo", "--methods", ""], "--methods '' lists no method"),
+        (["demo", "--budgets", "60%,lots"], "'lots' is not understood"),
+        (["sweep", "--graph", "chain:4", "--budgets", "10%:200%:3"], "percentage in (0%, 100%]"),
+    ],
+)
+def test_bad_usage_exits_2_with_one_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_a_model_spec_that_is_not_a_factory_is_bad_usage(capsys):
+    code, _, err = run(capsys, "solve", "--model", "os.path:join", "--budget", "50%", "--costs", "estimate")
+    assert code == 2 and "--model 'os.path:join': calling it with the batch size failed (TypeError" in err
+    assert "Traceback" not in err
+
+
+def test_out_and_plot_paths_are_checked_before_any_work(capsys, tmp_path):
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path / "r.png"))
+    assert code == 2 and "must end in .json" in err and not (tmp_path / "r.png").exists()
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path / "r.json"),
+                       "--plot", str(tmp_path / "x.txt"))
+    assert code == 2 and "'.txt' is not one matplotlib writes" in err and not (tmp_path / "r.json").exists()
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path / "r.json"),
+                       "--plot", str(tmp_path / "r.json"))
+    assert code == 2 and "must end in" not in err and "is not one matplotlib writes" in err
+    code, _, err = run(capsys, "demo", "--out", str(tmp_path / "d.png"))
+    assert code == 2 and "must end in .json" in err
+    code, out, _ = run(capsys, "sweep", "--graph", "chain:4", "--methods", "checkpoint_all", "--budgets", "100%",
+                       "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.svg"))
+    assert code == 0 and json.loads((tmp_path / "r.json").read_text())["format"] == "remat.results"
+    assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_sweep_refuses_an_out_file_it_did_not_write(capsys, tmp_path):
+    (tmp_path / "r.json").write_text('{"points": []}')
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path / "r.json"))
+    assert code == 2 and "is not a remat results file" in err
+    assert (tmp_path / "r.json").read_text() == '{"points": []}'
+
+
+def test_estimated_costs_trace_on_the_meta_device(capsys, monkeypatch):
+    import importlib
+
+    trace_module = importlib.import_module("remat.trace")  # remat.trace is the function
+    devices = []
+    real = trace_module.trace
+
+    def spy(model, batch, *args, **kwargs):
+        devices.append({t.device.type for t in [*model.parameters(), *batch]})
+        return real(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(trace_module, "trace", spy)
+    code, out, err = run(capsys, "solve", "--model", "cnn", "--batch", "4", "--costs", "estimate", "--budget", "80%",
+                         "--method", "chen_greedy", "--json")
+    assert code == 0 and devices == [{"meta"}]
+    assert "on the meta device" in err and "no tensor is allocated" in err
+    record = json.loads(out)
+    assert record["traced_on"] == "meta" and record["peak_bytes"] <= record["budget_bytes"]
+
+
+def test_paper_scale_model_with_estimated_costs_answers_quickly_without_allocating(capsys):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.monotonic()
+    code, _, err = run(capsys, "solve", "--model", "vgg16", "--batch", "256", "--costs", "estimate",
+                       "--budget", "30%", "--method", "chen_greedy")
+    assert code == 1 and "vgg16 at batch 256 needs at least" in err and "of checkpoint-all" in err
+    assert time.monotonic() - started < 60
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 2 * 2**20  # a real batch of 256 images and VGG16's activations would be > 17 GB
+
+
+def test_json_output_is_only_json(capsys):
+    # native solver code writes to file descriptor 1; --json must stay parseable
+    code = [sys.executable, "-m", "remat.cli", "solve", "--graph", "chain:6", "--budget", "60%", "--method", "milp",
+            "--json"]
+    done = subprocess.run(code, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["method"] == "milp"
 
 
 def test_solve_model_run_json_reports_measured_peak_and_gradients(capsys):

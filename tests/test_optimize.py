@@ -4,20 +4,24 @@ and reloads without solving, and fails clearly. Also: resolving workloads by nam
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import math
 import textwrap
 
 import pytest
 import torch
 
 import remat
-import remat.optimize as optimize_mod
 from remat.cost import CostModel
 from remat.errors import InfeasibleBudgetError, RematError, TraceError
 from remat.models import Workload, WorkloadError, get_workload, load_factory, names
 from remat.optimize import PlanFileError, StalePlanError, TrainingStep, optimize
+from remat.units import BudgetError
 from remat.solvers import SolveStatus
 from torch_helpers import workload
+
+optimize_mod = importlib.import_module("remat.optimize")  # `import remat.optimize as m` gives the function
 
 #: the method the training tests plan with: the MILP when present, else a baseline
 METHOD = "chen_greedy"
@@ -122,6 +126,67 @@ def test_step_refuses_a_batch_of_another_shape():
     step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, 10**9, method="checkpoint_all", cost_model=None)
     with pytest.raises(TraceError, match="plans are shape-specific"):
         step(*(x[:5] for x in w.batch))
+
+
+def test_step_takes_the_batch_as_one_tuple_or_list_or_as_tensors():
+    w = workload("mlp", 256)
+    eager = copy.deepcopy(w.model)
+    want = w.loss_fn(eager, *w.batch)
+    want.backward()
+    for call in (lambda s: s(w.batch), lambda s: s(list(w.batch)), lambda s: s(*w.batch)):
+        model = copy.deepcopy(w.model)
+        step = optimize(model, list(w.batch), w.loss_fn, budget_bytes=10**9, method="checkpoint_all", cost_model=None)
+        assert torch.equal(call(step), want.detach())
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(eager.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (lambda b: ((b,),), r"got 1 argument\(s\): a tuple, but this step was traced with a batch of 2 tensor\(s\)"),
+        (lambda b: (b[0],), r"got 1 argument\(s\): a tensor of shape \(256, 32\).*call step\(\(x, y\)\) or step\(x, y\)"),
+        (lambda b: ({"x": b[0]},), "got 1 argument\\(s\\): a dict"),
+        (lambda b: (), "got no batch"),
+    ],
+)
+def test_step_called_wrongly_says_what_to_write(args, message):
+    w = workload("mlp", 256)
+    step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, 10**9, method="checkpoint_all", cost_model=None)
+    with pytest.raises(TraceError, match=message):
+        step(*args(w.batch))
+
+
+def test_a_fraction_budget_is_a_fraction():
+    w = workload("mlp", 256)
+    by_fraction = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, 0.9, method="chen_greedy", cost_model=None)
+    by_percent = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, "90%", method="chen_greedy", cost_model=None)
+    report = by_fraction.report
+    assert report.budget_bytes == by_percent.report.budget_bytes == int(0.9 * report.checkpoint_all_peak_bytes)
+    assert report.predicted_peak_bytes <= report.budget_bytes
+
+
+def _must_not_trace(model, *batch):
+    raise AssertionError("the budget is checked before tracing")
+
+
+@pytest.mark.parametrize(
+    "budget, kwargs, message",
+    [
+        (None, {}, "give exactly one of budget="),
+        ("60%", {"budget_bytes": 100}, "give exactly one of budget="),
+        (None, {"budget_bytes": "60%"}, "budget_bytes='60%' must be an int number of bytes"),
+        ("150%", {}, r"percentage in \(0%, 100%\]"),
+        ("1e400", {}, "not a finite number"),
+        (math.nan, {}, r"must be in \(0, 1\]"),
+        (1.5, {}, r"must be in \(0, 1\]"),
+        ("60%", {"time_limit_s": 0}, "time limit 0 s must be a positive"),
+        ("60%", {"time_limit_s": -1}, "time limit -1 s must be a positive"),
+        ("60%", {"time_limit_s": math.nan}, "time limit nan s must be a positive"),
+    ],
+)
+def test_bad_budgets_and_time_limits_fail_at_the_call(budget, kwargs, message):
+    with pytest.raises(BudgetError, match=message):
+        optimize(torch.nn.Linear(3, 1), (torch.randn(2, 3),), _must_not_trace, budget, cost_model=None, **kwargs)
 
 
 # ---------------------------------------------------------------------------- save / load

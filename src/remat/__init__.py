@@ -5,6 +5,9 @@ step fits a memory budget at the least extra compute, and run that plan with the
 gradients as plain PyTorch.
 """
 
+import sys
+import types
+
 from remat.errors import (
     GraphError,
     InfeasibleBudgetError,
@@ -18,6 +21,7 @@ from remat.graph import Graph, Node, NodeKind
 from remat.schedule import Plan, Schedule, Step, StepKind
 from remat.simulate import SimResult, Violation, simulate
 from remat.solvers import SolveResult, SolverStats, SolveStatus, methods, solve
+from remat.units import BudgetError
 
 __version__ = "0.1.0"
 
@@ -32,16 +36,37 @@ _LAZY = {
     "plan_graph": "remat.planning",
     "backend": "remat.backend",
 }
+#: Public functions that share their name with the submodule defining them.
+_SHADOWED = frozenset({"trace", "optimize"})
 
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'remat' has no attribute {name!r}")
 
+
+class _Package(types.ModuleType):
+    """The ``remat`` package. Importing a submodule binds it to the package attribute of the
+    same name; for ``remat.trace`` and ``remat.optimize`` that would replace the public
+    function with its module (``remat.optimize(...)`` would then fail once anything had imported
+    ``remat.optimize`` the module). The functions stay; the modules remain importable
+    (``from remat.optimize import TrainingStep``, ``importlib.import_module``)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 __all__ = [
+    "BudgetError",
     "CostModel",
     "Graph",
     "GraphError",

@@ -49,7 +49,7 @@ from remat.graph import Graph
 from remat.planning import GraphPlan, plan_graph
 from remat.schedule import Schedule
 from remat.simulate import simulate
-from remat.units import format_bytes, parse_budget
+from remat.units import BudgetError, check_budget, format_bytes, parse_budget
 
 log = logging.getLogger("remat.backend")
 
@@ -59,10 +59,6 @@ CUDA_FREE = "cuda-free"
 OPTIMAL_METHODS = ("milp", "lp_round")
 #: What the backend plans with when the requested method fails (time limit, solver error).
 RESCUE_METHODS = ("segments", "chen_greedy", "chen_sqrtn", "checkpoint_all")
-
-
-class BudgetError(RematError, ValueError):
-    """A budget the backend cannot read (wrong type, out of range, unknown unit, no CUDA)."""
 
 
 class RematFallbackWarning(UserWarning):
@@ -427,7 +423,7 @@ def create(
         raise BudgetError("give exactly one of budget= (bytes, fraction, '60%', 'cuda-free') and budget_bytes= (int)")
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)):
         raise BudgetError(f"budget_bytes={budget_bytes!r} must be an int number of bytes; pass fractions and strings as budget=")
-    parsed = Budget.parse(budget if budget is not None else budget_bytes)
+    parsed = Budget.parse(check_budget(budget if budget is not None else budget_bytes, time_limit_s=solver_options.get("time_limit_s"), cuda_free=True))
     _check_method(method, solver_options)
     if not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model {cost_model!r} is not a CostModel; use CostModel.PROFILE or CostModel.ESTIMATE")

@@ -7,8 +7,10 @@ works), 2 bad usage. ``remat bench`` runs the benchmark scripts of a source chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,100 +20,36 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from remat.builders import graph_from_spec
+from remat.cli_args import (
+    BENCH_SCRIPTS,
+    EXIT_INFEASIBLE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    budget_list,
+    budget_of,
+    build_parser,
+    check_methods,
+    json_path,
+    method_list,
+    plot_path,
+    solver_options,
+)
 from remat.errors import GraphError, InfeasibleBudgetError, RematError, UnsupportedGraphError
 from remat.graph import Graph
 from remat.solvers import methods as registered_methods
 from remat.solvers import solve
-from remat.sweep import SweepPoint, checkpoint_all_peak, sweep
-from remat.units import format_bytes, parse_budget
-
-EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE = 0, 1, 2
-DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,segments,griewank,lp_round,milp"
-DEMO_METHODS = "checkpoint_all,chen_sqrtn,chen_greedy,segments,lp_round,milp"
-DEMO_BUDGETS = "100%,80%,65%,50%"
-DEMO_BATCH = 8
-DEMO_TIME_LIMIT_S = 20.0
-#: `remat bench EXPERIMENT` -> the script bench/<name>.py whose main(argv) it runs.
-BENCH_SCRIPTS = {"sweep": "budget_sweep", "max-batch": "max_batch"}
+from remat.sweep import ResultStore, SweepPoint, checkpoint_all_peak, run_interruptibly, solves_running, sweep
+from remat.units import format_bytes
 
 # Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
 
 
-class UsageError(Exception):
-    """Bad command-line input: reported and exit code 2."""
-
-
-# ---------------------------------------------------------------- parsing
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="remat", description="Optimal tensor rematerialization for PyTorch.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv for debug)")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("solve", help="plan one graph or model with one method under one budget")
-    _add_target(p)
-    p.add_argument("--budget", required=True, help="bytes, a unit (2GiB, 512MB) or a % of the checkpoint-all peak")
-    p.add_argument("--method", default="milp", help="planning method (see `remat methods`)")
-    _add_solver_options(p)
-    p.add_argument("--run", action="store_true",
-                   help="with --model: run the plan once, measure its peak and check gradients against eager")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-    p = sub.add_parser("sweep", help="several methods over a range of budgets; JSON and a plot")
-    _add_target(p, models=False)
-    p.add_argument("--methods", default=DEFAULT_SWEEP_METHODS, help="comma-separated methods")
-    p.add_argument("--budgets", default="30%:100%:8",
-                   help="comma-separated budgets, or LOW:HIGH:COUNT (e.g. 30%%:100%%:8) evenly spaced")
-    _add_solver_options(p)
-    p.add_argument("--out", default="sweep.json", help="where to write the JSON records")
-    p.add_argument("--plot", default=None, help="where to write the plot (default: next to --out, .png)")
-
-    p = sub.add_parser("demo", help="optimize a real model with every method; table, JSON and plot")
-    p.add_argument("--model", default="gpt2-tiny", help="built-in model or package.module:function")
-    p.add_argument("--batch", type=int, default=DEMO_BATCH)
-    p.add_argument("--budgets", default=DEMO_BUDGETS, help="comma-separated budgets (bytes, units or %%)")
-    p.add_argument("--methods", default=DEMO_METHODS, help="comma-separated methods")
-    p.add_argument("--costs", choices=("profile", "estimate"), default="profile")
-    _add_solver_options(p)
-    p.add_argument("--out", default="out/demo.json", help="where to write the JSON (the plot goes next to it)")
-    p.set_defaults(time_limit=DEMO_TIME_LIMIT_S)
-
-    sub.add_parser("methods", help="list the planning methods")
-
-    p = sub.add_parser(
-        "bench", help="run a paper benchmark from bench/ (sweep, max-batch), then regenerate BENCHMARKS.md",
-        description="Run bench/budget_sweep.py (sweep) or bench/max_batch.py (max-batch) with the options "
-                    "that follow, then regenerate BENCHMARKS.md (skip with --no-report). Needs a source "
-                    "checkout. `remat bench sweep --help` lists the benchmark's options.")
-    p.add_argument("experiment", nargs="?", choices=tuple(BENCH_SCRIPTS), help="which benchmark")
-    p.add_argument("options", nargs=argparse.REMAINDER,
-                   help="the benchmark's own options (e.g. --models vgg16 --time-limit 30), and --no-report")
-    return parser
-
-
-def _add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
-    p.add_argument("--graph", help="a built-in graph: chain:N, unet:D, random:N:SEED")
-    if models:
-        p.add_argument("--model", help="a built-in model (mlp, cnn, gpt2-tiny, the paper's vgg16 ... segnet, "
-                       "gpt2-small, gpt2-medium) or package.module:function")
-        p.add_argument("--batch", type=int, default=8, help="batch size for --model (default 8)")
-        p.add_argument("--costs", choices=("profile", "estimate"), default="profile",
-                       help="node costs for --model: timed on this machine or FLOP/bytes estimate")
-
-
-def _add_solver_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--time-limit", type=float, default=None, help="MILP / LP time limit in seconds")
-    p.add_argument("--backend", default=None, help="MILP backend: highs (default), cpsat, gurobi")
-
-
-def _solver_options(method: str, args: argparse.Namespace) -> dict[str, object]:
-    opts: dict[str, object] = {}
-    if method in ("milp", "lp_round") and args.time_limit is not None:
-        opts["time_limit_s"] = args.time_limit
-    if method == "milp" and args.backend is not None:
-        opts["backend"] = args.backend
-    return opts
+class _Interrupted(KeyboardInterrupt):
+    """Ctrl-C, already reported by the command."""
 
 
 def _load_graph(args: argparse.Namespace) -> Graph:
@@ -127,94 +65,121 @@ def _load_graph(args: argparse.Namespace) -> Graph:
         raise UsageError(str(exc)) from None
 
 
-def _workload(args: argparse.Namespace):
+def _workload(args: argparse.Namespace, *, meta: bool = False):
+    import torch
+
     from remat.models import WorkloadError, get_workload
 
     try:
+        if meta:
+            with torch.device("meta"):
+                return get_workload(args.model, args.batch)
         return get_workload(args.model, args.batch)
     except WorkloadError as exc:
         raise UsageError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a user's factory failed: say which and how it should look
+        if ":" not in args.model:
+            raise
+        raise UsageError(f"--model {args.model!r}: calling it with the batch size failed ({type(exc).__name__}: "
+                         f"{exc}); a model spec names `def make(batch_size: int) -> remat.models.Workload`") from None
 
 
-def _cost_model(args: argparse.Namespace):
-    from remat.cost import CostModel
-
-    return CostModel.PROFILE if args.costs == "profile" else CostModel.ESTIMATE
+def _on_meta(args: argparse.Namespace) -> bool:
+    """Estimated costs need no data: trace on the meta device unless the plan is to be run."""
+    return args.command == "solve" and args.costs == "estimate" and not args.run
 
 
 def _traced(args: argparse.Namespace):
     if not hasattr(args, "_traced"):
+        from remat.cost import CostModel
         from remat.trace import trace
 
-        w = _workload(args)
+        meta = _on_meta(args)
+        if meta:
+            err.print(f"tracing {args.model} (batch {args.batch}) on the meta device: costs are estimated from "
+                      f"FLOPs and bytes, no tensor is allocated", highlight=False)
+            w = _workload(args, meta=True)
+        else:
+            what = "and timing every node" if args.costs == "profile" else "with estimated costs"
+            err.print(f"tracing {args.model} (batch {args.batch}) on real tensors {what}", highlight=False)
+            w = _workload(args)
         args._workload = w
-        with _status(f"tracing {args.model} (batch {args.batch}) and measuring node costs"):
-            args._traced = trace(w.model, w.batch, w.loss_fn, cost_model=_cost_model(args))
+        cost_model = CostModel.PROFILE if args.costs == "profile" else CostModel.ESTIMATE
+        with _activity(f"tracing {args.model}"):
+            args._traced = trace(w.model, w.batch, w.loss_fn, cost_model=cost_model, name=args.model)
+        graph = args._traced.graph
+        err.print(f"traced {graph.n} nodes; checkpoint-all peak {format_bytes(checkpoint_all_peak(graph))}",
+                  highlight=False)
     return args._traced
 
 
-def _status(message: str):
-    return err.status(message, spinner="dots")
+class _ShowLatest(logging.Handler):
+    """Shows remat's latest log message (solver incumbents, bounds) in the status line."""
+
+    def __init__(self, status, prefix: str) -> None:
+        super().__init__(logging.INFO)
+        self.status, self.prefix = status, prefix
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.status.update(f"{self.prefix}: {record.getMessage()[:120]}")
 
 
-def _budget(text: str, graph: Graph) -> int:
+@contextlib.contextmanager
+def _native_stdout_to_stderr():
+    """Native libraries write to file descriptor 1 directly (HiGHS prints a banner when it
+    starts); while they run it points to stderr, so stdout holds only tables and --json."""
     try:
-        return parse_budget(text, checkpoint_all_peak(graph))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError):  # no usable descriptors (embedded interpreters)
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL(None).fflush(None)  # what C code buffered goes to stderr too
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
-def _budget_list(text: str, graph: Graph) -> list[int]:
-    if text.count(":") == 2:
-        low, high, count = text.split(":")
+@contextlib.contextmanager
+def _activity(message: str):
+    """A status line for long work that also shows remat's progress messages (INFO logs)."""
+    logger = logging.getLogger("remat")
+    with _native_stdout_to_stderr(), err.status(message, spinner="dots") as status:
+        handler = _ShowLatest(status, message)
+        level, propagate = logger.level, logger.propagate
+        quiet = logger.getEffectiveLevel() > logging.INFO  # without -v, show progress here only
+        logger.addHandler(handler)
+        if quiet:
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
         try:
-            k = int(count)
-        except ValueError:
-            raise UsageError(f"--budgets {text!r}: COUNT must be an integer") from None
-        if k < 1:
-            raise UsageError(f"--budgets {text!r}: COUNT must be at least 1")
-        lo, hi = _budget(low, graph), _budget(high, graph)
-        return [lo] if k == 1 else [round(lo + (hi - lo) * j / (k - 1)) for j in range(k)]
-    return [_budget(part, graph) for part in text.split(",") if part.strip()]
-
-
-def _check_methods(names: Sequence[str]) -> None:
-    known = registered_methods()
-    for name in names:
-        if name not in known:
-            raise UsageError(f"unknown method {name!r}; choose from {', '.join(known)}")
+            yield status
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
 
 
 # ---------------------------------------------------------------- commands
 def cmd_solve(args: argparse.Namespace) -> int:
-    graph = _load_graph(args)
-    _check_methods([args.method])
-    budget = _budget(args.budget, graph)
-    options = {args.method: _solver_options(args.method, args)}
+    check_methods([args.method])
     if args.run and not args.model:
         raise UsageError("--run needs --model: built-in graphs have no tensors to run")
+    graph = _load_graph(args)
+    budget = budget_of(args.budget, graph)
+    options = solver_options(args.method, args)
+    if args.model and args.run:
+        return _solve_and_run(args, budget, options)
     if args.model:
-        from remat.compare import compare_methods
-
-        with _status(f"planning with {args.method}" + (" and running the plan" if args.run else "")):
-            comparison = compare_methods(args._workload, [budget], [args.method], options=options,
-                                         run=args.run, traced=_traced(args))
-        record = comparison.runs[0]
-        if record.status == "infeasible":
-            err.print(f"[red]no plan fits:[/red] budget {format_bytes(budget)} ({budget} B) is infeasible for "
-                      f"method {args.method!r} on {args.model}: {record.note}", highlight=False)
-            return EXIT_INFEASIBLE
-        if record.status == "not applicable":
-            raise UsageError(record.note)
-        payload = {**comparison.to_json(), **comparison.to_json()["runs"][0], "peak_bytes": record.predicted_peak_bytes,
-                   "cost": record.overhead * comparison.checkpoint_all_cost_us}
-        payload.pop("runs")
-        if args.json:
-            print(json.dumps(payload))
-        else:
-            _print_runs(comparison)
-        return EXIT_OK if record.bitwise_equal is not False else EXIT_INFEASIBLE
-    result = solve(graph, budget, method=args.method, **options[args.method])
+        return _solve_model(args, graph, budget, options)
+    with _activity(f"planning {graph.name} with {args.method}"):
+        result = run_interruptibly(lambda: solve(graph, budget, method=args.method, **options))
     record = result.summary()
     if args.json:
         print(json.dumps(record))
@@ -228,6 +193,67 @@ def cmd_solve(args: argparse.Namespace) -> int:
     )
     out.print(table)
     return EXIT_OK
+
+
+def _solve_model(args: argparse.Namespace, graph: Graph, budget: int, options: dict[str, object]) -> int:
+    """Plan a traced model (``plan_graph``: reduction, full-graph baselines) without running it."""
+    from remat.planning import plan_graph
+
+    reference = checkpoint_all_peak(graph)
+    with _activity(f"planning {args.model} with {args.method}"):
+        try:
+            planned = run_interruptibly(lambda: plan_graph(graph, budget, method=args.method, **options))
+        except InfeasibleBudgetError as exc:
+            least = exc.min_budget_bytes
+            needs = "" if least is None else (f"; {args.model} at batch {args.batch} needs at least "
+                                              f"{format_bytes(least)} ({least / reference:.1%} of checkpoint-all)")
+            err.print(f"[red]no plan fits:[/red] {exc}{needs}", highlight=False)
+            return EXIT_INFEASIBLE
+    r = planned.result
+    record = {
+        **r.summary(), "graph": graph.name, "n_nodes": graph.n, "model": args.model, "batch": args.batch,
+        "costs": args.costs, "traced_on": "meta" if _on_meta(args) else "cpu", "budget_bytes": budget,
+        "peak_bytes": planned.sim.peak_bytes, "predicted_peak_bytes": planned.sim.peak_bytes,
+        "cost": planned.sim.total_cost, "overhead": planned.overhead, "checkpoint_all_peak_bytes": reference,
+        "recomputed_nodes": int(sum(c > 1 for c in planned.sim.compute_counts)), "note": planned.note,
+    }
+    if args.json:
+        print(json.dumps(record))
+        return EXIT_OK
+    table = Table(title=f"{args.model}, batch {args.batch}: {graph.n} nodes, method {args.method}; checkpoint-all "
+                        f"peak {format_bytes(reference)}")
+    for col in ("budget", "predicted peak", "overhead", "status", "gap", "solve time"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{format_bytes(budget)} ({budget / reference:.0%})", format_bytes(planned.sim.peak_bytes),
+                  f"{planned.overhead:.3f}x", r.status.value, "-" if r.gap is None else f"{r.gap:.2%}",
+                  f"{r.solve_s:.2f} s")
+    out.print(table)
+    if planned.note:
+        out.print(planned.note, highlight=False)
+    return EXIT_OK
+
+
+def _solve_and_run(args: argparse.Namespace, budget: int, options: dict[str, object]) -> int:
+    from remat.compare import compare_methods
+
+    with _activity(f"planning with {args.method} and running the plan"):
+        comparison = compare_methods(args._workload, [budget], [args.method], options={args.method: options},
+                                     run=True, traced=_traced(args))
+    record = comparison.runs[0]
+    if record.status == "infeasible":
+        err.print(f"[red]no plan fits:[/red] budget {format_bytes(budget)} ({budget} B) is infeasible for "
+                  f"method {args.method!r} on {args.model}: {record.note}", highlight=False)
+        return EXIT_INFEASIBLE
+    if record.status == "not applicable":
+        raise UsageError(record.note)
+    payload = {**comparison.to_json(), **comparison.to_json()["runs"][0], "peak_bytes": record.predicted_peak_bytes,
+               "cost": record.overhead * comparison.checkpoint_all_cost_us}
+    payload.pop("runs")
+    if args.json:
+        print(json.dumps(payload))
+    else:
+        _print_runs(comparison)
+    return EXIT_OK if record.bitwise_equal is not False else EXIT_INFEASIBLE
 
 
 def _print_runs(comparison) -> None:
@@ -250,28 +276,33 @@ def _print_runs(comparison) -> None:
     out.print(table)
 
 
+@contextlib.contextmanager
+def _progress():
+    with _native_stdout_to_stderr(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                              TimeElapsedColumn(), console=err, transient=True) as progress:
+        yield progress
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    names = method_list(args.methods)
+    out_path = json_path(args.out)
+    budget_list(args.budgets, None)  # checked before the model is traced
     from remat.compare import compare_methods
     from remat.plotting import plot_comparison
-
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    _check_methods(names)
     traced = _traced(args)
-    budgets = [_budget(b, traced.graph) for b in args.budgets.split(",") if b.strip()]
-    options = {m: _solver_options(m, args) for m in names}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as progress:
+    budgets = budget_list(args.budgets, traced.graph)
+    options = {m: solver_options(m, args) for m in names}
+    with _progress() as progress:
         task = progress.add_task("planning and running", total=len(budgets) * len(names))
         comparison = compare_methods(
             args._workload, budgets, names, options=options, traced=traced,
             on_run=lambda r: progress.update(task, advance=1, description=f"{r.method} @ {format_bytes(r.budget_bytes)}"),
         )
     _print_runs(comparison)
-    out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(comparison.to_json(), indent=1))
-    plot_path = plot_comparison(comparison, out_path.with_suffix(".png"))
-    out.print(f"wrote {out_path} and {plot_path}")
+    plot_file = plot_comparison(comparison, out_path.with_suffix(".png"))
+    out.print(f"wrote {out_path} and {plot_file}")
     ok = all(r.bitwise_equal is not False for r in comparison.runs)
     if not ok:
         err.print("[red]some plans did not reproduce eager gradients bitwise[/red]")
@@ -279,46 +310,71 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    names = method_list(args.methods)
+    out_path = json_path(args.out)
+    plot_file = plot_path(args.plot, out_path)
     graph = _load_graph(args)
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    _check_methods(names)
-    budgets = _budget_list(args.budgets, graph)
-    if not budgets:
-        raise UsageError("--budgets lists no budget")
-    options = {m: _solver_options(m, args) for m in names}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as progress:
-        task = progress.add_task(f"sweeping {graph.name}", total=len(budgets) * len(names))
+    budgets = budget_list(args.budgets, graph)
+    options = {m: solver_options(m, args) for m in names}
+    try:
+        store = ResultStore(out_path)
+    except ValueError as exc:
+        raise UsageError(f"--out: {exc}") from None
+    reference = checkpoint_all_peak(graph)
+    store.meta.setdefault("graphs", {})[graph.fingerprint()] = {
+        "name": graph.name, "n_nodes": graph.n, "checkpoint_all_peak_bytes": reference}
+    total, before = len(budgets) * len(names), len(store)
+    done: list[SweepPoint] = []
+    with _progress() as progress:
+        task = progress.add_task(f"sweeping {graph.name}", total=total)
 
         def advance(point: SweepPoint) -> None:
+            done.append(point)
             progress.update(task, advance=1, description=f"{point.method} @ {format_bytes(point.budget_bytes)}")
 
-        points = sweep(graph, names, budgets, options=options, on_point=advance)
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"graph": graph.name, "n_nodes": graph.n, "checkpoint_all_peak_bytes": checkpoint_all_peak(graph),
-               "points": [p.to_json() for p in points]}
-    out_path.write_text(json.dumps(payload, indent=1))
+        try:
+            points = sweep(graph, names, budgets, options=options, on_point=advance, store=store)
+        except KeyboardInterrupt:
+            progress.stop()
+            err.print(f"interrupted: {len(done)} of {total} points are in {out_path}; run the same command again "
+                      f"to resume", highlight=False)
+            raise _Interrupted from None
+    store.save()  # the graph's record in meta, also when every point was already there
+    resumed = total - (len(store) - before)
+    if resumed:
+        err.print(f"{resumed} of {total} points read back from {out_path} (same graph, method, options and "
+                  f"remat version); delete it to solve them again", highlight=False)
     from remat.plotting import plot_overhead
 
-    plot_path = plot_overhead(points, args.plot or out_path.with_suffix(".png"), title=f"{graph.name} ({graph.n} nodes)")
-    _print_sweep(graph, points, names)
-    out.print(f"wrote {out_path} and {plot_path}")
+    plot_overhead(points, plot_file, title=f"{graph.name} ({graph.n} nodes)")
+    _print_sweep(graph, points, names, reference)
+    out.print(f"wrote {out_path} and {plot_file}")
     return EXIT_OK
 
 
-def _print_sweep(graph: Graph, points: Sequence[SweepPoint], names: Sequence[str]) -> None:
-    table = Table(title=f"{graph.name}: overhead by budget (- = no plan fits)")
+def _print_sweep(graph: Graph, points: Sequence[SweepPoint], names: Sequence[str], reference: int) -> None:
+    table = Table(title=f"{graph.name}: overhead by budget (needs X% = no plan fits below X% of the checkpoint-all "
+                        f"peak)")
     table.add_column("budget", justify="right")
     for name in names:
         table.add_column(name, justify="right")
     for budget in dict.fromkeys(p.budget_bytes for p in points):
-        row = [f"{format_bytes(budget)}"]
+        row = [f"{format_bytes(budget)} ({budget / reference:.0%})"]
         for name in names:
             p = next(q for q in points if q.budget_bytes == budget and q.method == name)
-            row.append("n/a" if p.skipped else "-" if p.result is None else f"{p.result['overhead']:.3f}x")
+            row.append(_sweep_cell(p, reference))
         table.add_row(*row)
     out.print(table)
+
+
+def _sweep_cell(p: SweepPoint, reference: int) -> str:
+    if p.skipped:
+        return "n/a"
+    if p.result is not None:
+        return f"{p.result['overhead']:.3f}x"
+    if p.min_budget_bytes is None:
+        return "no plan"
+    return f"needs {p.min_budget_bytes / reference:.1%}"
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
@@ -387,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed the usage error
+    except SystemExit as exc:  # argparse already printed the usage error (or the help)
         return int(exc.code or 0)
     logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
@@ -402,7 +458,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RematError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         return EXIT_INFEASIBLE
+    except KeyboardInterrupt as exc:
+        if not isinstance(exc, _Interrupted):
+            err.print("interrupted", highlight=False)
+        if solves_running():  # a solver thread in C code cannot be stopped: do not wait for it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+

@@ -6,7 +6,7 @@
 >>> w = get_workload("mlp", batch_size=4)
 >>> step = optimize(w.model, w.batch, w.loss_fn, "100%", method="checkpoint_all", cost_model=None)
 >>> opt = torch.optim.SGD(w.model.parameters(), lr=0.1)
->>> loss = step(*w.batch); opt.step(); opt.zero_grad()
+>>> loss = step(w.batch); opt.step(); opt.zero_grad()
 >>> step.report.predicted_peak_bytes <= step.report.budget_bytes
 True
 
@@ -32,14 +32,14 @@ import numpy as np
 import torch
 
 from remat.cost import CostModel
-from remat.errors import ScheduleError
+from remat.errors import ScheduleError, TraceError
 from remat.execute import PlannedStep, build_module
 from remat.planning import plan_graph
 from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
 from remat.solvers import SolveStatus
 from remat.trace import LossFn, TracedStep, batch_index, trace
-from remat.units import format_bytes, parse_budget
+from remat.units import BudgetError, check_budget, format_bytes, parse_budget
 
 PLAN_FORMAT = "remat.training_step"
 PLAN_VERSION = 2
@@ -94,8 +94,10 @@ class StepReport:
 
 
 class TrainingStep:
-    """One planned training step of ``model``: ``step(*batch)`` returns the loss (detached)
-    and fills every trainable parameter's ``.grad`` as ``loss.backward()`` would."""
+    """One planned training step of ``model``: ``step(batch)`` (or ``step(*batch)``) returns
+    the loss (detached) and fills every trainable parameter's ``.grad`` as ``loss.backward()``
+    would. ``batch`` is what ``optimize`` was given as ``example_inputs``, with the same
+    shapes: one tensor, or a tuple or list of tensors (as a ``DataLoader`` yields them)."""
 
     def __init__(
         self, model: torch.nn.Module, traced: TracedStep, plan: Plan, planned: PlannedStep, report: StepReport
@@ -106,7 +108,8 @@ class TrainingStep:
         self.planned = planned
         self.report = report
 
-    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *batch: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        batch = self._batch(batch)
         outputs = self.traced.unpack(self.planned(*self.traced.flat_inputs(self.model, batch)))
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
@@ -118,6 +121,20 @@ class TrainingStep:
                 target = buffers[key] if key in buffers else batch[batch_index(key)]
                 target.copy_(value)
         return outputs.loss
+
+    def _batch(self, args: tuple[object, ...]) -> tuple[torch.Tensor, ...]:
+        """``step(x, y)``, ``step((x, y))`` and ``step([x, y])`` are one batch ``(x, y)``."""
+        if len(args) == 1 and isinstance(args[0], (tuple, list)):
+            args = tuple(args[0])
+        want = len(self.traced.batch_spec)
+        if len(args) == want and all(isinstance(t, torch.Tensor) for t in args):
+            return args
+        shapes = ", ".join(f"{tuple(s.shape)}" for s in self.traced.batch_spec)
+        call = "step(x)" if want == 1 else f"step(({', '.join(_NAMES[:want])})) or step({', '.join(_NAMES[:want])})"
+        raise TraceError(
+            f"step() got {_describe(args)}, but this step was traced with a batch of {want} tensor(s) of shapes "
+            f"{shapes} (the example_inputs given to optimize); call {call} with tensors of those shapes"
+        )
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> None:
@@ -194,6 +211,18 @@ class TrainingStep:
         return cls(model, traced, plan, planned, report)
 
 
+_NAMES = ("x", "y", "z", *(f"t{i}" for i in range(3, 64)))
+
+
+def _describe(args: tuple[object, ...]) -> str:
+    def one(a: object) -> str:
+        return f"a tensor of shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else f"a {type(a).__name__}"
+
+    if not args:
+        return "no batch"
+    return f"{len(args)} argument(s): " + ", ".join(one(a) for a in args)
+
+
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     if param.grad is None:
         # autograd's layout contract: a fresh .grad has the parameter's strides
@@ -242,22 +271,29 @@ def optimize(
     model: torch.nn.Module,
     example_inputs: torch.Tensor | Sequence[torch.Tensor],
     loss_fn: LossFn,
-    budget_bytes: int | str,
+    budget: int | float | str | None = None,
     *,
+    budget_bytes: int | None = None,
     method: str = "milp",
     cost_model: CostModel | None = CostModel.PROFILE,
     **solver_options: object,
 ) -> TrainingStep:
-    """Plan the training step ``loss_fn(model, *batch)`` to fit ``budget_bytes`` (bytes, or a
-    string such as ``"512MiB"`` or ``"60%"`` of the checkpoint-all peak) at the least compute.
+    """Plan the training step ``loss_fn(model, *example_inputs)`` to fit a memory budget at
+    the least compute.
+
+    ``budget``: bytes (``int``, ``"512MiB"``), a fraction of the checkpoint-all peak (``0.6``,
+    ``"60%"``), as everywhere in remat (see ``remat.units``); ``budget_bytes`` is an ``int``
+    ``budget``. Give exactly one. ``solver_options`` go to the method (e.g. ``time_limit_s=30``).
+    Budget and time limit are checked before anything is traced (``BudgetError``).
 
     Raises ``InfeasibleBudgetError`` (stating the least budget the method can meet) when the
     budget is too small, ``TraceError`` when the step cannot be traced.
     """
+    budget = _budget_argument(budget, budget_bytes, solver_options)
     traced = trace(model, example_inputs, loss_fn, cost_model=cost_model)
     graph = traced.graph
     baseline = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
-    budget = parse_budget(budget_bytes, reference_bytes=baseline.peak_bytes)
+    budget = parse_budget(budget, reference_bytes=baseline.peak_bytes)
     planned_graph = plan_graph(graph, budget, method=method, **solver_options)
     result = planned_graph.result
     planned = build_module(traced, planned_graph.plan)
@@ -278,3 +314,18 @@ def optimize(
         note=planned_graph.note,
     )
     return TrainingStep(model, traced, planned_graph.plan, planned, report)
+
+
+def _budget_argument(budget: object, budget_bytes: object, solver_options: dict[str, object]) -> int | float:
+    """The one budget ``optimize`` was given, checked (with the time limit) before tracing."""
+    if (budget is None) == (budget_bytes is None):
+        raise BudgetError(
+            f"give exactly one of budget= (bytes, a fraction such as 0.6, '60%', '2GiB') and budget_bytes= (int); "
+            f"got budget={budget!r}, budget_bytes={budget_bytes!r}"
+        )
+    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)):
+        raise BudgetError(
+            f"budget_bytes={budget_bytes!r} must be an int number of bytes; pass fractions and strings as budget= "
+            f"(e.g. budget={budget_bytes!r})"
+        )
+    return check_budget(budget if budget is not None else budget_bytes, time_limit_s=solver_options.get("time_limit_s"))

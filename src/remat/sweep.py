@@ -5,17 +5,23 @@ Pure computation: returns records; printing, plotting and files are the caller's
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import math
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from remat.errors import InfeasibleBudgetError, UnsupportedGraphError
 from remat.graph import Graph
 from remat.solvers import solve
 
 log = logging.getLogger("remat.sweep")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,11 @@ class SweepPoint:
             "skipped": self.skipped,
         }
 
+    @classmethod
+    def from_json(cls, record: Mapping[str, object]) -> SweepPoint:
+        return cls(record["method"], record["budget_bytes"], record["budget_fraction"], record["result"],
+                   min_budget_bytes=record.get("min_budget_bytes"), skipped=record.get("skipped"))
+
 
 def checkpoint_all_peak(graph: Graph) -> int:
     """Peak bytes of keeping everything: the reference that percentage budgets refer to."""
@@ -59,11 +70,20 @@ def sweep(
     *,
     options: dict[str, dict[str, object]] | None = None,
     on_point: Callable[[SweepPoint], None] | None = None,
+    store: ResultStore | None = None,
 ) -> list[SweepPoint]:
     """Solve ``graph`` with every method at every budget.
 
     ``options[method]`` are keyword options for that method (e.g. ``time_limit_s``).
-    ``on_point`` is called after each cell (for progress bars and incremental files).
+    ``on_point`` is called after each cell (for progress bars). With a ``store``, each cell is
+    written to it as soon as it is solved, and a cell the store already holds for the same
+    graph fingerprint, method, options, budget and remat version is read back, not solved:
+    an interrupted sweep resumes where it stopped.
+
+    Each solve runs in a worker thread while this thread waits, so Ctrl-C
+    (``KeyboardInterrupt``) stops the sweep at once, even inside a solver's C code; the
+    abandoned solve is left to finish in the background (``solves_running()`` says whether
+    one is), and every cell solved before it is in the store.
 
     >>> from remat.builders import chain_graph
     >>> pts = sweep(chain_graph(6), ["checkpoint_all", "chen_sqrtn"], [2**40])
@@ -71,15 +91,67 @@ def sweep(
     [True, True]
     """
     ref = checkpoint_all_peak(graph)
+    fingerprint = graph.fingerprint() if store is not None else ""
     points: list[SweepPoint] = []
     opts = options or {}
     for budget in budgets_bytes:
         for method in methods:
-            point = _solve_point(graph, method, int(budget), ref, opts.get(method, {}))
+            method_options = opts.get(method, {})
+            key = None
+            if store is not None:
+                key = result_key(fingerprint=fingerprint, method=method, options=method_options, budget_bytes=int(budget))
+                stored = store.get(key)
+                if stored is not None:
+                    point = SweepPoint.from_json(stored)
+                    points.append(point)
+                    if on_point is not None:
+                        on_point(point)
+                    continue
+            point = run_interruptibly(lambda: _solve_point(graph, method, int(budget), ref, method_options))
+            if store is not None:
+                store.put(key, point.to_json())
             points.append(point)
             if on_point is not None:
                 on_point(point)
     return points
+
+
+_running: list[threading.Thread] = []
+
+
+def solves_running() -> bool:
+    """Whether a solve abandoned by Ctrl-C is still running in a worker thread (a process
+    that wants to exit at once then ends with ``os._exit``: solver threads in C code cannot be
+    stopped from Python)."""
+    _running[:] = [t for t in _running if t.is_alive()]
+    return bool(_running)
+
+
+def run_interruptibly(fn: Callable[[], T]) -> T:
+    """``fn()`` in a daemon thread while this thread waits in short joins, so that Ctrl-C
+    (``KeyboardInterrupt``) is raised here at once even while ``fn`` runs native code (HiGHS
+    releases the interpreter lock while it solves). ``fn`` is then abandoned, not stopped.
+
+    >>> run_interruptibly(lambda: 6 * 7)
+    42
+    """
+    box: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=work, name="remat-sweep-solve", daemon=True)
+    _running.append(worker)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+    _running.remove(worker)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _solve_point(graph: Graph, method: str, budget: int, ref: int, options: dict[str, object]) -> SweepPoint:
@@ -116,10 +188,166 @@ def parse_solver_options(text: str | None) -> dict[str, dict[str, object]]:
 def save_json(value: object, path: Path) -> None:
     """Write ``value`` as JSON to ``path`` atomically (a reader never sees half a file), so a
     long benchmark can be interrupted at any time and resume from what it wrote."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    # one temporary name per process: two runs writing the same file never share a half-written one
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
     tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------- keyed results
+#: Version of what a stored result means; part of every key. Bump it when a result's fields
+#: or their meaning change without a new release, so stale results are measured again.
+RESULTS_SCHEMA = 1
+RESULTS_FORMAT = "remat.results"
+
+
+def result_key(
+    *,
+    fingerprint: str,
+    method: str,
+    options: Mapping[str, object] | None = None,
+    code_version: str | None = None,
+    schema: int = RESULTS_SCHEMA,
+    **fields: object,
+) -> dict[str, object]:
+    """The identity of one result: what produced it. Two results with equal keys are
+    interchangeable; a result whose key differs in anything (the graph's fingerprint, the
+    method, an option, remat's version, the schema) is not reused.
+
+    ``fields`` add what else decides the result (``budget_bytes=...``, ``model=...``).
+    ``code_version`` defaults to ``remat.__version__``. Values must be JSON scalars, lists or
+    dicts (enums become their value, tuples lists, paths strings).
+
+    >>> result_key(fingerprint="ab12", method="milp", options={"time_limit_s": 60}, budget_bytes=1000,
+    ...            code_version="0.1.0")
+    {'budget_bytes': 1000, 'code_version': '0.1.0', 'fingerprint': 'ab12', 'method': 'milp', 'options': {'time_limit_s': 60}, 'schema': 1}
+    """
+    return record_key(fingerprint=fingerprint, method=method, options=dict(options or {}), code_version=code_version,
+                      schema=schema, **fields)
+
+
+def record_key(*, code_version: str | None = None, schema: int = RESULTS_SCHEMA, **fields: object) -> dict[str, object]:
+    """A result key from any fields that identify what produced a result (for results that are
+    not one graph's, e.g. a measured training step: model configuration, variant, budget),
+    plus ``code_version`` (default ``remat.__version__``) and ``schema``.
+
+    >>> record_key(model="gpt2-4L", variant="eager", code_version="0.1.0")
+    {'code_version': '0.1.0', 'model': 'gpt2-4L', 'schema': 1, 'variant': 'eager'}
+    """
+    if code_version is None:
+        from remat import __version__ as code_version
+    key = {**fields, "code_version": code_version, "schema": schema}
+    return {name: _plain(value, name) for name, value in sorted(key.items())}
+
+
+def _plain(value: object, where: str) -> object:
+    """``value`` as plain JSON data, or TypeError naming the field that is not."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise TypeError(f"result key field {where!r} is {value!r}; keys need finite numbers")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    raise TypeError(
+        f"result key field {where!r} is a {type(value).__name__} ({value!r}), which JSON cannot hold; pass "
+        f"a string, number, list or dict that identifies it"
+    )
+
+
+def _canonical(key: Mapping[str, object]) -> str:
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+class ResultStore:
+    """Keyed, resumable results in one JSON file: each result is stored with the key of what
+    produced it (see ``result_key``). ``put`` rewrites the file atomically at once, merged with
+    what is on disk, so an interrupted run keeps every result it finished, a rerun skips them,
+    and a run that measures only some keys leaves every other stored result untouched (also
+    those written meanwhile by another process, and those of other code versions).
+
+    >>> import tempfile
+    >>> from remat.builders import chain_graph
+    >>> g = chain_graph(8)
+    >>> path = Path(tempfile.mkdtemp()) / "results.json"
+    >>> store = ResultStore(path)
+    >>> key = result_key(fingerprint=g.fingerprint(), method="chen_sqrtn", budget_bytes=2**30)
+    >>> key in store
+    False
+    >>> store.put(key, {"overhead": 1.25})
+    >>> ResultStore(path).get(key)                    # a rerun finds it and skips the work
+    {'overhead': 1.25}
+    >>> len(ResultStore(path).select(method="chen_sqrtn"))
+    1
+
+    The file: ``{"format": "remat.results", "meta": {...}, "results": [{"key": {...},
+    "result": {...}}, ...]}``, readable without remat.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.meta: dict[str, object] = {}
+        self._entries: dict[str, dict[str, object]] = {}
+        self._mine: dict[str, dict[str, object]] = {}  # put by this object: they win over the file's
+        self._reload()
+
+    def _reload(self) -> None:
+        if not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(
+                f"results file {os.fspath(self.path)!r} is not readable JSON ({exc}); move it away or pass "
+                f"another path"
+            ) from None
+        if not isinstance(data, dict) or data.get("format") != RESULTS_FORMAT or not isinstance(data.get("results"), list):
+            raise ValueError(
+                f"{os.fspath(self.path)!r} is not a remat results file (no format {RESULTS_FORMAT!r} with a "
+                f"'results' list); move it away or pass another path"
+            )
+        meta = data.get("meta")
+        self.meta = {**(meta if isinstance(meta, dict) else {}), **self.meta}
+        entries = {_canonical(e["key"]): e for e in data["results"] if isinstance(e, dict) and isinstance(e.get("key"), dict)}
+        self._entries = {**entries, **self._mine}
+
+    def __contains__(self, key: Mapping[str, object]) -> bool:
+        return _canonical(key) in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Mapping[str, object]) -> dict[str, object] | None:
+        """The result stored under ``key``, or None."""
+        entry = self._entries.get(_canonical(key))
+        return None if entry is None else entry["result"]
+
+    def select(self, **fields: object) -> list[tuple[dict[str, object], dict[str, object]]]:
+        """``(key, result)`` of every stored result whose key has these field values, in the
+        order they were stored."""
+        want = {name: _plain(value, name) for name, value in fields.items()}
+        return [(e["key"], e["result"]) for e in self._entries.values()
+                if all(e["key"].get(name) == value for name, value in want.items())]
+
+    def put(self, key: Mapping[str, object], result: Mapping[str, object]) -> None:
+        """Store ``result`` under ``key`` (replacing one with the same key) and write the file."""
+        self._mine[_canonical(key)] = {"key": dict(key), "result": dict(result)}
+        self._reload()  # what another process wrote since we read the file stays
+        self._entries.update(self._mine)
+        self.save()
+
+    def save(self) -> None:
+        """Write the file (atomically) with every stored result and ``meta``."""
+        save_json({"format": RESULTS_FORMAT, "meta": self.meta, "results": list(self._entries.values())}, self.path)
 
 
 # ---------------------------------------------------------------------------- benchmark helpers

@@ -1,12 +1,29 @@
-"""Byte quantities: parsing budgets given by people and printing sizes for people."""
+"""Budgets and time limits as people give them, read the same way by ``optimize``, the
+``remat`` command and ``remat.backend``; sizes printed for people.
+
+A budget is one of:
+
+* bytes: an ``int`` (``1500000``), or text: an integer (``"1500000"``), a size with a unit
+  (``"2GiB"``, ``"512MB"``) or a whole number in exponent form (``"2e9"``);
+* a fraction of the reference peak (the step's peak with nothing recomputed, checkpoint-all):
+  a ``float`` in (0, 1] (``0.6``), the same as text (``"0.6"``), or a percentage in (0%, 100%]
+  (``"60%"``);
+* ``"cuda-free"``: the free memory of the CUDA device (``remat.backend`` only).
+
+Anything else (``None``, ``True``, ``"150%"``, ``1.5``, ``"1e400"``, ``nan``, ``0``) is a
+``BudgetError`` that names the value, the rule and what to write instead.
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 import re
+from dataclasses import dataclass
+
+from remat.errors import RematError
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "kb": 10**3,
     "mb": 10**6,
@@ -20,48 +37,190 @@ _UNITS = {
     "m": 2**20,
     "g": 2**30,
 }
-_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
+_NUMBER_RE = re.compile(r"^\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
+_INTEGER_RE = re.compile(r"^\s*[0-9]+\s*$")
+CUDA_FREE = "cuda-free"
+_FORMS = "bytes ('1500000', '2GiB', '512MB'), a fraction of the checkpoint-all peak (0.6) or a percentage ('60%')"
 
 
-def parse_budget(text: str | int | float, reference_bytes: int | None = None) -> int:
-    """Parse a budget: plain bytes (``"123456"``), a unit (``"2GiB"``, ``"512MB"``) or a
-    percentage of ``reference_bytes`` (``"60%"``, usually the checkpoint-all peak).
+class BudgetError(RematError, ValueError):
+    """A budget or time limit that remat cannot use (wrong type, out of range, unknown unit,
+    'cuda-free' without CUDA)."""
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """A budget as given: exactly one of ``bytes``, ``fraction`` (of a reference peak, in
+    (0, 1]) or ``cuda_free``."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+    cuda_free: bool = False
+    text: str = ""  # what the user wrote, for messages
+
+    def resolve(self, reference_bytes: int | None) -> int:
+        """The budget in bytes; ``reference_bytes`` is what a fraction is of.
+
+        >>> read_budget("60%").resolve(1000)
+        600
+        """
+        if self.bytes is not None:
+            return self.bytes
+        if self.cuda_free:
+            raise BudgetError(
+                f"budget {CUDA_FREE!r} (the CUDA device's free memory) is understood by remat.backend only; "
+                f"give {_FORMS}"
+            )
+        if reference_bytes is None:
+            kind = "a percentage" if self.text.rstrip("'\" ").endswith("%") else "a fraction"
+            raise BudgetError(
+                f"budget {self.text} is {kind} but there is no reference peak to take it of; give bytes "
+                f"instead ('2GiB')"
+            )
+        result = int(self.fraction * reference_bytes)
+        if result <= 0:
+            raise BudgetError(
+                f"budget {self.text} is 0 bytes of the reference peak ({reference_bytes} B); it must be positive: "
+                f"give a larger fraction"
+            )
+        return result
+
+    def canonical(self) -> int | float | str:
+        """The budget as a plain value: ``int`` bytes, ``float`` fraction or ``"cuda-free"``."""
+        if self.bytes is not None:
+            return self.bytes
+        return CUDA_FREE if self.cuda_free else self.fraction
+
+
+def read_budget(value: object, *, cuda_free: bool = False) -> BudgetSpec:
+    """Check a budget and say what it is, without the reference peak (see the module doc for
+    the forms). ``cuda_free`` admits ``"cuda-free"``.
+
+    >>> read_budget(0.6).fraction, read_budget("0.6").fraction, read_budget("60%").fraction
+    (0.6, 0.6, 0.6)
+    >>> read_budget("2GiB").bytes, read_budget(4096).bytes, read_budget("2e9").bytes
+    (2147483648, 4096, 2000000000)
+    """
+    shown = repr(value)
+    if isinstance(value, bool) or value is None:
+        raise BudgetError(f"budget {shown} is not a budget; give {_FORMS}")
+    if isinstance(value, numbers.Integral):
+        value = int(value)
+        if value <= 0:
+            raise BudgetError(f"budget {value} B must be a positive number of bytes; give {_FORMS}")
+        return BudgetSpec(bytes=value, text=shown)
+    if isinstance(value, numbers.Real):
+        return _fraction(float(value), shown, python_float=True)
+    if isinstance(value, str):
+        return _read_text(value, cuda_free=cuda_free)
+    raise BudgetError(f"budget {shown} is a {type(value).__name__}; give {_FORMS}")
+
+
+def _fraction(value: float, shown: str, *, python_float: bool) -> BudgetSpec:
+    if not (math.isfinite(value) and 0 < value <= 1):
+        hint = (f"give bytes as an int (e.g. budget={int(value) if math.isfinite(value) and value > 1 else 2**30})"
+                if python_float else "write bytes as an integer ('1500000') or with a unit ('1.5GB')")
+        kind = "a float" if python_float else "not a whole number of bytes"
+        raise BudgetError(
+            f"budget {shown} is {kind}, which means a fraction of the unoptimized peak (checkpoint-all: "
+            f"nothing recomputed), and must be in (0, 1]; {hint}"
+        )
+    return BudgetSpec(fraction=float(value), text=shown)
+
+
+def _read_text(text: str, *, cuda_free: bool) -> BudgetSpec:
+    shown = repr(text)
+    if text.strip().lower() == CUDA_FREE:
+        if not cuda_free:
+            raise BudgetError(
+                f"budget {shown} (the CUDA device's free memory) is understood by remat.backend only; give {_FORMS}"
+            )
+        return BudgetSpec(cuda_free=True, text=shown)
+    match = _NUMBER_RE.match(text)
+    if text.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        raise BudgetError(f"budget {shown} is not a finite number; write {_FORMS}")
+    if match is None:
+        if text.strip().endswith("%"):
+            raise BudgetError(f"budget {shown} is not a percentage; write e.g. '60%'")
+        raise BudgetError(f"budget {shown} is not understood; write {_FORMS}")
+    value, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(value):
+        raise BudgetError(f"budget {shown} is not a finite number; write {_FORMS}")
+    if unit == "%":
+        if not 0 < value <= 100:
+            raise BudgetError(
+                f"budget {shown} must be a percentage in (0%, 100%] of the unoptimized (checkpoint-all) peak; "
+                f"a budget above that peak needs no planning: write '100%'"
+            )
+        return BudgetSpec(fraction=value / 100.0, text=shown)
+    if value <= 0:
+        raise BudgetError(f"budget {shown} must be positive; write {_FORMS}")
+    if unit == "":
+        if _INTEGER_RE.match(text):
+            return _positive_bytes(int(text), shown)
+        if value <= 1:
+            return _fraction(value, shown, python_float=False)
+        if value.is_integer():
+            return _positive_bytes(int(value), shown)
+        return _fraction(value, shown, python_float=False)  # 1.5: neither bytes nor a fraction
+    if unit not in _UNITS:
+        raise BudgetError(
+            f"budget {shown} has unknown unit {unit!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %"
+        )
+    return _positive_bytes(int(value * _UNITS[unit]), shown)
+
+
+def _positive_bytes(n: int, shown: str) -> BudgetSpec:
+    if n <= 0:
+        raise BudgetError(f"budget {shown} must be a positive number of bytes; give {_FORMS}")
+    return BudgetSpec(bytes=n, text=shown)
+
+
+def parse_budget(value: object, reference_bytes: int | None = None) -> int:
+    """A budget in bytes: fractions and percentages are of ``reference_bytes`` (usually the
+    checkpoint-all peak). Raises ``BudgetError`` (a ``ValueError``).
 
     >>> parse_budget("2GiB")
     2147483648
-    >>> parse_budget("50%", reference_bytes=1000)
-    500
+    >>> parse_budget("50%", reference_bytes=1000), parse_budget(0.5, reference_bytes=1000)
+    (500, 500)
     """
-    if isinstance(text, bool):
-        raise ValueError(f"budget {text!r} is not a size; give bytes, e.g. '2GiB' or '60%'")
-    if isinstance(text, (int, float)):
-        if not math.isfinite(text) or text <= 0:
-            raise ValueError(f"budget {text!r} must be a positive number of bytes")
-        return int(text)
-    match = _BUDGET_RE.match(text)
-    if match is None:
-        raise ValueError(
-            f"budget {text!r} is not understood; write bytes ('1500000'), a unit ('2GiB', "
-            f"'512MB') or a percentage of the checkpoint-all peak ('60%')"
+    return read_budget(value).resolve(reference_bytes)
+
+
+def check_time_limit(value: object) -> float | None:
+    """A solver time limit in seconds: None (the method's default) or a positive finite number.
+
+    >>> check_time_limit(30), check_time_limit(None)
+    (30.0, None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise BudgetError(f"time limit {value!r} is not a number; give seconds, e.g. time_limit_s=60")
+    if not (math.isfinite(value) and value > 0):
+        raise BudgetError(
+            f"time limit {value!r} s must be a positive, finite number of seconds; give e.g. time_limit_s=60 "
+            f"(leave it out for the method's default)"
         )
-    value, unit = float(match.group(1)), match.group(2).lower()
-    if unit == "%":
-        if reference_bytes is None:
-            raise ValueError(
-                f"budget {text!r} is a percentage but there is no reference peak to take it of; "
-                f"give bytes instead"
-            )
-        result = int(value / 100.0 * reference_bytes)
-    elif unit in _UNITS:
-        result = int(value * _UNITS[unit])
-    else:
-        raise ValueError(
-            f"budget {text!r} has unknown unit {unit!r}; use one of B, KB, MB, GB, KiB, MiB, "
-            f"GiB, TiB or %"
-        )
-    if result <= 0:
-        raise ValueError(f"budget {text!r} must be positive")
-    return result
+    return float(value)
+
+
+def check_budget(budget: object, *, time_limit_s: object = None, cuda_free: bool = False) -> int | float | str:
+    """The one check of what a caller plans with (``optimize``, the CLI, ``remat.backend``):
+    the budget (see the module doc) and the time limit. Returns the budget as a plain value:
+    ``int`` bytes, ``float`` fraction or ``"cuda-free"``; raises ``BudgetError`` with the
+    same message everywhere.
+
+    >>> check_budget("60%", time_limit_s=30)
+    0.6
+    >>> check_budget("150%")
+    Traceback (most recent call last):
+    ...
+    remat.units.BudgetError: budget '150%' must be a percentage in (0%, 100%] of the unoptimized (checkpoint-all) peak; a budget above that peak needs no planning: write '100%'
+    """
+    check_time_limit(time_limit_s)
+    return read_budget(budget, cuda_free=cuda_free).canonical()
 
 
 def format_bytes(n_bytes: float) -> str:

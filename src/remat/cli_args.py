@@ -1,0 +1,236 @@
+"""The ``remat`` command's arguments: the parser, and the checks that turn what was typed
+into budgets, methods and paths, or a ``UsageError`` (one line, exit code 2) before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from remat.graph import Graph
+from remat.solvers import methods as registered_methods
+from remat.solvers.milp_backends import MilpBackend
+from remat.sweep import checkpoint_all_peak
+from remat.units import check_time_limit, parse_budget, read_budget
+
+EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,segments,griewank,lp_round,milp"
+DEMO_METHODS = "checkpoint_all,chen_sqrtn,chen_greedy,segments,lp_round,milp"
+DEMO_BUDGETS = "100%,80%,65%,50%"
+DEMO_BATCH = 8
+DEMO_TIME_LIMIT_S = 20.0
+#: `remat bench EXPERIMENT` -> the script bench/<name>.py whose main(argv) it runs.
+BENCH_SCRIPTS = {"sweep": "budget_sweep", "max-batch": "max_batch"}
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported and exit code 2."""
+
+
+
+# ---------------------------------------------------------------- parsing
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit code 2), not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def arg_type(check: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse type from a checker that raises ValueError with the whole message."""
+
+    def parse(text: str) -> object:
+        try:
+            return check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = check.__name__.strip("_")  # argparse names the type in some messages
+    return parse
+
+
+def time_limit(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"time limit {text!r} is not a number of seconds; e.g. --time-limit 60") from None
+    return check_time_limit(value)
+
+
+def budget_text(text: str) -> str:
+    read_budget(text)  # the form and range now; the reference peak once the graph is known
+    return text
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise ValueError(f"{value} must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="remat", description="Optimal tensor rematerialization for PyTorch.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("solve", help="plan one graph or model with one method under one budget",
+                       description="Plan one graph or model with one method under one budget; print a table "
+                                   "(or --json). Exit code 1 when no plan fits (the message gives the smallest "
+                                   "budget that does).")
+    add_target(p)
+    p.add_argument("--budget", required=True, type=arg_type(budget_text),
+                   help="bytes (1500000, 2GiB, 512MB), a fraction (0.6) or a percentage (60%%) of the "
+                        "checkpoint-all peak")
+    p.add_argument("--method", default="milp", help="planning method (see `remat methods`; default milp)")
+    add_solver_options(p)
+    p.add_argument("--run", action="store_true",
+                   help="with --model: run the plan once on real tensors, measure its peak and check gradients "
+                        "against eager PyTorch")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    p = sub.add_parser("sweep", help="several methods over a range of budgets; JSON and a plot",
+                       description="Plan one graph with several methods over a range of budgets. Each point is "
+                                   "written to --out as soon as it is solved; Ctrl-C stops at once and a rerun of "
+                                   "the same command resumes (points of the same graph, method, options and remat "
+                                   "version are read back, not solved again).")
+    add_target(p, models=False)
+    p.add_argument("--methods", default=DEFAULT_SWEEP_METHODS, help="comma-separated methods (default: all)")
+    p.add_argument("--budgets", default="30%:100%:8",
+                   help="comma-separated budgets, or LOW:HIGH:COUNT evenly spaced (default 30%%:100%%:8)")
+    add_solver_options(p)
+    p.add_argument("--out", default="sweep.json", help="the JSON results, kept between runs (default sweep.json)")
+    p.add_argument("--plot", default=None,
+                   help="where to draw the plot (.png, .pdf, .svg; default: --out with .png)")
+
+    p = sub.add_parser("demo", help="optimize a real model with every method; table, JSON and plot",
+                       description="Trace a real model, plan it with several methods at several budgets, run "
+                                   "every plan and check its gradients against eager PyTorch.")
+    p.add_argument("--model", default="gpt2-tiny", help="built-in model or package.module:function")
+    p.add_argument("--batch", type=arg_type(positive_int), default=DEMO_BATCH, help=f"batch size (default {DEMO_BATCH})")
+    p.add_argument("--budgets", default=DEMO_BUDGETS, help="comma-separated budgets (bytes, fractions or %%)")
+    p.add_argument("--methods", default=DEMO_METHODS, help="comma-separated methods")
+    p.add_argument("--costs", choices=("profile", "estimate"), default="profile",
+                   help="node costs: timed on this machine (profile) or from FLOPs and bytes (estimate)")
+    add_solver_options(p)
+    p.add_argument("--out", default="out/demo.json", help="where to write the JSON (the plot goes next to it, .png)")
+    p.set_defaults(time_limit=DEMO_TIME_LIMIT_S)
+
+    sub.add_parser("methods", help="list the planning methods", description="List the planning methods.")
+
+    p = sub.add_parser(
+        "bench", help="run a paper benchmark from bench/ (sweep, max-batch), then regenerate BENCHMARKS.md",
+        description="Run bench/budget_sweep.py (sweep) or bench/max_batch.py (max-batch) with the options "
+                    "that follow, then regenerate BENCHMARKS.md (skip with --no-report). Needs a source "
+                    "checkout. `remat bench sweep --help` lists the benchmark's options.")
+    p.add_argument("experiment", nargs="?", choices=tuple(BENCH_SCRIPTS), help="which benchmark")
+    p.add_argument("options", nargs=argparse.REMAINDER,
+                   help="the benchmark's own options (e.g. --models vgg16 --time-limit 30), and --no-report")
+    return parser
+
+
+def add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
+    p.add_argument("--graph", help="a built-in graph: chain:N, unet:D, random:N:SEED")
+    if models:
+        p.add_argument("--model", help="a built-in model (mlp, cnn, gpt2-tiny, the paper's vgg16 ... segnet, "
+                       "gpt2-small, gpt2-medium) or package.module:function")
+        p.add_argument("--batch", type=arg_type(positive_int), default=8, help="batch size for --model (default 8)")
+        p.add_argument("--costs", choices=("profile", "estimate"), default="profile",
+                       help="node costs for --model: timed on this machine (profile), or estimated from FLOPs and "
+                            "bytes (estimate: the model is traced on the meta device, nothing is allocated)")
+
+
+def add_solver_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--time-limit", type=arg_type(time_limit), default=None,
+                   help="MILP / LP time limit in seconds (positive)")
+    p.add_argument("--backend", default=None, choices=[b.value for b in MilpBackend],
+                   help="MILP backend (default highs)")
+
+
+def solver_options(method: str, args: argparse.Namespace) -> dict[str, object]:
+    opts: dict[str, object] = {}
+    if method in ("milp", "lp_round") and args.time_limit is not None:
+        opts["time_limit_s"] = args.time_limit
+    if method == "milp" and args.backend is not None:
+        opts["backend"] = args.backend
+    return opts
+
+
+
+def budget_of(text: str, graph: Graph) -> int:
+    try:
+        return parse_budget(text, checkpoint_all_peak(graph))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def budget_list(text: str, graph: Graph | None) -> list[int]:
+    """The budgets of --budgets in bytes (with ``graph`` None: only checked)."""
+    resolve = (lambda part: budget_of(part, graph)) if graph is not None else check_budget_text
+    if text.count(":") == 2:
+        low, high, count = text.split(":")
+        try:
+            k = int(count)
+        except ValueError:
+            raise UsageError(f"--budgets {text!r}: COUNT must be an integer") from None
+        if k < 1:
+            raise UsageError(f"--budgets {text!r}: COUNT must be at least 1")
+        lo, hi = resolve(low), resolve(high)
+        if graph is None:
+            return []
+        return [lo] if k == 1 else [round(lo + (hi - lo) * j / (k - 1)) for j in range(k)]
+    budgets = [resolve(part) for part in text.split(",") if part.strip()]
+    if not budgets:
+        raise UsageError(f"--budgets {text!r} lists no budget; e.g. --budgets 50%,75%,100% or 30%:100%:8")
+    return budgets
+
+
+def check_budget_text(text: str) -> int:
+    try:
+        read_budget(text)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
+def method_list(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise UsageError(f"--methods {text!r} lists no method; e.g. --methods chen_greedy,milp (see `remat methods`)")
+    check_methods(names)
+    return names
+
+
+def check_methods(names: Sequence[str]) -> None:
+    known = registered_methods()
+    for name in names:
+        if name not in known:
+            raise UsageError(f"unknown method {name!r}; choose from {', '.join(known)}")
+
+
+def json_path(text: str) -> Path:
+    path = Path(text)
+    if path.suffix.lower() != ".json":
+        raise UsageError(f"--out {text!r}: the results are JSON, so the file must end in .json (the plot is written "
+                         f"next to it with .png, or where --plot says); e.g. --out {path.with_suffix('.json')}")
+    return path
+
+
+def plot_path(text: str | None, out: Path) -> Path:
+    if text is None:
+        return out.with_suffix(".png")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(text)
+    kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    if path.suffix.lower().lstrip(".") not in kinds:
+        raise UsageError(f"--plot {text!r}: the plot's format comes from its extension, and "
+                         f"{path.suffix or 'none'!r} is not one matplotlib writes; use .png, .pdf or .svg")
+    if path.resolve() == out.resolve():
+        raise UsageError(f"--plot {text!r} is also --out: the plot would overwrite the results; give another path")
+    return path

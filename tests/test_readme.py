@@ -1,0 +1,141 @@
+"""Every promise of the README holds: its Python snippets run as written (with a small model,
+loader and optimizer standing in for the reader's), and every command line in it runs (fast
+ones as written, slow ones with --help)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+#: Command lines that take minutes (or build a virtual environment): checked with --help, or
+#: against the Makefile. Every other command line of the README runs as written.
+SLOW = {
+    "make demo": "Makefile target",
+    "make test": "Makefile target",
+    "remat solve --model vgg16 --batch 256 --costs estimate --budget 60% --time-limit 30": "--help",
+    "remat bench sweep": "--help",
+    "remat bench max-batch": "--help",
+    "python bench/spot_checks.py": "--help",
+    "python bench/vs_pytorch.py": "--help",
+    "python examples/train_loop.py --check": "--help",
+}
+
+
+def blocks(language: str) -> list[tuple[int, str]]:
+    text = README.read_text()
+    return [(text[: m.start()].count("\n") + 1, m.group(2)) for m in BLOCK.finditer(text) if m.group(1) == language]
+
+
+def command_lines() -> list[str]:
+    lines = []
+    for _, block in blocks(""):
+        for line in block.splitlines():
+            line = line.split("#")[0].strip()
+            if line:
+                lines.append(line)
+    return lines
+
+
+def test_the_readme_has_what_these_tests_check():
+    assert len(blocks("python")) == 3
+    assert "remat methods" in command_lines() and "make demo" in command_lines()
+
+
+@pytest.fixture
+def stand_ins(tmp_path, monkeypatch):
+    """What the README's snippets assume the reader has: a model, a loader, an optimizer."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the backend's plan cache
+    torch.manual_seed(0)
+    # narrow and deep enough that activations dominate and the MILP proves its plan in seconds
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 10))
+    data = TensorDataset(torch.randn(3 * 4096, 32), torch.randint(0, 10, (3 * 4096,)))
+    loader = DataLoader(data, batch_size=4096, drop_last=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {"model": model, "loader": loader, "optimizer": optimizer, "__name__": "readme"}
+
+
+def test_python_snippets_run_as_written(stand_ins, capsys):
+    from remat.backend import RematFallbackWarning
+
+    (line1, optimize_snippet), (line2, backend_snippet), (line3, graph_snippet) = blocks("python")
+    namespace = stand_ins
+    model = namespace["model"]
+    before = [p.detach().clone() for p in model.parameters()]
+    exec(compile(optimize_snippet, f"README.md:{line1}", "exec"), namespace)
+    report = namespace["step"].report
+    assert report.method == "milp" and report.predicted_peak_bytes <= report.budget_bytes
+    assert report.budget_bytes == int(0.6 * report.checkpoint_all_peak_bytes)
+    assert "overhead" in capsys.readouterr().out  # print(step.report)
+    assert all(not p.equal(q) for p, q in zip(model.parameters(), before))  # it trained
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematFallbackWarning)  # the backend planned, did not fall back
+        exec(compile(backend_snippet, f"README.md:{line2}", "exec"), namespace)
+    assert namespace["loss"].requires_grad and all(p.grad is not None for p in model.parameters())
+
+    exec(compile(graph_snippet, f"README.md:{line3}", "exec"), {"__name__": "readme"})
+    assert capsys.readouterr().out.startswith("SolveStatus.OPTIMAL")
+
+
+def _argv(line: str) -> list[str]:
+    words = shlex.split(line)
+    if words[0] == "remat":
+        return [sys.executable, "-m", "remat.cli", *words[1:]]
+    if words[0] == "python":
+        return [sys.executable, *words[1:]]
+    raise AssertionError(f"README command {line!r}: this test does not know how to run it")
+
+
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("line", command_lines())
+def test_command_lines_run(line, tmp_path):
+    how = SLOW.get(line)
+    if how == "Makefile target":
+        target = line.split()[1]
+        makefile = (ROOT / "Makefile").read_text()
+        recipe = makefile.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0]
+        assert recipe.strip(), f"make {target} has no recipe"
+        if target == "demo":  # the recipe is `remat demo`: its arguments parse
+            assert "remat demo" in recipe
+            done = _run(_argv("remat demo --help"), tmp_path)
+            assert done.returncode == 0 and "--budgets" in done.stdout
+        else:
+            assert "pytest" in recipe
+        return
+    if how == "--help":
+        done = _run(_argv(line) + ["--help"], ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "usage:" in done.stdout
+        return
+    assert how is None
+    if "bench/report.py" in line:  # it rewrites BENCHMARKS.md next to bench/: run it on a copy
+        shutil.copytree(ROOT / "bench", tmp_path / "bench", ignore=shutil.ignore_patterns("plots"))
+        done = _run(_argv(line), tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert (tmp_path / "BENCHMARKS.md").read_text().startswith("# Benchmarks")
+        return
+    done = _run(_argv(line), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    if "--out" in line:
+        out = shlex.split(line)[shlex.split(line).index("--out") + 1]
+        assert (tmp_path / out).exists() and (tmp_path / out).with_suffix(".png").exists()
+    assert done.stdout.strip()
