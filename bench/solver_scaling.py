@@ -205,7 +205,10 @@ def checks(results: dict) -> list[str]:
 
 
 def markdown(results: dict) -> str:
-    """The BENCHMARKS.md section."""
+    """The BENCHMARKS.md section (a note to rerun when the file comes from an older version)."""
+    if results.get("schema") != SCHEMA:
+        return ("## The planner at real-model scale\n\nThe stored results come from an older version of this "
+                "benchmark; run `python bench/solver_scaling.py` to measure them again.\n")
     env = results.get("environment", {})
     recs = [results["workloads"][w] for w in WORKLOADS if w in results["workloads"]]
     limit = recs[0]["time_limit_s"] if recs else DEFAULT_TIME_LIMIT_S

@@ -128,8 +128,9 @@ def test_sweep_resumes_from_its_json(capsys, tmp_path, monkeypatch):
 
 def test_sweep_stops_at_ctrl_c_keeps_what_it_solved_and_resumes(tmp_path):
     out = tmp_path / "s.json"
-    # the MILP at 50% of random:60:7 runs into its time limit (a minute): Ctrl-C lands inside HiGHS
-    argv = ["sweep", "--graph", "random:60:7", "--methods", "checkpoint_all,chen_sqrtn,milp", "--budgets", "50%,45%",
+    # the exact MILP at 25% of a 59-node chain runs into its time limit (two minutes): Ctrl-C
+    # lands inside HiGHS
+    argv = ["sweep", "--graph", "chain:29", "--methods", "checkpoint_all,chen_sqrtn,milp", "--budgets", "25%,20%",
             "--time-limit", "120", "--out", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "remat.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -156,8 +157,8 @@ def test_sweep_stops_at_ctrl_c_keeps_what_it_solved_and_resumes(tmp_path):
 
     solved = []
     real = remat.sweep._solve_point
-    graph = graph_from_spec("random:60:7")
-    budgets = [int(f * remat.sweep.checkpoint_all_peak(graph)) for f in (0.5, 0.45)]
+    graph = graph_from_spec("chain:29")
+    budgets = [int(f * remat.sweep.checkpoint_all_peak(graph)) for f in (0.25, 0.2)]
     remat.sweep._solve_point = lambda *a: solved.append(a[1:3]) or remat.sweep.SweepPoint(a[1], a[2], 0.0, None)
     try:
         points = sweep(graph, ["checkpoint_all", "chen_sqrtn", "milp"], budgets,
@@ -168,7 +169,8 @@ def test_sweep_stops_at_ctrl_c_keeps_what_it_solved_and_resumes(tmp_path):
 
 
 def test_solve_stops_at_ctrl_c_inside_the_solver():
-    argv = ["solve", "--graph", "random:60:7", "--budget", "50%", "--method", "milp", "--time-limit", "120"]
+    # the exact MILP at 25% of a 59-node chain runs into its time limit (two minutes)
+    argv = ["solve", "--graph", "chain:29", "--budget", "25%", "--method", "milp", "--time-limit", "120"]
     proc = subprocess.Popen([sys.executable, "-m", "remat.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
