@@ -145,7 +145,7 @@ def _instant_bound(graph: Graph, budget_bytes: int, time_limit_s: float) -> floa
 def _retention_rounding(graph: Graph, budget_bytes: int, thresholds: Sequence[float], time_limit_s: float,
                         fallback: bool, started: float) -> SolveResult:
     from remat.solvers.prepared import prepared
-    from remat.solvers.retention import relax_retention, round_solution
+    from remat.solvers.retention import ROUNDING_THRESHOLDS, relax_retention, round_solution
 
     prep = prepared(graph)
     structure = prep.retention
@@ -165,7 +165,7 @@ def _retention_rounding(graph: Graph, budget_bytes: int, thresholds: Sequence[fl
         return _baseline_after_timeout(graph, budget_bytes, started, why, lower_bound=bound.value)
     rounded: list[Candidate] = []
     if relaxed.x is not None:
-        for k, threshold in enumerate(thresholds):
+        for k, threshold in enumerate(dict.fromkeys((*thresholds, *ROUNDING_THRESHOLDS))):
             solution = round_solution(structure, relaxed.x, threshold)
             if solution.model_peak_bytes <= budget_bytes:
                 order = solution.order(structure)

@@ -43,7 +43,7 @@ from remat.solvers.milp_backends import (
 from remat.solvers.milp_model import MilpModel, ModelObjective, build_model
 from remat.solvers.milp_start import Candidate, baseline_candidates, best_fitting, without_unread
 from remat.solvers.prepared import prepared
-from remat.solvers.retention import RetentionSolution, solve_retention
+from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
 
 log = logging.getLogger("remat.solve")
 
@@ -93,7 +93,8 @@ def milp(
 
     ``time_limit_s`` covers the whole call; an infeasible budget then spends up to as long
     again finding the smallest feasible one. The search stops once the gap to the bound is at
-    most ``mip_gap``. ``backend`` ("highs", "cpsat" or "gurobi" if installed) solves
+    most ``mip_gap`` (the retention model's own search, once within
+    ``max(mip_gap, retention.MODEL_GAP)`` of the step's cost of the model's bound). ``backend`` ("highs", "cpsat" or "gurobi" if installed) solves
     Checkmate's exact model on graphs of at most ``exact_max_nodes`` nodes; the retention
     model and the bound always use HiGHS. ``warm_start`` starts the exact model from the best
     plan known (and falls back on it); with ``early_proof`` a known plan that meets the bound
@@ -174,7 +175,7 @@ def _retention(graph: Graph, budget_bytes: int, bound: CostBound, target: float,
     start = prep.best_retention_plan(budget_bytes)
     rows = tuple(sorted(prep.retention_rows)) + ((bound.instant,) if bound.instant is not None else ())
     result = solve_retention(structure, budget_bytes, time_limit_s=max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S),
-                             mip_gap=mip_gap, threads=threads, start=start,
+                             mip_gap=max(mip_gap, MODEL_GAP), threads=threads, start=start,
                              stop_at=target - graph.total_cost, rows=rows)
     if result.solution is None:
         return None
