@@ -75,20 +75,27 @@ def _compile_call(node: fx.Node, slot_of: dict[fx.Node, int]) -> Callable[[list]
 
 
 class _Rng:
-    """Save and restore the generator a random op draws from (per device type)."""
+    """Save and restore the generator a random op draws from (per device type).
+
+    A state is kept as Python bytes, not as a tensor: it is the generator's bookkeeping (5 KiB
+    on CPU, 16 bytes on CUDA, host memory either way), and as a tensor it would sit in the
+    allocator the plan's budget is about, from the op's first run to its last replay.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.index = device.index
 
-    def get(self) -> torch.Tensor:
-        return torch.cuda.get_rng_state(self.index or 0) if self.cuda else torch.get_rng_state()
+    def get(self) -> bytes:
+        state = torch.cuda.get_rng_state(self.index or 0) if self.cuda else torch.get_rng_state()
+        return state.numpy().tobytes()
 
-    def set(self, state: torch.Tensor) -> None:
+    def set(self, state: bytes) -> None:
+        tensor = torch.frombuffer(bytearray(state), dtype=torch.uint8)
         if self.cuda:
-            torch.cuda.set_rng_state(state, self.index or 0)
+            torch.cuda.set_rng_state(tensor, self.index or 0)
         else:
-            torch.set_rng_state(state)
+            torch.set_rng_state(tensor)
 
 
 class PlannedStep:
