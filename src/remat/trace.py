@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -127,6 +128,29 @@ class TracedStep:
     def is_alias(self, i: int) -> bool:
         """Node i allocates nothing: every output shares a storage created elsewhere."""
         return i not in self.storage_owners[i] and self.graph.nodes[i].out_bytes == 0
+
+    def measurements(self) -> dict[str, list]:
+        """What was measured about each node rather than read from the trace: its cost and its
+        kernel scratch bytes (JSON data, for a saved plan to carry)."""
+        return {"node_costs": [n.cost for n in self.graph.nodes], "temp_bytes": [n.temp_bytes for n in self.graph.nodes]}
+
+    def with_measurements(self, node_costs: Sequence[float], temp_bytes: Sequence[int]) -> TracedStep:
+        """The same step with each node's cost and scratch bytes replaced (``measurements()``
+        of an earlier trace); ``ValueError`` names a list of the wrong length or an entry of the
+        wrong kind."""
+        n = self.graph.n
+        for label, values, ok in (
+            ("node_costs", node_costs, lambda c: isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0),
+            ("temp_bytes", temp_bytes, lambda b: isinstance(b, int) and not isinstance(b, bool) and b >= 0),
+        ):
+            if not isinstance(values, (list, tuple)) or len(values) != n:
+                raise ValueError(f"{label} must list one value per node ({n}), not {type(values).__name__} of {len(values) if isinstance(values, (list, tuple)) else '?'}")
+            bad = next((k for k, v in enumerate(values) if not ok(v)), None)
+            if bad is not None:
+                raise ValueError(f"{label}[{bad}] = {values[bad]!r} is not a non-negative number")
+        nodes = tuple(dataclasses.replace(node, cost=float(c), temp_bytes=int(b)) for node, c, b in zip(self.graph.nodes, node_costs, temp_bytes))
+        graph = Graph(nodes=nodes, fixed_bytes=self.graph.fixed_bytes, outputs=self.graph.outputs, name=self.graph.name)
+        return dataclasses.replace(self, graph=graph)
 
     def flat_inputs(self, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The placeholder values for one step: the model's current parameters and buffers
