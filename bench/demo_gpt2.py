@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -46,6 +47,15 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
+def _label(run: dict) -> str:
+    """What ran: the method, or ``"lp_round: segments' plan"`` when plan_graph handed back a
+    full-graph baseline's plan (records written before ``label`` existed say so in their note)."""
+    if "label" in run:
+        return run["label"]
+    match = re.match(r"(\w+) on the full graph is cheaper", run.get("note") or "")
+    return f"{run['method']}: {match.group(1)}'s plan" if match and match.group(1) != run["method"] else run["method"]
+
+
 def markdown(results: dict) -> str:
     c = results["comparison"]
     lines = [
@@ -66,7 +76,7 @@ def markdown(results: dict) -> str:
         gap = "" if r["gap"] is None or r["gap"] < 1e-4 else f" (gap {r['gap']:.1%})"
         grads = "bitwise equal" if r["bitwise_equal"] else f"differ: {r['note']}"
         lines.append(
-            f"| {_mib(r['budget_bytes'])} | {r['method']} | {r['status']}{gap} | {_mib(r['predicted_peak_bytes'])} | "
+            f"| {_mib(r['budget_bytes'])} | {_label(r)} | {r['status']}{gap} | {_mib(r['predicted_peak_bytes'])} | "
             f"{_mib(r['measured_peak_bytes'])} | {r['overhead']:.3f}x | {r['solve_s']:.1f} | {grads} |"
         )
     errors = [abs(r["peak_error"]) for r in c["runs"] if r.get("peak_error") is not None]
