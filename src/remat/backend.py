@@ -18,8 +18,8 @@ A fractional budget (``0.6``, ``"60%"``) is a fraction of the compiled region's 
 the region's forward and backward run once as plain PyTorch on the example inputs when the
 graph is compiled, measured (``memory.region_eager_peak``). So ``"100%"`` means "no more than
 eager PyTorch": remat's own accounting of the unplanned joint graph is higher (AOTAutograd
-hands the backward a gradient for every output, the forward's outputs stay alive), and a
-fraction of it promised less than it said. Where no eager run is possible (the partitioner
+hands the backward a gradient for every output, the forward's outputs stay alive), so
+"100%" of it allowed more memory than eager PyTorch used. Where no eager run is possible (the partitioner
 called without the backend, e.g. through ``aot_function``) the fraction is of that
 unoptimized peak, and the report says so.
 
@@ -495,8 +495,9 @@ def create(
     """A ``torch.compile`` backend that plans every training graph with remat; what
     ``remat.backend(...)`` calls.
 
-    ``budget``: bytes (int), a fraction of the step's unoptimized peak (``0.6`` or ``"60%"``),
-    a size (``"2GiB"``) or ``"cuda-free"`` (the CUDA device's free memory at compile time plus
+    ``budget``: bytes (int), a fraction of the compiled region's eager peak (``0.6`` or
+    ``"60%"``; measured when the region is compiled, so ``"100%"`` is no more than eager
+    PyTorch), a size (``"2GiB"``) or ``"cuda-free"`` (the CUDA device's free memory at compile time plus
     what the graph's inputs hold). ``budget_bytes`` is an int ``budget``. A peak is what remat
     simulates for the compiled region: its inputs, parameters, activations, tangents and
     gradients.
