@@ -330,6 +330,7 @@ def _tag_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 @pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM, nn.RNN])
 def test_rnn_dropout_between_layers_is_refused_naming_the_module(cell):
     """PyTorch's traced RNN leaves inter-layer dropout out: the step would silently differ
@@ -355,6 +356,7 @@ def test_rnns_without_inner_dropout_match_eager_bitwise():
         assert verify.compare(got, want).bitwise, cell.__name__
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's LSTM kernel is not built in")
 def test_fused_cpu_lstm_is_refused_with_a_remedy_that_works():
     """A bare nn.LSTM traced through oneDNN's kernel lost the workspace its backward reads and
