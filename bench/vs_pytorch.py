@@ -6,7 +6,8 @@ every variant runs the same training step (forward, loss, backward) from the sam
 
 * eager PyTorch;
 * remat's backend (``torch.compile(backend=remat.backend(budget, method=...))``) at several
-  budgets, fractions of the step's unoptimized peak as remat simulates it;
+  budgets, fractions of the compiled region's eager peak (measured when it is compiled; results
+  recorded before that change are fractions of the unoptimized peak remat simulates);
 * ``torch.utils.checkpoint`` (non-reentrant) on every block and on every other block;
 * selective activation checkpointing on every block, saving matmuls, convolutions and
   attention (``create_selective_checkpoint_contexts``);
@@ -67,7 +68,7 @@ KINETO_LOG_LEVEL = "6"
 SCHEMA = 1
 FAMILIES = ("eager", "remat", "checkpoint", "sac", "aot")
 MODELS = ("gpt2-d0", "gpt2-d0.1", "resnet50")
-#: remat budgets (fractions of its unoptimized peak) per model family; a budget below what the
+#: remat budgets (fractions of the compiled region's eager peak) per model family; a budget below what the
 #: method can meet falls back to PyTorch's partitioner and is reported as such.
 REMAT_BUDGETS = {"gpt2": (1.0, 0.85, 0.7, 0.6, 0.5), "resnet50": (1.0, 0.9, 0.82, 0.78)}
 #: Step times closer than this (relative) are within the noise of the interleaved medians.

@@ -33,3 +33,46 @@ def test_outcomes_of_every_kind(workload, monkeypatch):
     assert status[("recompute_all", True)].status == "no plan"
     assert status[("recompute_all", True)].note == "solver gave up"
     assert c.to_json()["runs"][0]["peak_error"] == 0.0
+
+
+def test_the_label_says_whose_plan_ran(workload, monkeypatch):
+    """lp_round's row read "lp_round optimal" while plan_graph had handed back a full-graph
+    baseline's plan."""
+    import dataclasses
+
+    real = compare_mod.plan_graph
+
+    def substituted(graph, budget, method, **options):
+        planned = real(graph, budget, "segments")
+        result = dataclasses.replace(planned.result, method=method)
+        note = f"segments on the full graph is cheaper at {planned.overhead:.4f}x: {method} on the grouped graph costs more"
+        return dataclasses.replace(planned, result=result, note=note)
+
+    monkeypatch.setattr(compare_mod, "plan_graph", substituted)
+    c = compare_mod.compare_methods(workload, ["100%"], ["lp_round"], cost_model=CostModel.ESTIMATE)
+    (run,) = c.runs
+    assert run.method == "lp_round" and run.plan_method == "segments"
+    assert run.label == "lp_round: segments's plan"
+    assert c.to_json()["runs"][0]["label"] == "lp_round: segments's plan"
+    monkeypatch.setattr(compare_mod, "plan_graph", real)
+    (own,) = compare_mod.compare_methods(workload, ["100%"], ["chen_greedy"], cost_model=CostModel.ESTIMATE).runs
+    assert own.label == "chen_greedy" and own.plan_method == "chen_greedy"
+
+
+def test_the_demo_table_labels_rows_by_what_ran():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "demo_gpt2.py"
+    spec = importlib.util.spec_from_file_location("bench_demo_gpt2_test", path)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    run = {"method": "lp_round", "budget_bytes": 2**20, "status": "optimal", "predicted_peak_bytes": 2**20,
+           "measured_peak_bytes": 2**20, "overhead": 1.0, "solve_s": 1.0, "gap": 0.0, "bitwise_equal": True,
+           "peak_error": 0.0, "note": "checkpoint_all on the full graph is cheaper at 1.0000x: lp_round on the graph ..."}
+    results = {"command": "python bench/demo_gpt2.py", "machine": "test",
+               "comparison": {"n_nodes": 10, "n_nodes_reduced": 8, "batch_size": 2, "eager_peak_bytes": 2**20,
+                              "checkpoint_all_peak_bytes": 2**20, "fixed_bytes": 0, "runs": [run]}}
+    table = demo.markdown(results)
+    assert "| lp_round: checkpoint_all's plan | optimal |" in table
+    assert "| lp_round | optimal |" not in table

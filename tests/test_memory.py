@@ -24,7 +24,7 @@ def test_counts_outputs_and_frees_exactly():
         c = b.sum()  # +4 (scalar)
         return b, c
 
-    r = measure_peak(fn, x)
+    r = measure_peak(fn, x, method=MemoryMethod.DISPATCH)
     assert (r.resident_bytes, r.dynamic_peak_bytes, r.end_bytes) == (KB4, 2 * KB4, KB4 + 4)
     assert r.peak_bytes == 3 * KB4
     assert r.method is MemoryMethod.DISPATCH and r.device == "cpu"
@@ -38,16 +38,32 @@ def test_views_and_in_place_results_are_not_new_memory():
         y = x.add_(1)  # returns x itself
         return v, y, x.detach()
 
-    r = measure_peak(fn, x)
+    r = measure_peak(fn, x, method=MemoryMethod.DISPATCH)
     assert r.dynamic_peak_bytes == 0 and r.end_bytes == 0
 
 
 def test_repeatable_and_resident_bytes_deduplicate_shared_storage():
     base = torch.zeros(1000)
     assert resident_bytes_of(base, base[:10], [base.view(10, 100)]) == KB4
-    peaks = {measure_peak(lambda t: (t * 2).exp(), base).peak_bytes for _ in range(3)}
+    dispatch = MemoryMethod.DISPATCH
+    peaks = {measure_peak(lambda t: (t * 2).exp(), base, method=dispatch).peak_bytes for _ in range(3)}
     assert peaks == {3 * KB4}
-    assert measure_peak(lambda t: t * 2, base, resident_bytes=0).peak_bytes == KB4
+    assert measure_peak(lambda t: t * 2, base, resident_bytes=0, method=dispatch).peak_bytes == KB4
+    # the profiler is repeatable too; it also sees the wrapped Python scalar (a few bytes)
+    profiled = {measure_peak(lambda t: (t * 2).exp(), base).peak_bytes for _ in range(3)}
+    assert len(profiled) == 1 and 3 * KB4 <= profiled.pop() <= 3 * KB4 + 16
+
+
+def test_the_default_on_cpu_is_the_profiler_which_sees_kernel_scratch():
+    x = torch.randn(1000)
+    dropout = lambda t: torch.ops.aten.native_dropout(t, 0.5, True)  # noqa: E731
+    profiled = measure_peak(dropout, x)
+    outputs_only = measure_peak(dropout, x, method=MemoryMethod.DISPATCH)
+    assert profiled.method is MemoryMethod.PROFILER
+    # output and mask; dropout's random draws (a float per element) only the profiler sees
+    assert outputs_only.dynamic_peak_bytes == KB4 + 1000
+    assert profiled.dynamic_peak_bytes == outputs_only.dynamic_peak_bytes + KB4
+    assert profiled.end_bytes == outputs_only.end_bytes
 
 
 def test_profiler_agrees_with_the_dispatch_tracker_on_a_training_step():
@@ -73,8 +89,10 @@ def test_measured_peak_equals_simulated_peak(name, batch_size):
         step = build_module(t, remat.solve(t.graph, 10**15, method=method).plan)
         _, report = planned_step(w, t, step)
         assert report.resident_bytes == t.graph.fixed_bytes
+        assert report.method is MemoryMethod.PROFILER
         assert_peak_matches(step, report, f"{name} {method} (memory test)")
-        # exact, not just within tolerance: the tracker counts what the simulator counts
+        # exact, not just within tolerance: outputs and measured kernel scratch are what the
+        # simulator counts
         assert report.peak_bytes == step.sim.peak_bytes
 
 

@@ -12,9 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat import verify
 from remat.errors import TraceError
+from remat.execute import build_module
 from remat.graph import NodeKind
 from remat.memory import measure_peak, resident_bytes_of
+from remat.scratch import ScratchModel
 from remat.trace import InputRole, OutputRole, trace
 from torch_helpers import WORKLOADS, traced, workload
 
@@ -299,9 +302,73 @@ def test_meta_device_models_trace_like_cpu_models_without_memory():
     with torch.device("meta"):
         meta = cnn(2)
     meta_batch = tuple(torch.empty_like(x, device="meta") for x in cpu.batch)
-    on_cpu = trace(cpu.model, cpu.batch, cpu.loss_fn, cost_model=None).graph
+    # a meta model runs nowhere: no kernel scratch is modelled unless asked for
+    on_cpu = trace(cpu.model, cpu.batch, cpu.loss_fn, cost_model=None, scratch=ScratchModel.NONE).graph
     on_meta = trace(meta.model, meta_batch, meta.loss_fn, cost_model=CostModel.ESTIMATE).graph
     assert on_meta.fingerprint(costs=False) == on_cpu.fingerprint(costs=False)
     assert on_meta.total_cost > 0
+    estimated_on_cpu = trace(cpu.model, cpu.batch, cpu.loss_fn, cost_model=None).graph
+    estimated_on_meta = trace(meta.model, meta_batch, meta.loss_fn, cost_model=None, scratch=ScratchModel.ESTIMATE).graph
+    assert estimated_on_meta.fingerprint(costs=False) == estimated_on_cpu.fingerprint(costs=False)
+    assert any(n.temp_bytes for n in estimated_on_meta.nodes)
     with pytest.raises(TraceError, match="meta device.*CostModel.ESTIMATE"):
         trace(meta.model, meta_batch, meta.loss_fn)
+
+
+# ---------------------------------------------------------------------------- recurrent modules
+class _Tagger(nn.Module):
+    def __init__(self, cell: type[nn.RNNBase], **kwargs: object) -> None:
+        super().__init__()
+        self.rnn = cell(8, 16, batch_first=True, **kwargs)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def _tag_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+@pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM, nn.RNN])
+def test_rnn_dropout_between_layers_is_refused_naming_the_module(cell):
+    """PyTorch's traced RNN leaves inter-layer dropout out: the step would silently differ
+    from eager (GRU: 4e-3 on the loss gradients)."""
+    model = _Tagger(cell, num_layers=2, dropout=0.3).train()
+    with pytest.raises(TraceError, match=f"module 'rnn' \\({cell.__name__}\\) applies dropout=0.3 between its 2 "
+                                         f"layers in training.*other gradients than eager.*set dropout=0"):
+        trace(model, (torch.randn(4, 5, 8),), _tag_loss, cost_model=None)
+    # what the remedy says works: no dropout inside the RNN, or the module in eval mode
+    model.rnn.eval()
+    with torch.backends.mkldnn.flags(enabled=False):  # (an LSTM also needs this: see below)
+        trace(model, (torch.randn(4, 5, 8),), _tag_loss, cost_model=None)
+
+
+def test_rnns_without_inner_dropout_match_eager_bitwise():
+    for cell in (nn.GRU, nn.RNN):
+        torch.manual_seed(0)
+        model, x = _Tagger(cell, num_layers=2).train(), torch.randn(4, 5, 8)
+        t = trace(model, (x,), _tag_loss, cost_model=None)
+        step = build_module(t, remat.solve(t.graph, 10**15, method="recompute_all").plan)
+        got, _ = verify.planned_step(model, (x,), t, step)
+        want, _ = verify.eager_step(model, (x,), _tag_loss)
+        assert verify.compare(got, want).bitwise, cell.__name__
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's LSTM kernel is not built in")
+def test_fused_cpu_lstm_is_refused_with_a_remedy_that_works():
+    """A bare nn.LSTM traced through oneDNN's kernel lost the workspace its backward reads and
+    crashed with an untranslated RuntimeError when run."""
+    lstm, x = nn.LSTM(8, 16, batch_first=True), torch.randn(4, 5, 8)
+    loss_fn = lambda m, x: m(x)[0].square().mean()  # noqa: E731
+    with pytest.raises(TraceError, match="the model \\(LSTM\\) runs oneDNN's fused CPU LSTM kernel.*"
+                                         "torch.backends.mkldnn.flags\\(enabled=False\\)"):
+        trace(lstm, (x,), loss_fn, cost_model=None)
+    with torch.backends.mkldnn.flags(enabled=False):
+        t = trace(lstm, (x,), loss_fn, cost_model=None)
+        step = build_module(t, remat.solve(t.graph, 10**15, method="recompute_all").plan)
+        got, _ = verify.planned_step(lstm, (x,), t, step)
+        want, _ = verify.eager_step(lstm, (x,), loss_fn)
+    assert verify.compare(got, want).bitwise

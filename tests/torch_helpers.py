@@ -18,6 +18,7 @@ from remat.memory import MemoryReport
 from remat.verify import StepState
 from remat.models import Workload, get_workload
 from remat.schedule import Plan, Schedule
+from remat.scratch import ScratchModel
 from remat.trace import TracedStep, trace
 
 # One intra-op thread: these tests compare values and bytes, not speed, and on a shared
@@ -41,8 +42,10 @@ def workload(name: str, batch_size: int) -> Workload:
 
 @functools.lru_cache(maxsize=None)
 def traced(name: str, batch_size: int) -> TracedStep:
+    """Deterministic costs (FLOP estimate) and measured kernel scratch, so that the profiler's
+    measured peak of an executed plan can be compared with the simulated one."""
     w = workload(name, batch_size)
-    return trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE)
+    return trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE, scratch=ScratchModel.MEASURE)
 
 
 def eager_step(w: Workload, seed: int = 0) -> StepState:
@@ -50,7 +53,8 @@ def eager_step(w: Workload, seed: int = 0) -> StepState:
 
 
 def planned_step(w: Workload, t: TracedStep, step: PlannedStep, seed: int = 0) -> tuple[StepState, MemoryReport]:
-    """Run ``step`` once under the memory tracker on a fresh copy of the model."""
+    """Run ``step`` once, measured by torch.profiler's allocation events, on a fresh copy of
+    the model."""
     return verify.planned_step(w.model, w.batch, t, step, seed=seed)
 
 

@@ -14,15 +14,30 @@ the budget with ``plan_graph`` (coarsen, solve, expand, simulate), and lowers th
 two graphs (``backend_split``): the forward keeps what the plan keeps, the backward recomputes
 what the plan recomputes, in the plan's order; random ops replay their generator state.
 
-Plans are cached by the graph's structural fingerprint, budget, method and options, in memory
-and as JSON under ``cache_dir`` (``backend_cache``): a recompile or a restart does not solve
-again.
+A fractional budget (``0.6``, ``"60%"``) is a fraction of the compiled region's eager peak:
+the region's forward and backward run once as plain PyTorch on the example inputs when the
+graph is compiled, measured (``memory.region_eager_peak``). So ``"100%"`` means "no more than
+eager PyTorch": remat's own accounting of the unplanned joint graph is higher (AOTAutograd
+hands the backward a gradient for every output, the forward's outputs stay alive), so
+"100%" of it allowed more memory than eager PyTorch used. Where no eager run is possible (the partitioner
+called without the backend, e.g. through ``aot_function``) the fraction is of that
+unoptimized peak, and the report says so.
+
+Each node's kernel scratch memory (``remat.scratch``) is measured with the costs
+(``CostModel.PROFILE``) or estimated by rule (``ESTIMATE``) and planned for.
+
+Plans are cached by the graph's structural fingerprint (scratch bytes included), budget,
+method and options, in memory and as JSON under ``cache_dir`` (``backend_cache``): a recompile
+or a restart does not solve again.
 
 Whatever the backend cannot plan (dynamic shapes, mutating ops, a graph without backward, an
 infeasible budget, a failing solver) it hands to PyTorch's min-cut partitioner with a
 ``RematFallbackWarning`` naming the reason: gradients are always right, only not planned. A
 method that fails on a graph (e.g. the MILP's time limit) is first replaced by remat's
-cheapest fitting baseline, also with a warning.
+cheapest fitting baseline, also with a warning. Code that dynamo does not capture never
+reaches any backend: ``nn.RNN``, ``nn.GRU`` and ``nn.LSTM`` (unless
+``torch._dynamo.config.allow_rnn``) run eagerly, unplanned; the backend warns with a
+``RematFallbackWarning`` naming the module (``backend_dynamo``).
 """
 
 from __future__ import annotations
@@ -33,23 +48,27 @@ import os
 import sys
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.fx as fx
 
-from remat import backend_cache, backend_joint
+from remat import backend_cache, backend_dynamo, backend_joint
+from remat.backend_dynamo import RematFallbackWarning
 from remat.backend_joint import JointStep, UnsupportedJointGraph
 from remat.backend_split import split
 from remat.cost import CostModel, node_costs
 from remat.errors import InfeasibleBudgetError, RematError, SolverError
+from remat.fx_graph import with_scratch
 from remat.graph import Graph
+from remat.memory import region_eager_peak
 from remat.planning import GraphPlan, plan_graph
 from remat.schedule import Schedule
+from remat.scratch import ScratchModel, node_scratch
 from remat.simulate import simulate
-from remat.units import BudgetError, check_budget, format_bytes, parse_budget
+from remat.units import EAGER, BudgetError, check_budget, format_bytes, parse_budget
 
 log = logging.getLogger("remat.backend")
 
@@ -61,11 +80,6 @@ OPTIMAL_METHODS = ("milp", "lp_round")
 RESCUE_METHODS = ("segments", "chen_greedy", "chen_sqrtn", "checkpoint_all")
 
 
-class RematFallbackWarning(UserWarning):
-    """The backend did not plan a graph with the requested method (the message says why and
-    what it used instead)."""
-
-
 class _NotPlanned(RematError):
     """Internal: a reason to hand the graph to PyTorch's partitioner."""
 
@@ -73,9 +87,9 @@ class _NotPlanned(RematError):
 # ---------------------------------------------------------------------------- budgets
 @dataclass(frozen=True)
 class Budget:
-    """A parsed budget: exactly one of ``bytes`` (absolute), ``fraction`` (of the step's
-    unoptimized peak: every node computed once, nothing recomputed) or ``cuda_free`` (the CUDA
-    device's free memory plus what the graph's inputs already hold)."""
+    """A parsed budget: exactly one of ``bytes`` (absolute), ``fraction`` (of the compiled
+    region's eager peak, measured when it is compiled; see the module docstring) or
+    ``cuda_free`` (the CUDA device's free memory plus what the graph's inputs already hold)."""
 
     bytes: int | None = None
     fraction: float | None = None
@@ -99,7 +113,7 @@ class Budget:
         if isinstance(budget, float):
             if not (math.isfinite(budget) and 0 < budget <= 1):
                 raise BudgetError(
-                    f"budget {budget!r} is a float, which means a fraction of the unoptimized peak, and must be "
+                    f"budget {budget!r} is a float, which means a fraction of the eager peak, and must be "
                     f"in (0, 1]; give bytes as an int (e.g. budget={int(budget) if math.isfinite(budget) and budget > 1 else 2**30})"
                 )
             return cls(fraction=budget)
@@ -126,19 +140,19 @@ class Budget:
             except ValueError:
                 raise BudgetError(f"budget {budget!r} is not a percentage; write e.g. '60%'") from None
             if not (math.isfinite(value) and 0 < value <= 100):
-                raise BudgetError(f"budget {budget!r} must be a percentage in (0%, 100%] of the unoptimized peak")
+                raise BudgetError(f"budget {budget!r} must be a percentage in (0%, 100%] of the eager peak")
             return cls(fraction=value / 100.0)
         try:
             return cls(bytes=parse_budget(budget))
         except ValueError as exc:
             raise BudgetError(f"{exc}, or 'cuda-free' (CUDA only)") from None
 
-    def resolve(self, unoptimized_peak_bytes: int, fixed_bytes: int, device: torch.device) -> int:
-        """The budget in bytes for one graph."""
+    def resolve(self, reference_bytes: int, fixed_bytes: int, device: torch.device) -> int:
+        """The budget in bytes for one graph (``reference_bytes``: what a fraction is of)."""
         if self.bytes is not None:
             return self.bytes
         if self.fraction is not None:
-            return max(1, int(self.fraction * unoptimized_peak_bytes))
+            return max(1, int(self.fraction * reference_bytes))
         if device.type != "cuda":
             raise BudgetError(
                 f"budget 'cuda-free' needs a graph on a CUDA device but this graph runs on {device}; give "
@@ -152,7 +166,7 @@ class Budget:
         if self.bytes is not None:
             return format_bytes(self.bytes)
         if self.fraction is not None:
-            return f"{self.fraction:.0%} of the unoptimized peak"
+            return f"{self.fraction:.0%} of the eager peak"
         return CUDA_FREE
 
 
@@ -161,8 +175,11 @@ class Budget:
 class PartitionReport:
     """What the backend did with one joint graph. ``fallback`` is the reason it used PyTorch's
     partitioner instead (the plan fields are then None); ``note`` says why ``method`` is not
-    the requested one. Peaks in bytes as remat simulates them; ``overhead``: the plan's compute
-    cost over computing every node once."""
+    the requested one. Peaks in bytes as remat simulates them (kernel scratch included);
+    ``eager_peak_bytes``: the region's eager peak as measured at compile time (None where it
+    could not run); ``reference`` what a fractional budget was a fraction of (``"eager"`` or
+    ``"unoptimized"``, None for a budget in bytes); ``overhead``: the plan's compute cost over
+    computing every node once."""
 
     graph_name: str
     method: str
@@ -171,6 +188,8 @@ class PartitionReport:
     fingerprint: str | None = None
     budget_bytes: int | None = None
     unoptimized_peak_bytes: int | None = None
+    eager_peak_bytes: int | None = None
+    reference: str | None = None
     predicted_peak_bytes: int | None = None
     overhead: float | None = None
     status: str | None = None
@@ -180,17 +199,25 @@ class PartitionReport:
     backward_recomputes: int | None = None
     replayed_random_ops: int | None = None
     note: str | None = None
+    captured: bool = True  # False: code dynamo left eager (``fallback`` says which), no graph
 
     def __str__(self) -> str:
+        if not self.captured:
+            return f"{self.graph_name}: not captured by dynamo, ran eagerly ({self.fallback})"
         if self.fallback is not None:
             return f"{self.graph_name}: PyTorch's min-cut partitioner ({self.fallback})"
         source = "cached plan" if self.from_cache else f"solved in {self.solve_s:.2f} s ({self.status})"
         if self.note:
             source += f" [{self.note}]"
+        of = ""
+        if self.reference is not None:
+            reference = self.eager_peak_bytes if self.reference == "eager" else self.unoptimized_peak_bytes
+            of = f" ({self.budget_bytes / reference:.0%} of the {self.reference} peak)"
+        eager = "" if self.eager_peak_bytes is None else f"eager {format_bytes(self.eager_peak_bytes)}, "
         return (
             f"{self.graph_name}: {self.method} {source}; predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)} of budget {format_bytes(self.budget_bytes)} "
-            f"(unoptimized {format_bytes(self.unoptimized_peak_bytes)}), overhead {self.overhead:.3f}x, "
+            f"{format_bytes(self.predicted_peak_bytes)} of budget {format_bytes(self.budget_bytes)}{of} "
+            f"({eager}unoptimized {format_bytes(self.unoptimized_peak_bytes)}), overhead {self.overhead:.3f}x, "
             f"{self.saved_values} values saved, {self.backward_recomputes} forward ops recomputed in the "
             f"backward, {self.replayed_random_ops} random ops replayed"
         )
@@ -214,17 +241,23 @@ class RematBackend:
     did with every joint graph it partitioned."""
 
     def __init__(self, budget: Budget, method: str, *, cost_model: CostModel, cache_dir: Path | None,
-                 fallback: bool, fw_compiler, bw_compiler, solver_options: dict[str, object]) -> None:
+                 fallback: bool, fw_compiler, bw_compiler, solver_options: dict[str, object],
+                 scratch: ScratchModel | None = None) -> None:
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
         self.budget = budget
         self.method = method
         self.cost_model = cost_model
+        if scratch is None:
+            scratch = ScratchModel.MEASURE if cost_model is CostModel.PROFILE else ScratchModel.ESTIMATE
+        self.scratch = scratch
         self.cache_dir = cache_dir
         self.fallback = fallback
         self.solver_options = dict(solver_options)
         self.reports: list[PartitionReport] = []
+        self._eager_peak: int | None = None  # of the graph being compiled, for partition()
+        backend_dynamo.watch(self)
         self._aot = aot_autograd(
             fw_compiler=fw_compiler or boxed_nop,
             bw_compiler=bw_compiler or fw_compiler or boxed_nop,
@@ -233,7 +266,31 @@ class RematBackend:
         )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> object:
-        return self._aot(gm, example_inputs)
+        backend_dynamo.install()  # again, if torch._dynamo.reset() dropped it
+        self._eager_peak = self._measure_eager(gm, example_inputs) if self.budget.fraction is not None else None
+        try:
+            return self._aot(gm, example_inputs)
+        finally:
+            self._eager_peak = None
+
+    def _measure_eager(self, gm: fx.GraphModule, example_inputs: list) -> int | None:
+        """The captured region's eager peak (what fractional budgets are of), or None if it
+        cannot run here (fake inputs, an op that fails eagerly): fractions are then of the
+        unoptimized peak."""
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+            return None  # an inference graph: nothing is partitioned
+        if any(isinstance(t, FakeTensor) for t in example_inputs):
+            log.warning("remat.backend: the graph's example inputs are fake; budget fractions are of the unoptimized peak")
+            return None
+        try:
+            with unset_fake_temporarily():
+                return region_eager_peak(gm, list(example_inputs)).peak_bytes
+        except Exception as exc:
+            log.warning("remat.backend: the captured graph did not run eagerly (%s); budget fractions are of "
+                        "the unoptimized peak", _reason(exc))
+            return None
 
     def partition(self, joint: fx.GraphModule, joint_inputs: object, *, num_fwd_outputs: int, **kwargs: object):
         """AOTAutograd's ``partition_fn``: the forward and backward modules of a joint graph."""
@@ -262,9 +319,13 @@ class RematBackend:
 
     def _plan(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str):
         step = backend_joint.prepare(joint, num_fwd_outputs, name=name)
+        inputs = self._example_inputs(step)
+        step = replace(step, graph=with_scratch(step.graph, step.node_names, self._scratch(step, inputs)))
         graph = step.graph
         unoptimized = checkpoint_all_peak(graph)
-        budget_bytes = self.budget.resolve(unoptimized, graph.fixed_bytes, _device_of(step))
+        eager = self._eager_peak
+        reference = None if self.budget.fraction is None else ("eager" if eager is not None else "unoptimized")
+        budget_bytes = self.budget.resolve(eager if eager is not None else unoptimized, graph.fixed_bytes, _device_of(step))
         fingerprint = graph.fingerprint(costs=False)
         key = backend_cache.cache_key(fingerprint, budget_bytes, self.method, self.solver_options)
         record = backend_cache.load(key, self.cache_dir)
@@ -272,8 +333,9 @@ class RematBackend:
         from_cache = plan is not None
         if plan is None:
             if record is not None:
-                log.warning("remat.backend: cached plan %s does not replay on %s; solving again", key[:12], name)
-            planned, record = self._solve(step, budget_bytes, unoptimized)
+                log.warning("remat.backend: discarding the cached plan %s: it does not replay on %s within its "
+                            "budget; planning the graph again", backend_cache.where(key, self.cache_dir), name)
+            planned, record = self._solve(step, inputs, budget_bytes, unoptimized)
             backend_cache.store(key, record, self.cache_dir)
             plan = planned.plan
         sim = simulate(graph, plan)
@@ -285,6 +347,8 @@ class RematBackend:
             fingerprint=fingerprint,
             budget_bytes=budget_bytes,
             unoptimized_peak_bytes=unoptimized,
+            eager_peak_bytes=eager,
+            reference=reference,
             predicted_peak_bytes=sim.peak_bytes,
             overhead=record.get("overhead"),
             status=record.get("status"),
@@ -297,21 +361,44 @@ class RematBackend:
         )
         return parts.forward, parts.backward, report
 
-    def _costs(self, step: JointStep) -> dict[str, float]:
+    def _example_inputs(self, step: JointStep) -> list[torch.Tensor] | None:
+        """Real inputs to run the planning graph on (profiled costs, measured scratch), or None
+        when nothing needs them."""
+        if self.cost_model is not CostModel.PROFILE and self.scratch is not ScratchModel.MEASURE:
+            return None
+        return backend_joint.example_inputs(step)
+
+    def _scratch(self, step: JointStep, inputs: list[torch.Tensor] | None) -> dict[str, int]:
+        """Kernel scratch bytes by node name, as ``self.scratch`` says (estimated if measuring
+        fails)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        skip = frozenset(nm for i, nm in enumerate(step.node_names) if step.is_alias(i))
+        with unset_fake_temporarily():
+            if self.scratch is ScratchModel.MEASURE and inputs is not None:
+                try:
+                    return node_scratch(step.module, inputs, ScratchModel.MEASURE, skip=skip)
+                except Exception as exc:  # synthetic inputs can break data-dependent ops
+                    log.warning("remat.backend: measuring scratch memory failed (%s); estimating it instead", _reason(exc))
+            model = ScratchModel.NONE if self.scratch is ScratchModel.NONE else ScratchModel.ESTIMATE
+            return node_scratch(step.module, [], model, skip=skip)
+
+    def _costs(self, step: JointStep, inputs: list[torch.Tensor] | None) -> dict[str, float]:
         """Node costs in microseconds, measured on real tensors outside the compiler's fake mode."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         zero = frozenset(nm for i, nm in enumerate(step.node_names) if step.is_alias(i))
         with unset_fake_temporarily():
-            if self.cost_model is CostModel.PROFILE:
+            if self.cost_model is CostModel.PROFILE and inputs is not None:
                 try:
-                    return node_costs(step.module, backend_joint.example_inputs(step), CostModel.PROFILE, zero_cost=zero)
+                    return node_costs(step.module, inputs, CostModel.PROFILE, zero_cost=zero)
                 except Exception as exc:  # synthetic inputs can break data-dependent ops
                     log.warning("remat.backend: profiling failed (%s); estimating costs instead", _reason(exc))
             return node_costs(step.module, [], CostModel.ESTIMATE, zero_cost=zero)
 
-    def _solve(self, step: JointStep, budget_bytes: int, unoptimized: int) -> tuple[GraphPlan, dict]:
-        costs = self._costs(step)
+    def _solve(self, step: JointStep, inputs: list[torch.Tensor] | None, budget_bytes: int, unoptimized: int
+               ) -> tuple[GraphPlan, dict]:
+        costs = self._costs(step, inputs)
         graph = step.graph.with_costs([costs[nm] for nm in step.node_names])
         method, status, note = self.method, None, None
         if self.method in OPTIMAL_METHODS and budget_bytes >= unoptimized:
@@ -394,6 +481,7 @@ def create(
     budget_bytes: int | None = None,
     method: str = "milp",
     cost_model: CostModel = CostModel.PROFILE,
+    scratch: ScratchModel | None = None,
     cache_dir: str | os.PathLike | None = "default",
     fallback: bool = True,
     fw_compiler=None,
@@ -403,15 +491,17 @@ def create(
     """A ``torch.compile`` backend that plans every training graph with remat; what
     ``remat.backend(...)`` calls.
 
-    ``budget``: bytes (int), a fraction of the step's unoptimized peak (``0.6`` or ``"60%"``),
-    a size (``"2GiB"``) or ``"cuda-free"`` (the CUDA device's free memory at compile time plus
+    ``budget``: bytes (int), a fraction of the compiled region's eager peak (``0.6`` or
+    ``"60%"``; measured when the region is compiled, so ``"100%"`` is no more than eager
+    PyTorch), a size (``"2GiB"``) or ``"cuda-free"`` (the CUDA device's free memory at compile time plus
     what the graph's inputs hold). ``budget_bytes`` is an int ``budget``. A peak is what remat
     simulates for the compiled region: its inputs, parameters, activations, tangents and
     gradients.
 
     ``method`` and ``solver_options`` go to ``plan_graph`` (e.g. ``time_limit_s=30``).
     ``cost_model``: PROFILE times every node once per graph on synthetic inputs (ESTIMATE if
-    that fails). ``cache_dir``: where plans are kept (``"default"``:
+    that fails). ``scratch``: how kernel scratch memory is found (``remat.scratch``; by default
+    measured with PROFILE, estimated otherwise). ``cache_dir``: where plans are kept (``"default"``:
     ``$XDG_CACHE_HOME/remat/plans``; None: this process only). ``fallback=False`` raises instead
     of using PyTorch's partitioner. ``fw_compiler``/``bw_compiler`` compile the two graphs
     (default: run them as they are, like ``aot_eager``).
@@ -423,16 +513,20 @@ def create(
         raise BudgetError("give exactly one of budget= (bytes, fraction, '60%', 'cuda-free') and budget_bytes= (int)")
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)):
         raise BudgetError(f"budget_bytes={budget_bytes!r} must be an int number of bytes; pass fractions and strings as budget=")
-    parsed = Budget.parse(check_budget(budget if budget is not None else budget_bytes, time_limit_s=solver_options.get("time_limit_s"), cuda_free=True))
+    parsed = Budget.parse(check_budget(budget if budget is not None else budget_bytes,
+                                       time_limit_s=solver_options.get("time_limit_s"), cuda_free=True, of=EAGER))
     _check_method(method, solver_options)
     if not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model {cost_model!r} is not a CostModel; use CostModel.PROFILE or CostModel.ESTIMATE")
+    if scratch is not None and not isinstance(scratch, ScratchModel):
+        raise ValueError(f"scratch {scratch!r} is not a ScratchModel; use ScratchModel.MEASURE, ESTIMATE or NONE")
     if cache_dir == "default":
         directory = backend_cache.default_cache_dir()
     else:
         directory = None if cache_dir is None else Path(cache_dir)
     return RematBackend(parsed, method, cost_model=cost_model, cache_dir=directory, fallback=fallback,
-                        fw_compiler=fw_compiler, bw_compiler=bw_compiler, solver_options=solver_options)
+                        fw_compiler=fw_compiler, bw_compiler=bw_compiler, solver_options=solver_options,
+                        scratch=scratch)
 
 
 class _CallableModule(types.ModuleType):

@@ -3,8 +3,10 @@
 A record is JSON data (no pickle): the plan's compute order (values are freed at their last
 use, so the order is the whole plan) and what the solve reported. Records live in this
 process's memory and, when a directory is given, in ``<directory>/<key>.json``, so neither a
-recompile nor a restart solves the same graph again. A record that does not replay on the
-graph it is looked up for (a corrupt or foreign file) is ignored with a warning.
+recompile nor a restart solves the same graph again. A file whose record is not one (not
+JSON, a field missing or of the wrong type, an unknown status) is discarded with a warning
+naming it, and so is a record that does not replay on the graph it is looked up for; the
+graph is then planned again and the file rewritten.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -26,6 +29,45 @@ CACHE_VERSION = 1
 
 _MEMORY: dict[str, dict] = {}
 
+#: Every field of a record and the JSON types it may have (None only where listed).
+FIELDS: dict[str, tuple[type, ...]] = {
+    "fingerprint": (str,),
+    "budget_bytes": (int,),
+    "method": (str,),
+    "note": (str, type(None)),
+    "n_nodes": (int,),
+    "solved_nodes": (int,),
+    "compute_order": (list,),
+    "predicted_peak_bytes": (int,),
+    "overhead": (float, int),
+    "status": (str,),
+    "solve_s": (float, int),
+}
+
+
+def record_problem(record: object) -> str | None:
+    """What makes ``record`` unusable as a plan record, or None if it is one."""
+    from remat.solvers import SolveStatus, methods
+
+    if not isinstance(record, dict) or record.get("format") != CACHE_FORMAT or record.get("version") != CACHE_VERSION:
+        return f"not a version-{CACHE_VERSION} remat backend plan"
+    for key, kinds in FIELDS.items():
+        if key not in record:
+            return f"field {key!r} is missing"
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            return f"field {key!r} is {value!r}, not a {names}"
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"field {key!r} is {value!r}, not a finite number"
+    if record["status"] not in {s.value for s in SolveStatus}:
+        return f"field 'status' is {record['status']!r}, not one of {', '.join(s.value for s in SolveStatus)}"
+    if record["method"] not in methods():
+        return f"field 'method' is {record['method']!r}, not a remat method"
+    if record["overhead"] < 1 - 1e-9 or record["solve_s"] < 0:
+        return f"field 'overhead' ({record['overhead']!r}) or 'solve_s' ({record['solve_s']!r}) is out of range"
+    return None
+
 
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/remat/plans`` (``~/.cache/remat/plans`` by default)."""
@@ -37,6 +79,11 @@ def cache_key(fingerprint: str, budget_bytes: int, method: str, options: dict[st
     """The key of one planning problem (the graph's structure, not its profiled costs)."""
     payload = [CACHE_VERSION, fingerprint, int(budget_bytes), method, sorted((k, repr(v)) for k, v in options.items())]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def where(key: str, directory: Path | None) -> str:
+    """The file of ``key`` under ``directory`` (or where an in-memory record lives)."""
+    return str(directory / f"{key}.json") if directory is not None else f"in-memory plan {key[:12]}"
 
 
 def load(key: str, directory: Path | None) -> dict | None:
@@ -52,10 +99,11 @@ def load(key: str, directory: Path | None) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable cached plan %s: %s", path, exc)
+        log.warning("discarding the cached plan %s: unreadable (%s); planning the graph again", path, exc)
         return None
-    if not isinstance(record, dict) or record.get("format") != CACHE_FORMAT or record.get("version") != CACHE_VERSION:
-        log.warning("ignoring %s: not a version-%d remat backend plan", path, CACHE_VERSION)
+    problem = record_problem(record)
+    if problem is not None:
+        log.warning("discarding the cached plan %s: %s; planning the graph again", path, problem)
         return None
     _MEMORY[key] = record
     return record

@@ -271,7 +271,7 @@ def _print_runs(comparison) -> None:
             f"{format_bytes(r.measured_peak_bytes)} ({r.peak_error:+.2%})")
         grads = "-" if r.bitwise_equal is None else "bitwise equal" if r.bitwise_equal else f"DIFFER ({r.note})"
         status = r.status if r.gap is None or r.gap < 1e-4 else f"{r.status} (gap {r.gap:.1%})"
-        table.add_row(format_bytes(r.budget_bytes), r.method, status, format_bytes(r.predicted_peak_bytes), measured,
+        table.add_row(format_bytes(r.budget_bytes), r.label, status, format_bytes(r.predicted_peak_bytes), measured,
                       f"{r.overhead:.3f}x", f"{r.solve_s:.1f} s", grads)
     out.print(table)
 

@@ -8,6 +8,7 @@ overhead, and whether loss and gradients are bitwise those of eager PyTorch.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -18,7 +19,7 @@ from remat.cost import CostModel
 from remat.errors import InfeasibleBudgetError, SolverError, UnsupportedGraphError
 from remat.execute import build_module
 from remat.models import Workload
-from remat.planning import plan_graph
+from remat.planning import GraphPlan, plan_graph
 from remat.schedule import Schedule
 from remat.simulate import simulate
 from remat.trace import TracedStep, trace
@@ -27,15 +28,21 @@ from remat.verify import compare, eager_step, planned_step
 
 log = logging.getLogger("remat.compare")
 
+#: How ``plan_graph``'s note says a full-graph baseline's plan replaced the method's own.
+_SUBSTITUTED = re.compile(r"(\w+) on the full graph is cheaper")
+
 
 @dataclass(frozen=True)
 class MethodRun:
     """One method at one budget. ``status`` is the solver's status, or ``infeasible`` /
-    ``not applicable`` when the method has no plan (``note`` says why)."""
+    ``not applicable`` when the method has no plan (``note`` says why). ``plan_method`` is the
+    method whose plan ran: ``plan_graph`` hands back a baseline's plan on the full graph when
+    it is cheaper than what ``method`` found on the grouped graph (``label`` shows both)."""
 
     method: str
     budget_bytes: int
     status: str
+    plan_method: str | None = None
     predicted_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None
     overhead: float | None = None
@@ -44,6 +51,13 @@ class MethodRun:
     bitwise_equal: bool | None = None
     max_abs_diff: float | None = None
     note: str = ""
+
+    @property
+    def label(self) -> str:
+        """``"lp_round"``, or ``"lp_round: segments' plan"`` when another method's plan ran."""
+        if self.plan_method is None or self.plan_method == self.method:
+            return self.method
+        return f"{self.method}: {self.plan_method}'s plan"
 
     @property
     def peak_error(self) -> float | None:
@@ -67,7 +81,7 @@ class Comparison:
 
     def to_json(self) -> dict[str, object]:
         record = asdict(self)
-        record["runs"] = [{**asdict(r), "peak_error": r.peak_error} for r in self.runs]
+        record["runs"] = [{**asdict(r), "label": r.label, "peak_error": r.peak_error} for r in self.runs]
         return record
 
 
@@ -112,6 +126,13 @@ def compare_methods(
     )
 
 
+def plan_source(planned_graph: GraphPlan, method: str) -> str:
+    """The method whose plan ``planned_graph`` holds: ``method``, or the full-graph baseline
+    ``plan_graph`` substituted (its note starts with that baseline's name)."""
+    match = _SUBSTITUTED.match(planned_graph.note or "")
+    return match.group(1) if match else method
+
+
 def _one(workload: Workload, traced: TracedStep, budget: int, method: str, options: dict[str, object],
          run: bool, want) -> MethodRun:
     try:
@@ -125,7 +146,7 @@ def _one(workload: Workload, traced: TracedStep, budget: int, method: str, optio
         return MethodRun(method, budget, "no plan", note=str(exc).split(";")[0])
     result = planned_graph.result
     fields = dict(
-        method=method, budget_bytes=budget, status=result.status.value,
+        method=method, budget_bytes=budget, status=result.status.value, plan_method=plan_source(planned_graph, method),
         predicted_peak_bytes=planned_graph.sim.peak_bytes, overhead=planned_graph.overhead,
         solve_s=result.solve_s, gap=result.gap,
     )

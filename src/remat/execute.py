@@ -21,7 +21,9 @@ Two things need care beyond running ops in order:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -75,20 +77,27 @@ def _compile_call(node: fx.Node, slot_of: dict[fx.Node, int]) -> Callable[[list]
 
 
 class _Rng:
-    """Save and restore the generator a random op draws from (per device type)."""
+    """Save and restore the generator a random op draws from (per device type).
+
+    A state is kept as Python bytes, not as a tensor: it is the generator's bookkeeping (5 KiB
+    on CPU, 16 bytes on CUDA, host memory either way), and as a tensor it would sit in the
+    allocator the plan's budget is about, from the op's first run to its last replay.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.index = device.index
 
-    def get(self) -> torch.Tensor:
-        return torch.cuda.get_rng_state(self.index or 0) if self.cuda else torch.get_rng_state()
+    def get(self) -> bytes:
+        state = torch.cuda.get_rng_state(self.index or 0) if self.cuda else torch.get_rng_state()
+        return state.numpy().tobytes()
 
-    def set(self, state: torch.Tensor) -> None:
+    def set(self, state: bytes) -> None:
+        tensor = torch.frombuffer(bytearray(state), dtype=torch.uint8)
         if self.cuda:
-            torch.cuda.set_rng_state(state, self.index or 0)
+            torch.cuda.set_rng_state(tensor, self.index or 0)
         else:
-            torch.set_rng_state(state)
+            torch.set_rng_state(tensor)
 
 
 class PlannedStep:
@@ -189,6 +198,61 @@ def _device_of(n: fx.Node) -> torch.device:
         if isinstance(t, torch.Tensor):
             return t.device
     return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What the simulator states about a plan compiled for a traced step: peaks in bytes
+    (kernel scratch included), costs in the graph's unit, the structural fingerprint. A
+    report built from these is true by construction; ``contradictions`` lists where a stated
+    report (a saved file's) says otherwise."""
+
+    predicted_peak_bytes: int
+    fixed_bytes: int
+    checkpoint_all_peak_bytes: int
+    cost_us: float
+    checkpoint_all_cost_us: float
+    overhead: float
+    recomputed_nodes: int
+    n_nodes: int
+    fingerprint: str
+
+    @classmethod
+    def of(cls, planned: PlannedStep) -> PlanFacts:
+        import numpy as np
+
+        from remat.schedule import Schedule
+
+        graph = planned.traced.graph
+        everything_once = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
+        return cls(
+            predicted_peak_bytes=planned.sim.peak_bytes,
+            fixed_bytes=graph.fixed_bytes,
+            checkpoint_all_peak_bytes=everything_once.peak_bytes,
+            cost_us=planned.sim.total_cost,
+            checkpoint_all_cost_us=graph.total_cost,
+            overhead=planned.sim.total_cost / graph.total_cost if graph.total_cost > 0 else 1.0,
+            recomputed_nodes=int(sum(c > 1 for c in planned.sim.compute_counts)),
+            n_nodes=graph.n,
+            fingerprint=graph.fingerprint(costs=False),
+        )
+
+    def contradictions(self, stated: dict[str, object]) -> list[str]:
+        """``"field: the file promises X, the plan simulates to Y"`` for every fact ``stated``
+        gives differently (numbers to a relative 1e-9)."""
+        found = []
+        for key, fact in dataclasses.asdict(self).items():
+            if key not in stated:
+                continue
+            value = stated[key]
+            if isinstance(fact, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+                same = value == fact
+            else:
+                same = math.isclose(float(value), float(fact), rel_tol=1e-9, abs_tol=1e-12)
+            if not same:
+                unit = " B" if key.endswith("_bytes") else ""
+                found.append(f"{key}: the file promises {value!r}{unit}, the plan simulates to {fact!r}{unit}")
+        return found
 
 
 def build_module(traced: TracedStep, plan: Plan) -> PlannedStep:

@@ -151,4 +151,8 @@ def build_graph(gm: fx.GraphModule, kinds: dict[str, NodeKind], name: str, *, re
     return graph, tuple(n.name for n in compute), tuple(owners), tuple(random_nodes)
 
 
-# ---------------------------------------------------------------------------- error translation
+def with_scratch(graph: Graph, node_names: tuple[str, ...], scratch: dict[str, int]) -> Graph:
+    """``graph`` with each node's ``temp_bytes`` set to the kernel scratch of its fx node
+    (``scratch`` by fx node name; see ``remat.scratch``)."""
+    nodes = tuple(dataclasses.replace(n, temp_bytes=int(scratch.get(name, 0))) for n, name in zip(graph.nodes, node_names, strict=True))
+    return Graph(nodes=nodes, fixed_bytes=graph.fixed_bytes, outputs=graph.outputs, name=graph.name)

@@ -33,8 +33,9 @@ class Node:
     ``out_bytes`` is what computing the node allocates; ``cost`` is its compute cost in the
     graph's one cost unit (microseconds for traced graphs). ``recomputable`` is False for
     operations that must run exactly once per step. ``temp_bytes`` is scratch memory held
-    only while the node is being computed, on top of its output (zero for a traced op; a
-    grouped node of a coarse graph holds its members' internal values there). ``kept_bytes``
+    only while the node is being computed, on top of its output (a traced op's kernel
+    scratch, see ``remat.scratch``; a grouped node of a coarse graph holds its members'
+    internal values there). ``kept_bytes``
     are allocated with the output but never freed: the step outputs (gradients) a grouped node
     computes along with values that are freed; a node with kept bytes runs once.
     """

@@ -1,12 +1,12 @@
 """Measure the real peak memory of a function call, comparable to the simulator's peak.
 
-On CPU the default is exact and repeatable: a ``TorchDispatchMode`` sees every aten op the
-call runs, records each new storage an op returns (outputs sharing a storage with an input
-are views and are skipped) and subtracts it when a weak reference on the storage says it was
-freed. It counts what the simulator counts (op outputs) and nothing else: not kernel scratch
-space, not allocator rounding. ``torch.profiler``'s memory events see every allocation,
-scratch included; ``cross_check`` runs both so the two can be compared. On CUDA the caching
-allocator's own counters are used.
+On CPU the default is ``torch.profiler``'s allocation events, replayed in order: they see
+every allocation, kernel scratch space included, which is what the simulator models with
+each node's ``temp_bytes``. ``MemoryMethod.DISPATCH`` is a ``TorchDispatchMode`` that records
+each new storage an op returns (outputs sharing a storage with an input are views and are
+skipped) and subtracts it when a weak reference on the storage says it was freed: exact and
+repeatable for op outputs, blind to scratch space. ``cross_check`` runs both. On CUDA the
+caching allocator's own counters are used.
 
 Every report includes the bytes resident before the call (the storages of the arguments:
 parameters, buffers, batch), the same quantity a traced ``Graph`` calls ``fixed_bytes``, so
@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_leaves
 
 
 class MemoryMethod(enum.Enum):
-    DISPATCH = "dispatch"  # storages returned by aten ops (CPU default; exact)
-    PROFILER = "profiler"  # torch.profiler allocation events (includes scratch memory)
+    DISPATCH = "dispatch"  # storages returned by aten ops (exact for outputs; no scratch)
+    PROFILER = "profiler"  # torch.profiler allocation events, scratch included (CPU default)
     CUDA_ALLOCATOR = "cuda_allocator"  # torch.cuda.max_memory_allocated
 
 
@@ -98,18 +98,18 @@ def measure_peak(
 ) -> MemoryReport:
     """Call ``fn(*args)`` once and report its peak memory.
 
-    ``method`` defaults to ``DISPATCH`` on CPU and ``CUDA_ALLOCATOR`` on CUDA (picked from the
+    ``method`` defaults to ``PROFILER`` on CPU and ``CUDA_ALLOCATOR`` on CUDA (picked from the
     first tensor argument). ``resident_bytes`` defaults to the argument storages' bytes.
 
     >>> import torch
     >>> x = torch.zeros(1000)
-    >>> r = measure_peak(lambda x: (x + 1) * 2, x)
+    >>> r = measure_peak(lambda x: (x + 1) * 2, x, method=MemoryMethod.DISPATCH)
     >>> r.resident_bytes, r.dynamic_peak_bytes, r.end_bytes
     (4000, 8000, 4000)
     """
     device = _device_of(args)
     if method is None:
-        method = MemoryMethod.CUDA_ALLOCATOR if device.type == "cuda" else MemoryMethod.DISPATCH
+        method = MemoryMethod.CUDA_ALLOCATOR if device.type == "cuda" else MemoryMethod.PROFILER
     resident = resident_bytes_of(args) if resident_bytes is None else int(resident_bytes)
     if method is MemoryMethod.DISPATCH:
         dynamic, end = _dispatch_peak(fn, args)
@@ -137,20 +137,37 @@ def _dispatch_peak(fn: Callable[..., object], args: tuple) -> tuple[int, int]:
     return tracker.peak_bytes, end
 
 
-def _profiler_peak(fn: Callable[..., object], args: tuple) -> tuple[int, int]:
+def profiled_events(fn: Callable[[], object], mark: str | None = None
+                    ) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+    """Call ``fn()`` under ``torch.profiler`` and return its CPU allocation events as
+    ``(time_ns, bytes)`` in time order (frees are negative) and, when ``mark`` is given, the
+    ``(start_ns, end_ns)`` of every ``record_function`` range whose name starts with it, by the
+    rest of its name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn(*args)
+        result = fn()
     del result
     cpu = torch.autograd.DeviceType.CPU
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
-    events.sort(key=lambda e: e.start_ns())
+    memory, ranges = [], {}
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if name == "[memory]":
+            if e.device_type() == cpu:
+                memory.append((e.start_ns(), e.nbytes()))
+        elif mark is not None and name.startswith(mark):
+            ranges[name[len(mark):]] = (e.start_ns(), e.start_ns() + e.duration_ns())
+    memory.sort(key=lambda event: event[0])
+    return memory, ranges
+
+
+def _profiler_peak(fn: Callable[..., object], args: tuple) -> tuple[int, int]:
+    memory, _ = profiled_events(lambda: fn(*args))
     live = peak = 0
-    for e in events:
-        live += e.nbytes()
+    for _, nbytes in memory:
+        live += nbytes
         peak = max(peak, live)
-    # The profiler stops before ``result`` is dropped, so ``live`` is what the call left.
+    # The profiler stops before the call's result is dropped, so ``live`` is what it left.
     return peak, live
 
 
@@ -164,3 +181,43 @@ def _cuda_peak(fn: Callable[..., object], args: tuple, device: torch.device) -> 
     end = torch.cuda.memory_allocated(device) - base
     del result
     return peak, end
+
+
+def region_eager_peak(fn: Callable[..., object], inputs: list) -> MemoryReport:
+    """Peak memory of one eager training step of the compiled region ``fn`` (a graph that
+    ``torch.compile`` captured) on ``inputs``: its forward, then autograd's backward. A region
+    that computes a loss (a scalar output that requires grad) is a training step by itself:
+    the backward starts from its scalar outputs, and the other outputs are dropped after the
+    forward, as a training loop drops the logits it does not use. Otherwise the loss is
+    computed outside: the backward starts from every output that requires grad, with a
+    gradient of ones, the outputs held until it ends.
+
+    Parameters take part through detached aliases (their ``.grad`` is untouched); every other
+    tensor is cloned first, so buffers the region updates in place stay as they were; the
+    random generators are restored. The resident bytes are those of the region's inputs."""
+    args = []
+    for t in inputs:
+        if not isinstance(t, torch.Tensor):
+            args.append(t)
+        elif isinstance(t, torch.nn.Parameter) or t.requires_grad:
+            args.append(t.detach().requires_grad_(t.requires_grad))
+        else:
+            args.append(t.clone())
+
+    def step() -> None:
+        with torch.enable_grad():
+            outputs = [o for o in tree_leaves(fn(*args)) if isinstance(o, torch.Tensor) and o.requires_grad]
+            losses = [o for o in outputs if o.numel() == 1]
+            if losses:
+                outputs = losses
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+
+    anchor = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor)), torch.empty(0))
+    with torch.random.fork_rng(devices=_cuda_devices(args)):
+        # the anchor tensor only tells measure_peak the device
+        return measure_peak(lambda _: step(), anchor, resident_bytes=resident_bytes_of(inputs))
+
+
+def _cuda_devices(values: list) -> list[int]:
+    return sorted({t.device.index or 0 for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.is_cuda})

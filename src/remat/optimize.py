@@ -17,12 +17,15 @@ behave as usual. Buffers the step mutates (batch-norm running statistics) are up
 call, after the plan has run.
 
 Plans are saved as JSON (``step.save(path)``) keyed by the traced graph's structural
-fingerprint and the budget; ``TrainingStep.load`` re-traces the model (cheap) and refuses a
-file made for another graph or budget, or one that does not parse.
+fingerprint and the budget, with what was measured per node (costs, kernel scratch bytes);
+``TrainingStep.load`` re-traces the model (cheap), rebuilds the report from the plan (the
+simulator's account, not the file's words) and refuses a file made for another graph or
+budget, one that does not parse, or one whose report the plan contradicts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -33,7 +36,7 @@ import torch
 
 from remat.cost import CostModel
 from remat.errors import ScheduleError, TraceError
-from remat.execute import PlannedStep, build_module
+from remat.execute import PlanFacts, PlannedStep, build_module
 from remat.planning import plan_graph
 from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
@@ -42,7 +45,7 @@ from remat.trace import LossFn, TracedStep, batch_index, trace
 from remat.units import BudgetError, check_budget, format_bytes, parse_budget
 
 PLAN_FORMAT = "remat.training_step"
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 
 
 class PlanFileError(ScheduleError):
@@ -147,6 +150,7 @@ class TrainingStep:
             "budget_bytes": self.report.budget_bytes,
             "n_nodes": self.traced.graph.n,
             "compute_order": list(self.plan.compute_order),
+            **self.traced.measurements(),
             "report": self.report.to_json(),
         }
         tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
@@ -169,6 +173,11 @@ class TrainingStep:
         the file is missing or malformed."""
         record = _read_plan(path)
         traced = trace(model, example_inputs, loss_fn, cost_model=None)
+        if record["n_nodes"] == traced.graph.n:
+            try:
+                traced = traced.with_measurements(record["node_costs"], record["temp_bytes"])
+            except ValueError as exc:
+                raise PlanFileError(f"saved plan {os.fspath(path)!r}: {exc}; the file is corrupt: run optimize() again") from exc
         graph = traced.graph
         fingerprint = graph.fingerprint(costs=False)
         if record["fingerprint"] != fingerprint or record["n_nodes"] != graph.n:
@@ -198,16 +207,20 @@ class TrainingStep:
                 f"saved plan {os.fspath(path)!r} does not replay on this graph ({exc}); the file is "
                 f"corrupt: delete it and run optimize() again"
             ) from exc
+        facts = PlanFacts.of(planned)
+        problems = facts.contradictions(record["report"])
+        if planned.sim.peak_bytes > record["budget_bytes"]:
+            problems.append(f"the plan simulates to {planned.sim.peak_bytes} B, over its budget of {record['budget_bytes']} B")
+        if problems:
+            raise PlanFileError(
+                f"saved plan {os.fspath(path)!r}: {'; '.join(problems[:3])}; the file is corrupt: run optimize() again"
+            )
         try:
-            report = StepReport.from_json(record["report"])
+            stated = record["report"]
+            report = StepReport(method=stated["method"], status=SolveStatus(stated["status"]), budget_bytes=record["budget_bytes"],
+                                solve_s=float(stated["solve_s"]), note=str(stated.get("note", "")), **dataclasses.asdict(facts))
         except (TypeError, ValueError, KeyError) as exc:
             raise PlanFileError(f"saved plan {os.fspath(path)!r}: unreadable report ({exc})") from exc
-        if planned.sim.peak_bytes != report.predicted_peak_bytes or planned.sim.peak_bytes > record["budget_bytes"]:
-            raise PlanFileError(
-                f"saved plan {os.fspath(path)!r}: its schedule simulates to peak "
-                f"{planned.sim.peak_bytes} B but the file promises {report.predicted_peak_bytes} B "
-                f"within {record['budget_bytes']} B; the file is corrupt: run optimize() again"
-            )
         return cls(model, traced, plan, planned, report)
 
 
@@ -247,7 +260,7 @@ def _read_plan(path: str | os.PathLike) -> dict:
         ) from exc
     expected = {
         "format": str, "version": int, "fingerprint": str, "budget_bytes": int, "n_nodes": int,
-        "compute_order": list, "report": dict,
+        "compute_order": list, "node_costs": list, "temp_bytes": list, "report": dict,
     }
     if not isinstance(record, dict) or record.get("format") != PLAN_FORMAT:
         raise PlanFileError(
@@ -297,22 +310,8 @@ def optimize(
     planned_graph = plan_graph(graph, budget, method=method, **solver_options)
     result = planned_graph.result
     planned = build_module(traced, planned_graph.plan)
-    report = StepReport(
-        method=method,
-        status=result.status,
-        budget_bytes=budget,
-        predicted_peak_bytes=planned.sim.peak_bytes,
-        fixed_bytes=graph.fixed_bytes,
-        checkpoint_all_peak_bytes=baseline.peak_bytes,
-        cost_us=planned.sim.total_cost,
-        checkpoint_all_cost_us=graph.total_cost,
-        overhead=planned.sim.total_cost / graph.total_cost if graph.total_cost > 0 else 1.0,
-        recomputed_nodes=int(sum(c > 1 for c in planned.sim.compute_counts)),
-        n_nodes=graph.n,
-        solve_s=result.solve_s,
-        fingerprint=graph.fingerprint(costs=False),
-        note=planned_graph.note,
-    )
+    report = StepReport(method=method, status=result.status, budget_bytes=budget, solve_s=result.solve_s,
+                        note=planned_graph.note, **dataclasses.asdict(PlanFacts.of(planned)))
     return TrainingStep(model, traced, planned_graph.plan, planned, report)
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,9 +35,10 @@ from torch.utils._pytree import tree_leaves
 
 from remat import cost as cost_mod
 from remat.errors import TraceError
-from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs
+from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
+from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
-from remat.trace_errors import explain_trace_failure
+from remat.trace_errors import RnnWatch, explain_trace_failure
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -127,6 +129,29 @@ class TracedStep:
         """Node i allocates nothing: every output shares a storage created elsewhere."""
         return i not in self.storage_owners[i] and self.graph.nodes[i].out_bytes == 0
 
+    def measurements(self) -> dict[str, list]:
+        """What was measured about each node rather than read from the trace: its cost and its
+        kernel scratch bytes (JSON data, for a saved plan to carry)."""
+        return {"node_costs": [n.cost for n in self.graph.nodes], "temp_bytes": [n.temp_bytes for n in self.graph.nodes]}
+
+    def with_measurements(self, node_costs: Sequence[float], temp_bytes: Sequence[int]) -> TracedStep:
+        """The same step with each node's cost and scratch bytes replaced (``measurements()``
+        of an earlier trace); ``ValueError`` names a list of the wrong length or an entry of the
+        wrong kind."""
+        n = self.graph.n
+        for label, values, ok in (
+            ("node_costs", node_costs, lambda c: isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0),
+            ("temp_bytes", temp_bytes, lambda b: isinstance(b, int) and not isinstance(b, bool) and b >= 0),
+        ):
+            if not isinstance(values, (list, tuple)) or len(values) != n:
+                raise ValueError(f"{label} must list one value per node ({n}), not {type(values).__name__} of {len(values) if isinstance(values, (list, tuple)) else '?'}")
+            bad = next((k for k, v in enumerate(values) if not ok(v)), None)
+            if bad is not None:
+                raise ValueError(f"{label}[{bad}] = {values[bad]!r} is not a non-negative number")
+        nodes = tuple(dataclasses.replace(node, cost=float(c), temp_bytes=int(b)) for node, c, b in zip(self.graph.nodes, node_costs, temp_bytes))
+        graph = Graph(nodes=nodes, fixed_bytes=self.graph.fixed_bytes, outputs=self.graph.outputs, name=self.graph.name)
+        return dataclasses.replace(self, graph=graph)
+
     def flat_inputs(self, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The placeholder values for one step: the model's current parameters and buffers
         (detached, sharing storage, so buffer updates land in the model), the batch, the
@@ -175,12 +200,16 @@ def trace(
     cost_model: cost_mod.CostModel | None = cost_mod.CostModel.PROFILE,
     name: str | None = None,
     replay_rng: bool = True,
+    scratch: ScratchModel | None = None,
 ) -> TracedStep:
     """Trace ``loss_fn(model, *example_inputs)`` and its backward into a ``TracedStep``.
 
     ``cost_model`` picks how node costs (microseconds) are found; None leaves every cost 0
     (structure only, e.g. to check a saved plan). With ``replay_rng`` (default) random ops are
     recomputable and a recomputation replays the generator state; otherwise they must run once.
+    ``scratch`` picks how each node's kernel scratch memory (its ``temp_bytes``) is found
+    (``remat.scratch``); by default it is measured when costs are profiled, estimated by
+    per-op rules otherwise, and not modelled for a model on the meta device (it runs nowhere).
 
     >>> import torch
     >>> m = torch.nn.Linear(4, 2)
@@ -206,10 +235,13 @@ def trace(
             "the model or batch is on the meta device, which has no data to time; pass "
             "cost_model=CostModel.ESTIMATE (or None)"
         )
+    scratch = _scratch_model(scratch, cost_model, on_meta)
     fake_mode = FakeTensorMode()
     fakes = [_fake_input(fake_mode, t) for t in flat]
     kinds_by_name: dict[str, NodeKind] = {}
-    gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), fakes, kinds_by_name)
+    with RnnWatch(model) as rnns:
+        gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), fakes, kinds_by_name)
+    rnns.check_graph(gm)
 
     roles = [InputRole.PARAM] * len(params) + [InputRole.BUFFER] * len(buffers) + [InputRole.INPUT] * len(batch)
     slot_keys = keys + [f"batch[{i}]" for i in range(len(batch))]
@@ -227,6 +259,8 @@ def trace(
     graph, node_names, owners, random_nodes = build_graph(
         gm, kinds_by_name, name or type(model).__name__, replay_rng=replay_rng
     )
+    aliases = frozenset(nm for i, nm in enumerate(node_names) if i not in owners[i] and graph.nodes[i].out_bytes == 0)
+    graph = with_scratch(graph, node_names, node_scratch(gm, [*flat, *constants], scratch, skip=aliases))
     traced = TracedStep(
         graph=graph,
         module=gm,
@@ -245,6 +279,21 @@ def trace(
         costs = cost_mod.node_costs(gm, [*flat, *constants], cost_model, zero_cost=zero)
         traced = dataclasses.replace(traced, graph=graph.with_costs([costs[name] for name in node_names]))
     return traced
+
+
+def _scratch_model(scratch: ScratchModel | None, cost_model: cost_mod.CostModel | None, on_meta: bool) -> ScratchModel:
+    if scratch is None:
+        if on_meta:
+            return ScratchModel.NONE
+        return ScratchModel.MEASURE if cost_model is cost_mod.CostModel.PROFILE else ScratchModel.ESTIMATE
+    if not isinstance(scratch, ScratchModel):
+        raise TraceError(f"scratch={scratch!r} is not a ScratchModel; use ScratchModel.MEASURE, ESTIMATE or NONE")
+    if on_meta and scratch is ScratchModel.MEASURE:
+        raise TraceError(
+            "the model or batch is on the meta device, which has no data to run; scratch memory "
+            "cannot be measured there: pass scratch=ScratchModel.ESTIMATE (or NONE)"
+        )
+    return scratch
 
 
 # ---------------------------------------------------------------------------- batch checks

@@ -1,4 +1,5 @@
-"""Turning a failure inside tracing into a ``TraceError`` that names the user's line."""
+"""Turning a failure inside tracing into a ``TraceError`` that names the user's line, and
+refusing the modules whose traced form would not compute what eager PyTorch computes."""
 
 from __future__ import annotations
 
@@ -82,3 +83,62 @@ def _source_line(filename: str, lineno: int) -> str | None:
 def _describe_module(model: torch.nn.Module, name: str) -> str:
     module = model.get_submodule(name)
     return f"module {name!r} ({type(module).__name__})" if name else f"the model ({type(model).__name__})"
+
+
+# ---------------------------------------------------------------------------- recurrent modules
+class RnnWatch:
+    """Watches the ``nn.RNN``/``nn.GRU``/``nn.LSTM`` modules a trace calls and refuses, with a
+    ``TraceError`` naming the module and a remedy, the two cases whose traced step would not be
+    eager PyTorch's:
+
+    * dropout between layers in training: PyTorch's traced RNN (its decomposition into cells)
+      leaves that dropout out, so the traced step computes other gradients, silently;
+    * oneDNN's fused CPU LSTM (``aten.mkldnn_rnn_layer``): its traced form has no workspace,
+      which its backward needs, so the step cannot run.
+
+    Use as a context manager around tracing, then ``check_graph`` the traced module.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, torch.nn.RNNBase)}
+        self.called: dict[str, torch.nn.RNNBase] = {}
+        self.handles: list = []
+
+    def __enter__(self) -> RnnWatch:
+        for m in self.model.modules():
+            if id(m) in self.names:
+                self.handles.append(m.register_forward_pre_hook(self._called))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _called(self, module: torch.nn.RNNBase, args: object) -> None:
+        name = self.names[id(module)]
+        self.called[name] = module
+        if module.training and module.dropout > 0 and module.num_layers > 1:
+            kind = type(module).__name__
+            raise TraceError(
+                f"{_describe_module(self.model, name)} applies dropout={module.dropout} between its "
+                f"{module.num_layers} layers in training, but PyTorch's traced {kind} leaves that dropout "
+                f"out, so remat's step would compute other gradients than eager PyTorch; set dropout=0 "
+                f"and put an nn.Dropout between single-layer {kind} modules, or call .eval() on this "
+                f"module if it should not drop anything"
+            )
+
+    def check_graph(self, gm: torch.fx.GraphModule) -> None:
+        """Refuse a traced step that runs oneDNN's fused LSTM kernel."""
+        fused = next((n for n in gm.graph.nodes if n.op == "call_function" and "mkldnn_rnn" in str(n.target)), None)
+        if fused is None:
+            return
+        lstms = [name for name, m in self.called.items() if isinstance(m, torch.nn.LSTM)] or list(self.called)
+        where = ", ".join(_describe_module(self.model, name) for name in lstms) or f"model {type(self.model).__name__}"
+        raise TraceError(
+            f"{where} runs oneDNN's fused CPU LSTM kernel ({fused.target}), whose traced form loses "
+            f"the workspace its backward reads, so the traced step cannot run; trace with oneDNN off "
+            f"for this step: `with torch.backends.mkldnn.flags(enabled=False): step = remat.optimize(...)` "
+            f"(the LSTM then traces to plain matrix products, equal to eager PyTorch under the same flag)"
+        )

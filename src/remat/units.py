@@ -92,7 +92,13 @@ class BudgetSpec:
         return CUDA_FREE if self.cuda_free else self.fraction
 
 
-def read_budget(value: object, *, cuda_free: bool = False) -> BudgetSpec:
+#: What a fraction is of, where nothing says otherwise (``optimize``, the command line).
+CHECKPOINT_ALL = "the unoptimized peak (checkpoint-all: nothing recomputed)"
+#: What a fraction is of in ``remat.backend``.
+EAGER = "the eager peak of the compiled region"
+
+
+def read_budget(value: object, *, cuda_free: bool = False, of: str = CHECKPOINT_ALL) -> BudgetSpec:
     """Check a budget and say what it is, without the reference peak (see the module doc for
     the forms). ``cuda_free`` admits ``"cuda-free"``.
 
@@ -110,25 +116,24 @@ def read_budget(value: object, *, cuda_free: bool = False) -> BudgetSpec:
             raise BudgetError(f"budget {value} B must be a positive number of bytes; give {_FORMS}")
         return BudgetSpec(bytes=value, text=shown)
     if isinstance(value, numbers.Real):
-        return _fraction(float(value), shown, python_float=True)
+        return _fraction(float(value), shown, python_float=True, of=of)
     if isinstance(value, str):
-        return _read_text(value, cuda_free=cuda_free)
+        return _read_text(value, cuda_free=cuda_free, of=of)
     raise BudgetError(f"budget {shown} is a {type(value).__name__}; give {_FORMS}")
 
 
-def _fraction(value: float, shown: str, *, python_float: bool) -> BudgetSpec:
+def _fraction(value: float, shown: str, *, python_float: bool, of: str) -> BudgetSpec:
     if not (math.isfinite(value) and 0 < value <= 1):
         hint = (f"give bytes as an int (e.g. budget={int(value) if math.isfinite(value) and value > 1 else 2**30})"
                 if python_float else "write bytes as an integer ('1500000') or with a unit ('1.5GB')")
         kind = "a float" if python_float else "not a whole number of bytes"
         raise BudgetError(
-            f"budget {shown} is {kind}, which means a fraction of the unoptimized peak (checkpoint-all: "
-            f"nothing recomputed), and must be in (0, 1]; {hint}"
+            f"budget {shown} is {kind}, which means a fraction of {of}, and must be in (0, 1]; {hint}"
         )
     return BudgetSpec(fraction=float(value), text=shown)
 
 
-def _read_text(text: str, *, cuda_free: bool) -> BudgetSpec:
+def _read_text(text: str, *, cuda_free: bool, of: str) -> BudgetSpec:
     shown = repr(text)
     if text.strip().lower() == CUDA_FREE:
         if not cuda_free:
@@ -149,7 +154,7 @@ def _read_text(text: str, *, cuda_free: bool) -> BudgetSpec:
     if unit == "%":
         if not 0 < value <= 100:
             raise BudgetError(
-                f"budget {shown} must be a percentage in (0%, 100%] of the unoptimized (checkpoint-all) peak; "
+                f"budget {shown} must be a percentage in (0%, 100%] of {of}; "
                 f"a budget above that peak needs no planning: write '100%'"
             )
         return BudgetSpec(fraction=value / 100.0, text=shown)
@@ -159,10 +164,10 @@ def _read_text(text: str, *, cuda_free: bool) -> BudgetSpec:
         if _INTEGER_RE.match(text):
             return _positive_bytes(int(text), shown)
         if value <= 1:
-            return _fraction(value, shown, python_float=False)
+            return _fraction(value, shown, python_float=False, of=of)
         if value.is_integer():
             return _positive_bytes(int(value), shown)
-        return _fraction(value, shown, python_float=False)  # 1.5: neither bytes nor a fraction
+        return _fraction(value, shown, python_float=False, of=of)  # 1.5: neither bytes nor a fraction
     if unit not in _UNITS:
         raise BudgetError(
             f"budget {shown} has unknown unit {unit!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %"
@@ -206,7 +211,8 @@ def check_time_limit(value: object) -> float | None:
     return float(value)
 
 
-def check_budget(budget: object, *, time_limit_s: object = None, cuda_free: bool = False) -> int | float | str:
+def check_budget(budget: object, *, time_limit_s: object = None, cuda_free: bool = False,
+                 of: str = CHECKPOINT_ALL) -> int | float | str:
     """The one check of what a caller plans with (``optimize``, the CLI, ``remat.backend``):
     the budget (see the module doc) and the time limit. Returns the budget as a plain value:
     ``int`` bytes, ``float`` fraction or ``"cuda-free"``; raises ``BudgetError`` with the
@@ -217,10 +223,10 @@ def check_budget(budget: object, *, time_limit_s: object = None, cuda_free: bool
     >>> check_budget("150%")
     Traceback (most recent call last):
     ...
-    remat.units.BudgetError: budget '150%' must be a percentage in (0%, 100%] of the unoptimized (checkpoint-all) peak; a budget above that peak needs no planning: write '100%'
+    remat.units.BudgetError: budget '150%' must be a percentage in (0%, 100%] of the unoptimized peak (checkpoint-all: nothing recomputed); a budget above that peak needs no planning: write '100%'
     """
     check_time_limit(time_limit_s)
-    return read_budget(budget, cuda_free=cuda_free).canonical()
+    return read_budget(budget, cuda_free=cuda_free, of=of).canonical()
 
 
 def format_bytes(n_bytes: float) -> str:

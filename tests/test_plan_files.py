@@ -1,0 +1,95 @@
+"""A saved plan's report is rebuilt from the plan: the simulator is the truth, not the file."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from remat.cost import CostModel
+from remat.optimize import PlanFileError, TrainingStep, optimize
+from torch_helpers import workload
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    w = workload("cnn", 4)
+    step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, "95%", method="chen_greedy", cost_model=CostModel.ESTIMATE)
+    path = tmp_path_factory.mktemp("plans") / "cnn.json"
+    step.save(path)
+    return w, step, path
+
+
+def _load(w, path):
+    return TrainingStep.load(path, copy.deepcopy(w.model), w.batch, w.loss_fn)
+
+
+def test_the_file_carries_what_was_measured_and_the_report_comes_back_equal(saved):
+    w, step, path = saved
+    record = json.loads(path.read_text())
+    assert record["temp_bytes"] == [n.temp_bytes for n in step.traced.graph.nodes]
+    assert any(record["temp_bytes"])  # convolutions and batch norm need scratch
+    assert record["node_costs"] == [n.cost for n in step.traced.graph.nodes]
+    loaded = _load(w, path)
+    assert loaded.report == step.report
+    assert loaded.traced.graph.fingerprint() == step.traced.graph.fingerprint()
+
+
+def test_measured_scratch_reloads_onto_a_trace_that_only_estimates_it(tmp_path):
+    w = workload("gpt2-tiny", 2)
+    step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, "100%", method="chen_greedy", cost_model=CostModel.PROFILE)
+    assert any(n.temp_bytes for n in step.traced.graph.nodes)  # measured (dropout's random draws, ...)
+    step.save(tmp_path / "gpt2.json")
+    loaded = _load(w, tmp_path / "gpt2.json")
+    assert loaded.report == step.report
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("overhead", 0.5),
+        ("recomputed_nodes", 0),
+        ("cost_us", 1.0),
+        ("checkpoint_all_peak_bytes", 1),
+        ("n_nodes", 3),
+        ("fixed_bytes", 0),
+    ],
+)
+def test_a_tampered_report_field_is_refused_naming_it(saved, tmp_path, field, value):
+    """load showed tampered report fields as they were written."""
+    w, step, path = saved
+    record = json.loads(path.read_text())
+    record["report"][field] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(record))
+    unit = " B" if field.endswith("_bytes") else ""
+    with pytest.raises(PlanFileError, match=f"{field}: the file promises {value!r}{unit}, the plan simulates to"):
+        _load(w, bad)
+
+
+def test_tampered_measurements_contradict_the_report(saved, tmp_path):
+    w, step, path = saved
+    record = json.loads(path.read_text())
+    record["node_costs"] = [c * 2 for c in record["node_costs"]]
+    (tmp_path / "costs.json").write_text(json.dumps(record))
+    with pytest.raises(PlanFileError, match="cost_us: the file promises"):
+        _load(w, tmp_path / "costs.json")
+    record = json.loads(path.read_text())
+    record["temp_bytes"] = record["temp_bytes"][:-1]
+    (tmp_path / "short.json").write_text(json.dumps(record))
+    with pytest.raises(PlanFileError, match="temp_bytes must list one value per node"):
+        _load(w, tmp_path / "short.json")
+    record["temp_bytes"] = [-1] * step.traced.graph.n
+    (tmp_path / "negative.json").write_text(json.dumps(record))
+    with pytest.raises(PlanFileError, match="temp_bytes\\[0\\] = -1 is not a non-negative number"):
+        _load(w, tmp_path / "negative.json")
+
+
+def test_how_the_plan_was_found_is_taken_from_the_file_but_checked(saved, tmp_path):
+    w, step, path = saved
+    record = json.loads(path.read_text())
+    record["report"]["status"] = "splendid"
+    (tmp_path / "status.json").write_text(json.dumps(record))
+    with pytest.raises(PlanFileError, match="unreadable report"):
+        _load(w, tmp_path / "status.json")

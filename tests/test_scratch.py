@@ -1,0 +1,119 @@
+"""Kernel scratch memory: measured per op, estimated by rule, planned for, and the measured
+(profiler) peak of every executed plan stays within its budget and the prediction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import remat
+from remat.cost import CostModel
+from remat.errors import InfeasibleBudgetError, TraceError
+from remat.execute import build_module
+from remat.memory import MemoryMethod, measure_peak
+from remat.planning import plan_graph
+from remat.scratch import SCRATCH_RULES, ScratchModel, estimate, measure, node_scratch
+from remat.trace import trace
+from torch_helpers import PEAK_RTOL, planned_step, traced, workload
+
+
+def _dropout_graph(side: int = 128):
+    x = torch.randn(side, side)
+
+    def step(x):
+        out, mask = torch.ops.aten.native_dropout(x, 0.5, True)
+        return torch.ops.aten.native_dropout_backward(out, mask, 2.0)
+
+    return make_fx(step)(x), x
+
+
+def test_measured_scratch_is_what_the_kernel_allocates_beyond_its_outputs():
+    gm, x = _dropout_graph()
+    scratch = measure(gm, [x])
+    # CPU dropout draws its random numbers as floats before making the mask; its backward
+    # converts the mask to the gradient's dtype
+    assert scratch["native_dropout"] == x.numel() * 4
+    assert x.numel() * 4 <= scratch["native_dropout_backward"] <= x.numel() * 4 + 16
+    assert scratch["getitem"] == 0  # not an op
+
+
+def test_measuring_restores_the_random_state_and_is_repeatable():
+    gm, x = _dropout_graph(64)
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    first = measure(gm, [x])
+    assert torch.equal(torch.get_rng_state(), state)
+    assert measure(gm, [x]) == first
+
+
+def test_estimate_rules_match_the_measurement_on_dropout_and_skip_other_devices():
+    gm, x = _dropout_graph()
+    assert estimate(gm)["native_dropout"] == measure(gm, [x])["native_dropout"]
+    assert estimate(gm, skip={"native_dropout"})["native_dropout"] == 0
+    assert torch.ops.aten.convolution.default in SCRATCH_RULES
+    assert node_scratch(gm, [x], ScratchModel.NONE) == {n: 0 for n in estimate(gm)}
+    with pytest.raises(ValueError, match="not a ScratchModel"):
+        node_scratch(gm, [x], "measure")
+
+
+def test_traced_nodes_carry_their_scratch_as_temp_bytes():
+    w = workload("gpt2-tiny", 2)
+    measured = trace(w.model, w.batch, w.loss_fn, cost_model=None, scratch=ScratchModel.MEASURE).graph
+    estimated = trace(w.model, w.batch, w.loss_fn, cost_model=None).graph  # no costs: estimated
+    none = trace(w.model, w.batch, w.loss_fn, cost_model=None, scratch=ScratchModel.NONE).graph
+    dropout = [i for i, n in enumerate(measured.nodes) if n.name.startswith("native_dropout") and "backward" not in n.name]
+    assert dropout and all(measured.nodes[i].temp_bytes > 0 for i in dropout)
+    assert [n.temp_bytes for n in estimated.nodes] != [0] * estimated.n
+    for i in dropout:  # the rule is exact for dropout
+        assert estimated.nodes[i].temp_bytes == measured.nodes[i].temp_bytes
+    assert all(n.temp_bytes == 0 for n in none.nodes)
+    # scratch is part of the structure a plan is keyed by
+    assert measured.fingerprint(costs=False) != none.fingerprint(costs=False)
+
+
+def test_scratch_model_errors_name_the_remedy():
+    w = workload("mlp", 8)
+    with pytest.raises(TraceError, match="scratch='measure' is not a ScratchModel; use ScratchModel.MEASURE"):
+        trace(w.model, w.batch, w.loss_fn, cost_model=None, scratch="measure")
+    with torch.device("meta"):
+        meta = remat.models.get_workload("mlp", 8)
+    with pytest.raises(TraceError, match="meta device.*cannot be measured there: pass scratch=ScratchModel.ESTIMATE"):
+        trace(meta.model, meta.batch, meta.loss_fn, cost_model=CostModel.ESTIMATE, scratch=ScratchModel.MEASURE)
+    # on the meta device nothing runs: no scratch is modelled unless asked for
+    g = trace(meta.model, meta.batch, meta.loss_fn, cost_model=CostModel.ESTIMATE).graph
+    assert all(n.temp_bytes == 0 for n in g.nodes)
+
+
+def _plans_between(t, fractions):
+    graph = t.graph
+    top = plan_graph(graph, 2**62, "checkpoint_all").sim.peak_bytes
+    for fraction in fractions:
+        budget = int(fraction * top)
+        for method in ("chen_greedy", "segments", "checkpoint_all"):
+            try:
+                yield f"{method}@{fraction:.0%}", budget, plan_graph(graph, budget, method)
+            except InfeasibleBudgetError:
+                continue
+
+
+@pytest.mark.parametrize("name,batch_size,fractions,scratch_at_peak",
+                         [("gpt2-tiny", 4, (1.0, 0.85, 0.7), False), ("cnn", 8, (1.0, 0.95, 0.9), True)])
+def test_profiler_measured_peak_stays_within_the_budget_and_the_prediction(name, batch_size, fractions, scratch_at_peak):
+    """The profiler sees kernel scratch (dropout's random draws, convolution reorders); without
+    it in the model, plans made for a budget measured above it."""
+    w, t = workload(name, batch_size), traced(name, batch_size)
+    ran, unseen_by_outputs = 0, 0
+    for label, budget, planned in _plans_between(t, fractions):
+        step = build_module(t, planned.plan)
+        _, report = planned_step(w, t, step)
+        assert report.method is MemoryMethod.PROFILER
+        assert report.peak_bytes <= budget, f"{name} {label}: measured {report.peak_bytes} B over the budget {budget} B"
+        error = abs(report.peak_bytes - planned.sim.peak_bytes) / planned.sim.peak_bytes
+        assert error <= PEAK_RTOL, f"{name} {label}: measured {report.peak_bytes} B, predicted {planned.sim.peak_bytes} B"
+        outputs_only = measure_peak(step, *t.flat_inputs(w.model, w.batch), method=MemoryMethod.DISPATCH)
+        unseen_by_outputs += outputs_only.peak_bytes < report.peak_bytes
+        ran += 1
+    assert ran >= 4
+    if scratch_at_peak:  # convolutions' scratch sets the peak of some of these plans
+        assert unseen_by_outputs, "no plan peaked in kernel scratch: the test does not test it"
