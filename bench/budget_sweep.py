@@ -10,8 +10,10 @@ of the checkpoint-all peak; at each, every method plans the step through
 is recorded as infeasible with the smallest budget it can meet; griewank, which needs a linear
 chain, as not applicable.
 
-Results go to ``bench/results/budget_sweep.json`` after every point; a rerun skips the points
-already there (delete the file, or use ``--out``, to start afresh). One plot per model goes
+Results go to ``bench/results/budget_sweep.json`` after every point, each with what produced it
+(the traced graph's fingerprint, ``planner_version()``, the method's options): a rerun skips the
+points made by the same code on the same graph with the same options and measures the others
+again (delete the file, or use ``--out``, to start afresh). One plot per model goes
 to ``bench/plots/budget_sweep_<model>.png``; ``markdown(results)`` renders the BENCHMARKS.md
 section.
 
@@ -32,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from remat.solvers import planner_version
 from remat.sweep import environment, parse_solver_options, pin_estimate_rates, save_json, trace_on_meta
 
 HERE = Path(__file__).resolve().parent
@@ -135,7 +138,10 @@ def _first(exc: BaseException) -> str:
 
 # ---------------------------------------------------------------------------- the sweep
 def point_key(p: Mapping) -> tuple:
-    return (p["model"], p["batch"], p["method"], round(float(p["fraction"]), 6))
+    """What produced a point: model, batch, method, budget, the traced graph, the planning
+    code and the method's options. A stored point with another key is measured again."""
+    return (p["model"], p["batch"], p["method"], round(float(p["fraction"]), 6), p.get("fingerprint"),
+            p.get("planner"), p.get("time_limit_s"), json.dumps(p.get("options", {}), sort_keys=True))
 
 
 def model_key(model: str, batch: int) -> str:
@@ -153,25 +159,39 @@ def run(models: Mapping[str, int], fractions: Sequence[float], methods: Sequence
     results = load(out)
     results["meta"].update(time_limit_s=time_limit_s, cost_model="estimate", rates=pin_estimate_rates(out.parent),
                            **environment())
-    done = {point_key(p) for p in results["points"]}
+    planner = planner_version()
     for model, batch in models.items():
         key = model_key(model, batch)
-        todo = [(f, m) for f in fractions for m in methods if (model, batch, m, round(float(f), 6)) not in done]
-        if not todo:
-            log(f"{key}: every point done")
-            continue
         started = time.perf_counter()
         graph = trace_fn(model, batch)
         graph = getattr(graph, "graph", graph)  # a TracedStep or a Graph
-        info = model_info(model, batch, graph, time.perf_counter() - started)
+        trace_s = time.perf_counter() - started
+        fingerprint = graph.fingerprint()
+
+        def wanted(f: float, m: str) -> tuple:
+            opts = method_options(m, time_limit_s, options or {})
+            return point_key({"model": model, "batch": batch, "method": m, "fraction": f, "fingerprint": fingerprint,
+                              "planner": planner, "time_limit_s": opts.get("time_limit_s"),
+                              "options": {k: v for k, v in opts.items() if k != "time_limit_s"}})
+
+        done = {point_key(p) for p in results["points"]}
+        todo = [(f, m) for f in fractions for m in methods if wanted(f, m) not in done]
+        # points of these cells that other code, graphs or options produced are replaced
+        stale = {(m, round(float(f), 6)) for f, m in todo}
+        results["points"] = [p for p in results["points"] if not (
+            p["model"] == model and p["batch"] == batch and (p["method"], round(float(p["fraction"]), 6)) in stale)]
+        if not todo:
+            log(f"{key}: every point done")
+            continue
+        info = model_info(model, batch, graph, trace_s)
         results["models"][key] = {**results["models"].get(key, {}), **info}
         save(results, out)
         log(f"{key}: {graph.n} nodes ({info['n_nodes_coarse']} after alias folding), checkpoint-all peak "
             f"{info['checkpoint_all_peak_bytes'] / 2**30:.2f} GiB, traced in {info['trace_s']:.1f} s")
         for fraction, method in todo:
             point = run_point(graph, info, method, fraction, method_options(method, time_limit_s, options or {}))
+            point.update(fingerprint=fingerprint, planner=planner)
             results["points"].append(point)
-            done.add(point_key(point))
             save(results, out)
             log("  " + describe(point))
         if plots is not None and any(p.get("overhead") is not None for p in _points_of(results, info)):

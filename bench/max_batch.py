@@ -11,7 +11,9 @@ halving) from a start, then bisects; each method starts from the largest batch f
 for the model. For lp_round and milp a plan found within the time limit counts.
 
 Results go to ``bench/results/max_batch.json`` after every evaluation; a rerun skips finished
-(model, method) pairs and reuses the evaluations of unfinished ones. ``markdown(results)``
+(model, method) pairs and reuses the evaluations of unfinished ones, when they were made by the
+same code (``planner_version()``) with the same options, time limit and memory; otherwise it
+searches again. ``markdown(results)``
 renders the BENCHMARKS.md section.
 
     python bench/max_batch.py                                 # everything, 60 s per solve
@@ -31,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from remat.solvers import planner_version
 from remat.sweep import environment, parse_solver_options, pin_estimate_rates, save_json, trace_on_meta
 
 HERE = Path(__file__).resolve().parent
@@ -52,8 +55,8 @@ COST_RTOL = 1e-9
 GRAPH_CACHE = 64
 
 #: The Checkmate paper's maximum batch sizes (Jain et al., MLSys 2020: 16 GB V100, at most one
-#: extra forward pass), as quoted in this project's issue: ``(value, at_least)``; where only one
-#: number is given it is Checkmate's (our ``milp``).
+#: extra forward pass): ``(value, at_least)``; where only one number is given it is Checkmate's
+#: (our ``milp``).
 PUBLISHED: dict[str, dict[str, tuple[int, bool]]] = {
     "vgg19": {"checkpoint_all": (167, False), "chen_sqrtn": (197, False), "chen_greedy": (266, False),
               "milp": (289, False)},
@@ -221,25 +224,32 @@ def run(models: Sequence[str], methods: Sequence[str], time_limit_s: float, out:
         meta["rates"] = pin_estimate_rates(out.parent)
     results["meta"].update(meta)
     graphs = graphs or Graphs()
+    planner = planner_version()
     for model in models:
         for method in methods:
             key = run_key(model, method)
-            entry = results["runs"].setdefault(key, {"model": model, "method": method, "evaluations": []})
+            opts = {**({"time_limit_s": time_limit_s} if method in TIMED else {}), **SOLVER_OPTIONS.get(method, {}),
+                    **(options or {}).get(method, {})}
+            produced_by = {"planner": planner, "time_limit_s": opts.get("time_limit_s"), "memory_bytes": memory_bytes,
+                           "max_batch_limit": max_batch, "options": {k: v for k, v in opts.items() if k != "time_limit_s"}}
+            entry = results["runs"].get(key)
+            if entry is not None and any(entry.get(k) != v for k, v in produced_by.items()):
+                log(f"{key}: stored by other code or options; searching again")
+                entry = None
+            if entry is None:
+                entry = results["runs"][key] = {"model": model, "method": method, "evaluations": [], **produced_by}
             entry["published"] = _published(model, method)
             if entry.get("status") in ("done", "not applicable"):
                 log(f"{key}: already done (max batch {entry.get('max_batch')})")
                 continue
-            opts = {**({"time_limit_s": time_limit_s} if method in TIMED else {}), **SOLVER_OPTIONS.get(method, {}),
-                    **(options or {}).get(method, {})}
-            entry.update(time_limit_s=opts.get("time_limit_s"), memory_bytes=memory_bytes,
-                         options={k: v for k, v in opts.items() if k != "time_limit_s"})
             known = {e["batch"]: e["fits"] for e in entry["evaluations"]}
 
             def fits(batch: int, model=model, method=method, entry=entry, known=known, opts=opts) -> bool:
                 if batch in known:
                     return known[batch]
                 graph, trace_s = graphs.get(model, batch)
-                record = {"batch": batch, **evaluate(graph, method, memory_bytes, opts), "trace_s": round(trace_s, 3)}
+                record = {"batch": batch, **evaluate(graph, method, memory_bytes, opts), "trace_s": round(trace_s, 3),
+                          "fingerprint": graph.fingerprint()}
                 entry["evaluations"].append(record)
                 known[batch] = record["fits"]
                 save(results, out)

@@ -141,12 +141,28 @@ def test_sweep_records_every_method_at_every_budget(swept):
 
 def test_sweep_resumes_without_recomputing(swept, monkeypatch):
     tmp_path, first, _, _ = swept
+    # a rerun traces each model once (are the stored points of this graph?) and solves nothing
     again, solver, trace = _sweep(tmp_path, monkeypatch, [1.0, 0.6])
-    assert solver.calls == 0 and trace.calls == 0
+    assert solver.calls == 0 and trace.calls == 2
     assert again["points"] == first["points"]
     more, solver, trace = _sweep(tmp_path, monkeypatch, [1.0, 0.8, 0.6])
     assert solver.calls == 2 * 6 and trace.calls == 2  # only the new fraction
     assert len(more["points"]) == 36
+
+
+def test_sweep_measures_again_what_another_graph_or_other_code_produced(swept, monkeypatch):
+    tmp_path, first, _, _ = swept
+    # the chain's trace changes (another graph): its points are measured again, the U-Net's kept
+    changed = Counting(lambda model, batch: chain_graph(3) if model == "chain" else GRAPHS[model](batch))
+    again, solver, _ = _sweep(tmp_path, monkeypatch, [1.0, 0.6], trace=changed)
+    assert solver.calls == 2 * 6 and len(again["points"]) == 24
+    chain_points = [p for p in again["points"] if p["model"] == "chain"]
+    assert {p["fingerprint"] for p in chain_points} == {chain_graph(3).fingerprint()}
+    assert all(p["n_nodes"] == chain_graph(3).n for p in chain_points)
+    # other planning code: everything again
+    monkeypatch.setattr(sweep_mod, "planner_version", lambda: "another")
+    again, solver, _ = _sweep(tmp_path, monkeypatch, [1.0, 0.6], trace=changed)
+    assert solver.calls == 24 and {p["planner"] for p in again["points"]} == {"another"}
 
 
 def test_sweep_passes_time_limit_and_extra_options_per_method(tmp_path, monkeypatch):
@@ -290,6 +306,26 @@ def test_max_batch_run_matches_brute_force_and_resumes(tmp_path):
     assert redone["max_batch"] == results["runs"]["chain/milp"]["max_batch"]
     assert tracer.calls == len(redone["evaluations"]) - len(kept) > 0
     assert [e["batch"] for e in redone["evaluations"]] == [e["batch"] for e in results["runs"]["chain/milp"]["evaluations"]]
+
+
+def test_max_batch_searches_again_what_other_code_or_options_found(tmp_path, monkeypatch):
+    memory, methods = 100_000, ["checkpoint_all", "chen_sqrtn"]
+    out = tmp_path / "mb.json"
+    first = batch_mod.run(["chain"], methods, 5.0, out, memory_bytes=memory, max_batch=64,
+                          graphs=batch_mod.Graphs(_scaled_chain), pin_rates=False, log=quiet)
+    assert all(e["planner"] == batch_mod.planner_version() for e in first["runs"].values())
+    # another memory size: searched again
+    tracer = Counting(_scaled_chain)
+    again = batch_mod.run(["chain"], methods, 5.0, out, memory_bytes=memory // 2, max_batch=64,
+                          graphs=batch_mod.Graphs(tracer), pin_rates=False, log=quiet)
+    assert tracer.calls > 0 and all(e["memory_bytes"] == memory // 2 for e in again["runs"].values())
+    # other planning code: searched again, every evaluation made by this code
+    monkeypatch.setattr(batch_mod, "planner_version", lambda: "another")
+    tracer = Counting(_scaled_chain)
+    again = batch_mod.run(["chain"], methods, 5.0, out, memory_bytes=memory // 2, max_batch=64,
+                          graphs=batch_mod.Graphs(tracer), pin_rates=False, log=quiet)
+    assert tracer.calls > 0 and {e["planner"] for e in again["runs"].values()} == {"another"}
+    assert all(ev["fingerprint"] for e in again["runs"].values() for ev in e["evaluations"])
 
 
 def test_max_batch_not_applicable_and_cost_limit(tmp_path):

@@ -16,21 +16,27 @@ from remat.solvers.base import (
 
 __all__ = ["SolveResult", "SolveStatus", "SolverStats", "finish", "methods", "planner_version", "register", "solve"]
 
-#: The modules whose code decides which plan a graph and a budget get.
-_PLANNER_SOURCES = ("graph.py", "schedule.py", "simulate.py", "coarsen.py", "cuts.py", "planning.py")
+#: Beside this package: the modules whose code decides the graph a traced step becomes and the
+#: plan a graph gets.
+_PLANNER_SOURCES = ("graph.py", "schedule.py", "simulate.py", "coarsen.py", "cuts.py", "planning.py", "trace.py",
+                    "trace_errors.py", "fx_graph.py", "cost.py", "scratch.py")
 
 
 @functools.cache
 def planner_version() -> str:
-    """A short digest of the planning code (this package and the modules it plans with): results
-    stored by a benchmark or a plan cache under another digest came from other code.
+    """A short digest of the code that turns a training step into a graph and a graph into a
+    plan (this package, the tracer, the cost and scratch models, the built-in workloads):
+    results stored by a benchmark or a plan cache under another digest came from other code.
 
     >>> len(planner_version())
     12
     """
     root = Path(__file__).resolve().parent
+    package = root.parent
     digest = hashlib.sha256()
-    for path in [*sorted(root.glob("*.py")), *(root.parent / name for name in _PLANNER_SOURCES)]:
+    sources = [*sorted(root.glob("*.py")), *(package / name for name in _PLANNER_SOURCES),
+               *sorted((package / "models").glob("*.py"))]
+    for path in sources:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
