@@ -28,6 +28,8 @@ SLOW = {
     "remat bench max-batch": "--help",
     "python bench/spot_checks.py": "--help",
     "python bench/vs_pytorch.py": "--help",
+    "python bench/holdout.py": "--help",
+    "python bench/solver_scaling.py": "--help",
     "python examples/train_loop.py --check": "--help",
 }
 
