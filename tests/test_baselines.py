@@ -34,10 +34,10 @@ from remat.solvers.baselines import (
     sqrtn_checkpoints,
 )
 
-BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank")
-ANY_GRAPH = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments")
+BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested")
+ANY_GRAPH = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "nested")
 #: Methods whose candidate plans do not depend on the budget, so more budget never costs more.
-BUDGET_BLIND = ("checkpoint_all", "recompute_all", "chen_sqrtn", "segments", "griewank")
+BUDGET_BLIND = ("checkpoint_all", "recompute_all", "chen_sqrtn", "segments", "griewank", "nested")
 
 
 def unit_chain(n):
@@ -213,9 +213,10 @@ def test_plans_are_valid_and_fit(graph, data):
         assert r.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
         if method == "checkpoint_all":
             assert set(r.sim.compute_counts) == {1}
+        forward = [i for i, node in enumerate(graph.nodes) if node.kind is NodeKind.FORWARD]
         if method.startswith("chen") or method == "segments":  # dropped values recomputed once, forward ones only
-            forward = [i for i, node in enumerate(graph.nodes) if node.kind is NodeKind.FORWARD]
             assert max(r.sim.compute_counts) <= 2
+        if method.startswith("chen") or method in ("segments", "nested"):
             assert all(c == 1 for i, c in enumerate(r.sim.compute_counts) if i not in forward)
 
 
@@ -341,3 +342,19 @@ def test_chen_plans_built_from_the_graph_equal_the_keep_matrix_route(n_forward: 
     assert (direct.peak_bytes, direct.cost) == (sim.peak_bytes, sim.total_cost)
     assert order_peak_and_cost(graph, nodes.tolist()) == (sim.peak_bytes, sim.total_cost)
     assert plan_from_order(graph, nodes.tolist()).steps == via.lower(graph).steps
+
+
+
+def test_nested_reaches_below_one_level_plans_recomputing_at_most_once_per_level():
+    from remat.cuts import Cut
+    from remat.solvers.segments import nested_plan
+
+    g = unit_chain(12)
+    one_level = min_budget(g, "segments")
+    assert min_budget(g, "nested") < one_level
+    # three levels: every value computed at most three times (the forward pass, then once per level)
+    cuts = tuple(Cut(i, (i,), 1) for i in range(11))
+    plan = nested_plan(g, cuts, ((), (2, 5, 8), tuple(range(11))), "three levels")
+    sim = simulate(g, plan.schedule(g).lower(g))
+    assert sim.ok and (sim.peak_bytes, sim.total_cost) == (plan.peak_bytes, plan.cost)
+    assert max(sim.compute_counts) <= 3 and sim.peak_bytes < one_level

@@ -17,15 +17,25 @@ first); it measures each plan in the simulator and returns the cheapest that fit
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import time
 from collections.abc import Iterable
 
 import numpy as np
 
-from remat.cuts import Cut, cut_tiers, light_cuts
+from remat.cuts import Cut, cut_tiers, light_cuts, pass_cuts
 from remat.graph import Graph, NodeKind
 from remat.solvers.base import SolveResult, register
-from remat.solvers.baselines import chen_plan, considers, greedy_checkpoints, pick_cheapest, remembered
+from remat.solvers.baselines import (
+    _computed_in_stage,
+    chen_plan,
+    considers,
+    greedy_checkpoints,
+    measure_order,
+    pick_cheapest,
+    remembered,
+)
 
 #: Strides tried: every k-th cut of a tier for k = 1..MAX_STRIDE, at every offset.
 MAX_STRIDE = 8
@@ -33,6 +43,77 @@ MAX_STRIDE = 8
 GREEDY_POINTS = 24
 #: How many counts of recomputed segments are tried per tier (spread from 1 to all but one).
 SUBSET_POINTS = 32
+
+
+def nested_plan(graph: Graph, cuts: tuple[Cut, ...], levels: tuple[tuple[int, ...], ...], label: str):
+    """Nested checkpointing over ``cuts`` (light cuts of the forward pass, in order): ``levels``
+    are indices into ``cuts``, coarsest first, each a subset of the next. What crosses the
+    first level's cuts is kept from the forward pass (with the values after the last cut,
+    which the backward pass needs at once). When the backward pass enters a block of level l
+    (between two of its cuts), what crosses the cuts of level l+1 inside the block is
+    recomputed (from level l's) when first needed and held while the backward pass stays in
+    the block; the values of the innermost blocks are recomputed and reused until it leaves
+    them. A forward value is computed at most once per level beyond the first, and memory
+    holds one block per level: plans far below the one-level plans' peaks. Remembered per
+    graph.
+
+    >>> from remat.builders import chain_graph
+    >>> from remat.cuts import Cut
+    >>> g = chain_graph(8, bytes_per_node=1)
+    >>> cuts = tuple(Cut(i, (i,), 1) for i in range(7))
+    >>> p = nested_plan(g, cuts, ((3,), (1, 3, 5)), "two levels")
+    >>> p.peak_bytes < 12, p.cost > g.total_cost
+    (True, True)
+    """
+    key = ("nested", tuple(c.node for c in cuts), levels)
+    return dataclasses.replace(remembered(graph, key, lambda: _nested(graph, cuts, levels, label)), label=label)
+
+
+def _nested(graph: Graph, cuts: tuple[Cut, ...], levels: tuple[tuple[int, ...], ...], label: str):
+    forward = graph.ids_of_kind(NodeKind.FORWARD)
+    pos = {i: p for p, i in enumerate(forward)}
+    cut_pos = [pos[c.node] for c in cuts]
+    segment = {i: bisect.bisect_left(cut_pos, pos[i]) for i in forward}  # cut k ends segment k
+    last = len(cuts)
+    always = np.zeros(graph.n, dtype=bool)
+    always[list(graph.outputs)] = True
+    for i, node in enumerate(graph.nodes):
+        always[i] |= node.kind is not NodeKind.FORWARD or not node.recomputable or segment.get(i) == last
+    for k in levels[0] if levels else ():
+        always[list(cuts[k].crossing)] = True
+    level_cuts = [sorted(level) for level in levels]
+    inner = len(levels)  # blocks of level l hold what crosses level l+1's cuts; the last level reuses all
+    block = [None] * (inner + 1)
+    computed: list[set[int]] = [set() for _ in range(inner + 1)]
+    crossing = [{j for k in level for j in cuts[k].crossing} for level in levels]
+    seg = last
+    stages: list[int] = []
+    nodes: list[int] = []
+    for t, node in enumerate(graph.nodes):
+        if node.kind is not NodeKind.BACKWARD:
+            stages.append(t)
+            nodes.append(t)
+            continue
+        seg = max((segment[d] for d in node.deps if d in segment), default=seg)
+        for level in range(inner + 1):  # the block of each level the backward pass is in
+            here = bisect.bisect_left(level_cuts[level], seg) if level < inner else seg
+            if here != block[level]:
+                block[level] = here
+                for deeper in range(level, inner + 1):
+                    computed[deeper] = set()
+        kept = always.copy()
+        for level in range(inner):
+            nxt = crossing[level + 1] if level + 1 < inner else None
+            held = computed[level] if nxt is None else computed[level] & nxt
+            kept[list(held)] = True
+        kept[list(computed[inner])] = True
+        done = sorted(_computed_in_stage(graph, t, kept))
+        stages += [t] * len(done)
+        nodes += done
+        fresh = [i for i in done if i in segment]
+        for level in range(inner + 1):
+            computed[level].update(fresh)
+    return measure_order(graph, stages, nodes, label)
 
 
 def _checkpoints(cuts: list[Cut] | tuple[Cut, ...]) -> tuple[int, ...]:
@@ -97,3 +178,61 @@ def _measure_all(graph: Graph) -> list:
             kept = {i for s in ranked[r:] for i in parts[s]}
             consider(base | kept, f"{r} of the {len(parts)} segments of tier {level} recomputed")
     return list(tried.values())
+
+
+# ---------------------------------------------------------------------------- nested
+#: Coarse strides tried for the outer levels of ``nested``: every a-th cut of a tier.
+NESTED_STRIDES = (2, 3, 4, 6, 8, 12, 16)
+#: On a graph without light cuts, ``nested`` uses at most this many of its pass's cuts.
+NESTED_MAX_CUTS = 64
+
+
+@register("nested")
+def nested(graph: Graph, budget_bytes: int) -> SolveResult:
+    """Nested checkpointing over the light cuts (``nested_plan``): two or three levels, the
+    outer ones every a-th (and b-th) cut of a tier, the inner one every cut of it, or nothing
+    kept from the forward pass at all. Values are recomputed up to once per level, so it
+    reaches budgets below the one-level plans (``segments``) at a higher cost; the cheapest
+    plan that fits. Raises ``InfeasibleBudgetError`` with the lowest peak of the plans tried.
+
+    >>> from remat.builders import chain_graph
+    >>> from remat.solvers import solve
+    >>> g = chain_graph(12, bytes_per_node=1)
+    >>> solve(g, 9, method="nested").peak_bytes <= 9 < solve(g, 100, method="segments").peak_bytes
+    True
+    """
+    started = time.perf_counter()
+    return pick_cheapest(graph, _nested_plans(graph, budget_bytes), budget_bytes=budget_bytes, method="nested",
+                         started_s=started)
+
+
+@considers("nested")
+def _nested_plans(graph: Graph, budget_bytes: int) -> list:
+    """The plans ``nested`` chooses from, the same for every budget (measured once per graph)."""
+    return remembered(graph, ("nested plans",), lambda: _measure_nested(graph))
+
+
+def _measure_nested(graph: Graph) -> list:
+    forward = graph.ids_of_kind(NodeKind.FORWARD)
+    plans = {"all": chen_plan(graph, forward, "checkpoint-all")}
+    tiers = cut_tiers(light_cuts(graph))
+    if not tiers:  # no block boundary stands out (a uniform chain): every position is a cut
+        cuts = pass_cuts(graph)[:-1]
+        tiers = [cuts[::max(1, -(-len(cuts) // NESTED_MAX_CUTS))]] if cuts else []
+    for t, tier in enumerate(tiers):
+        every = tuple(range(len(tier)))
+        candidates = [(((), every), "nothing kept from the forward pass, every cut recomputed")]
+        for a in NESTED_STRIDES:
+            if a >= len(tier):
+                continue
+            for offset in sorted({0, a // 2}):
+                outer = every[offset::a]
+                candidates.append(((outer, every), f"every {a}-th cut from {offset}, then every cut"))
+                candidates.append((((), outer, every), f"nothing, every {a}-th cut from {offset}, then every cut"))
+                for b in (2, 3):
+                    if b < a and a % b == 0:
+                        middle = tuple(sorted(set(every[offset % b::b]) | set(outer)))
+                        candidates.append(((outer, middle, every), f"every {a}-th, {b}-th cut from {offset}, then every cut"))
+        for levels, what in candidates:
+            plans.setdefault((t, levels), nested_plan(graph, tier, levels, f"nested, tier {t}: {what}"))
+    return list(plans.values())
