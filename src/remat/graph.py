@@ -150,6 +150,28 @@ class Graph:
         return float(sum(self.costs))
 
     @cached_property
+    def node_arrays(self) -> tuple:
+        """``(out_bytes, kept_bytes, temp_bytes, costs)`` as numpy arrays (int64, int64, int64,
+        float64): what vectorized accounting reads."""
+        import numpy as np
+
+        return (np.asarray(self.out_bytes, dtype=np.int64),
+                np.asarray([n.kept_bytes for n in self.nodes], dtype=np.int64),
+                np.asarray([n.temp_bytes for n in self.nodes], dtype=np.int64),
+                np.asarray(self.costs, dtype=np.float64))
+
+    @cached_property
+    def deps_csr(self) -> tuple:
+        """The dependencies as compressed rows: node i's are ``indices[indptr[i]:indptr[i+1]]``."""
+        import numpy as np
+
+        counts = [len(n.deps) for n in self.nodes]
+        indptr = np.zeros(self.n + 1, dtype=np.int64)
+        indptr[1:] = np.cumsum(counts)
+        indices = np.fromiter((d for n in self.nodes for d in n.deps), dtype=np.int64, count=int(indptr[-1]))
+        return indptr, indices
+
+    @cached_property
     def output_set(self) -> frozenset[int]:
         return frozenset(self.outputs)
 

@@ -154,27 +154,45 @@ def order_peak_and_cost(graph: Graph, order: list[int] | tuple[int, ...]) -> tup
     is live when read it equals ``simulate``'s peak and cost (a property test checks it); the
     plan a method returns is still replayed by ``simulate``.
     """
-    nodes = graph.nodes
-    sizes = graph.out_bytes
-    freed = [0] * len(order)
-    for inst, p in enumerate(_free_positions(graph, order)):
-        if p >= 0:
-            freed[p] += sizes[order[inst]]
-    memory = graph.fixed_bytes
-    peak = memory
-    seen = [False] * graph.n
-    cost = 0.0
-    for p, v in enumerate(order):
-        node = nodes[v]
-        memory += sizes[v]
-        if not seen[v]:
-            seen[v] = True
-            memory += node.kept_bytes
-        if memory + node.temp_bytes > peak:
-            peak = memory + node.temp_bytes
-        cost += node.cost
-        memory -= freed[p]
-    return peak, cost
+    order = np.asarray(order, dtype=np.int64)
+    if not order.size:
+        return graph.fixed_bytes, 0.0
+    sizes, kept, temp, costs = graph.node_arrays
+    free_at = _free_positions_array(graph, order)
+    freed = np.bincount(free_at[free_at >= 0], weights=sizes[order[free_at >= 0]], minlength=order.size)
+    first = np.zeros(order.size, dtype=bool)
+    first[np.unique(order, return_index=True)[1]] = True
+    allocated = sizes[order] + np.where(first, kept[order], 0)
+    # memory right after computing position p (before its frees), plus what p holds while it runs
+    after = graph.fixed_bytes + np.cumsum(allocated) - np.concatenate(([0], np.cumsum(freed)[:-1])).astype(np.int64)
+    peak = max(graph.fixed_bytes, int(np.max(after + temp[order])))
+    return peak, float(np.cumsum(costs[order])[-1])  # summed in order, as simulate does
+
+
+def _free_positions_array(graph: Graph, order: np.ndarray) -> np.ndarray:
+    """``_free_positions`` with numpy: for each position, the position of the last read of the
+    instance computed there before its node is computed again (its own position if never
+    read), -1 for the last instance of an output."""
+    m = order.size
+    indptr, indices = graph.deps_csr
+    counts = indptr[order + 1] - indptr[order]
+    reader = np.repeat(np.arange(m), counts)
+    first_dep = np.repeat(indptr[order] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+    deps = indices[first_dep + np.arange(reader.size)]
+    # the instance a read sees: the dep's latest computation before the reader
+    occurrences = np.sort(order * m + np.arange(m))
+    at = np.searchsorted(occurrences, deps * m + reader, side="left") - 1
+    seen = at >= 0
+    seen[seen] = occurrences[at[seen]] // m == deps[seen]
+    free_at = np.arange(m)
+    np.maximum.at(free_at, occurrences[at[seen]] % m, reader[seen])
+    outputs = np.asarray(graph.outputs, dtype=np.int64)
+    if outputs.size:  # the last instance of an output lives to the end
+        last = np.full(graph.n, -1, dtype=np.int64)
+        last[order] = np.arange(m)  # later positions overwrite earlier ones
+        last_out = last[outputs]
+        free_at[last_out[last_out >= 0]] = -1
+    return free_at
 
 
 def least_compute(graph: Graph, keep: np.ndarray) -> np.ndarray:
@@ -226,19 +244,7 @@ def _free_positions(graph: Graph, order: list[int] | tuple[int, ...]) -> list[in
     """For the instance computed at each position of ``order``: the position after which it is
     freed (its last reader before the value is computed again, or its own position), or -1
     for the last instance of an output, which is never freed."""
-    current: dict[int, int] = {}  # node -> position of its live instance
-    free_at = list(range(len(order)))
-    nodes = graph.nodes
-    for p, node in enumerate(order):
-        for d in nodes[node].deps:
-            q = current.get(d)
-            if q is not None:
-                free_at[q] = p
-        current[node] = p
-    for o in graph.outputs:
-        if o in current:
-            free_at[current[o]] = -1
-    return free_at
+    return _free_positions_array(graph, np.asarray(order, dtype=np.int64)).tolist() if len(order) else []
 
 
 def _liveness(graph: Graph, R: np.ndarray) -> np.ndarray:

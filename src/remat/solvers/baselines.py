@@ -146,11 +146,16 @@ def _keep_through_forward(graph: Graph) -> np.ndarray:
 
 
 def _always_kept(graph: Graph) -> np.ndarray:
-    """Values ``from_kept`` keeps whatever the keep matrix says: outputs and non-recomputables."""
-    forced = np.zeros(graph.n, dtype=bool)
-    forced[list(graph.outputs)] = True
-    forced[[i for i, node in enumerate(graph.nodes) if not node.recomputable]] = True
-    return forced
+    """Values ``from_kept`` keeps whatever the keep matrix says: outputs and non-recomputables
+    (a fresh array the caller may change)."""
+
+    def make() -> np.ndarray:
+        forced = np.zeros(graph.n, dtype=bool)
+        forced[list(graph.outputs)] = True
+        forced[[i for i, node in enumerate(graph.nodes) if not node.recomputable]] = True
+        return forced
+
+    return remembered(graph, ("always kept",), make).copy()
 
 
 def _computed_in_stage(graph: Graph, t: int, kept: np.ndarray) -> set[int]:
@@ -169,11 +174,19 @@ def _chen_reused(graph: Graph, checkpoints: set[int]) -> np.ndarray:
     is not a forward value, the final segment (forward values after the last checkpoint: the
     backward needs them at once, dropping them would only recompute them), outputs and
     non-recomputable values."""
-    last = max(checkpoints, default=-1)
-    reused = _always_kept(graph)
-    for i, node in enumerate(graph.nodes):
-        reused[i] |= node.kind is not NodeKind.FORWARD or i in checkpoints or i > last
+    reused = _always_kept(graph) | ~_forward_mask(graph)
+    reused[list(checkpoints)] = True
+    reused[max(checkpoints, default=-1) + 1:] = True
     return reused
+
+
+def _backward_ids(graph: Graph) -> np.ndarray:
+    return remembered(graph, ("backward ids",), lambda: np.asarray(graph.ids_of_kind(NodeKind.BACKWARD), dtype=np.int64))
+
+
+def _forward_mask(graph: Graph) -> np.ndarray:
+    return remembered(graph, ("forward mask",), lambda: np.array(
+        [node.kind is NodeKind.FORWARD for node in graph.nodes], dtype=bool))
 
 
 def chen_keep(graph: Graph, checkpoints: Iterable[int]) -> np.ndarray:
@@ -197,18 +210,22 @@ def chen_plan(graph: Graph, checkpoints: Iterable[int], label: str) -> BaselineP
 
     def make() -> BaselinePlan:
         reused = _chen_reused(graph, set(key))
-        stages: list[int] = []
-        nodes: list[int] = []
-        for t, node in enumerate(graph.nodes):
-            if node.kind is not NodeKind.BACKWARD:
-                stages.append(t)
-                nodes.append(t)
-                continue
-            computed = sorted(_computed_in_stage(graph, t, reused))
+        # Only a backward stage reading a value not reused recomputes anything; reused values
+        # only grow along the walk, so the others compute their own node alone.
+        indptr, indices = graph.deps_csr
+        backward = _backward_ids(graph)
+        # per node: does it read a value not reused? (a row per node; a sentinel ends the last)
+        flags = np.append(~reused[indices], False)
+        reads_dropped = np.logical_or.reduceat(flags, np.minimum(indptr[:-1], flags.size - 1)) & (np.diff(indptr) > 0)
+        stages: list[int] = list(range(graph.n))
+        nodes: list[int] = list(range(graph.n))
+        for t in backward[reads_dropped[backward]].tolist():
+            computed = [i for i in sorted(_computed_in_stage(graph, t, reused)) if i != t]
             stages += [t] * len(computed)
             nodes += computed
             reused[computed] = True
-        return measure_order(graph, stages, nodes, label)
+        by_stage = np.lexsort((nodes, stages))  # each stage: its recomputations, in id order, then its node
+        return measure_order(graph, np.asarray(stages)[by_stage], np.asarray(nodes)[by_stage], label)
 
     return dataclasses.replace(remembered(graph, ("chen", key), make), label=label)
 
