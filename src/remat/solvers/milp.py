@@ -41,14 +41,7 @@ from remat.solvers.milp_backends import (
     run_backend,
 )
 from remat.solvers.milp_model import MilpModel, ModelObjective, build_model
-from remat.solvers.milp_start import (
-    BASELINE_METHODS,
-    LOW_MEMORY_METHODS,
-    Candidate,
-    baseline_candidates,
-    best_fitting,
-    without_unread,
-)
+from remat.solvers.milp_start import Candidate, baseline_candidates, best_fitting, without_unread
 from remat.solvers.prepared import prepared
 from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
 
@@ -132,11 +125,7 @@ def milp(
         if everything and everything[0].peak_bytes <= budget_bytes:
             return _finish(graph, budget_bytes, everything[0], None, graph.total_cost, SolveStatus.OPTIMAL, started,
                            SolverStats(backend=backend.value, nodes_explored=0), "checkpoint-all fits: no search needed")
-    known = baseline_candidates(graph, budget_bytes,
-                                methods=tuple(m for m in BASELINE_METHODS if m not in LOW_MEMORY_METHODS))
-    best = best_fitting(known, budget_bytes)
-    if best is None:  # below what the one-level plans meet: the low-memory ones
-        best = best_fitting(baseline_candidates(graph, budget_bytes, methods=LOW_MEMORY_METHODS), budget_bytes)
+    best = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
     bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s))
     if not bound.feasible:
         raise _infeasible(graph, budget_bytes, settings, backend, f"at {graph.describe(bound.instant)} the values "

@@ -26,9 +26,6 @@ log = logging.getLogger("remat.solve")
 
 #: The baseline methods tried, in this order, when they are registered.
 BASELINE_METHODS = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested")
-#: Baselines asked only for budgets the others do not meet: their plans cost more where the
-#: others fit, and measuring them takes longer.
-LOW_MEMORY_METHODS = ("nested",)
 
 #: recompute_all recomputes a whole ancestry in every stage: building its plan is quadratic in
 #: the node count (22 s on a 1445-node GPT-2), and on traced steps it is never the cheapest

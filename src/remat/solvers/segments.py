@@ -82,38 +82,40 @@ def _nested(graph: Graph, cuts: tuple[Cut, ...], levels: tuple[tuple[int, ...], 
     for k in levels[0] if levels else ():
         always[list(cuts[k].crossing)] = True
     level_cuts = [sorted(level) for level in levels]
-    inner = len(levels)  # blocks of level l hold what crosses level l+1's cuts; the last level reuses all
-    block = [None] * (inner + 1)
-    computed: list[set[int]] = [set() for _ in range(inner + 1)]
-    crossing = [{j for k in level for j in cuts[k].crossing} for level in levels]
+    inner = len(levels)  # held[l]: what level l's current block holds; the last level holds all it computed
+    crossing = [{j for k in level for j in cuts[k].crossing} for level in levels[1:]] + [None]
+    block: list[int | None] = [None] * inner
+    held: list[set[int]] = [set() for _ in range(inner)]
+    kept = always.copy()  # always, or held by some level: kept up to date as blocks change
     seg = last
-    stages: list[int] = []
-    nodes: list[int] = []
-    for t, node in enumerate(graph.nodes):
-        if node.kind is not NodeKind.BACKWARD:
-            stages.append(t)
-            nodes.append(t)
-            continue
-        seg = max((segment[d] for d in node.deps if d in segment), default=seg)
-        for level in range(inner + 1):  # the block of each level the backward pass is in
-            here = bisect.bisect_left(level_cuts[level], seg) if level < inner else seg
+    stages: list[int] = list(range(graph.n))
+    nodes: list[int] = list(range(graph.n))
+    for t in graph.ids_of_kind(NodeKind.BACKWARD):
+        deps = graph.nodes[t].deps
+        seg = max((segment[d] for d in deps if d in segment), default=seg)
+        for level in range(inner):  # entering another block of a level leaves those below it too
+            here = bisect.bisect_left(level_cuts[level], seg)
             if here != block[level]:
-                block[level] = here
-                for deeper in range(level, inner + 1):
-                    computed[deeper] = set()
-        kept = always.copy()
-        for level in range(inner):
-            nxt = crossing[level + 1] if level + 1 < inner else None
-            held = computed[level] if nxt is None else computed[level] & nxt
-            kept[list(held)] = True
-        kept[list(computed[inner])] = True
-        done = sorted(_computed_in_stage(graph, t, kept))
+                dropped = set().union(*held[level:])
+                for deeper in range(level, inner):
+                    block[deeper] = bisect.bisect_left(level_cuts[deeper], seg)
+                    held[deeper] = set()
+                still = set().union(*held[:level])
+                for v in dropped:
+                    kept[v] = always[v] or v in still
+                break
+        if all(kept[d] for d in deps):
+            continue  # nothing to recompute: the stage computes its own node
+        done = [i for i in sorted(_computed_in_stage(graph, t, kept)) if i != t]
         stages += [t] * len(done)
         nodes += done
         fresh = [i for i in done if i in segment]
-        for level in range(inner + 1):
-            computed[level].update(fresh)
-    return measure_order(graph, stages, nodes, label)
+        for level in range(inner):
+            new = fresh if crossing[level] is None else [i for i in fresh if i in crossing[level]]
+            held[level].update(new)
+            kept[new] = True
+    order = np.lexsort((nodes, stages))  # each stage: its recomputations, in id order, then its node
+    return measure_order(graph, np.asarray(stages)[order], np.asarray(nodes)[order], label)
 
 
 def _checkpoints(cuts: list[Cut] | tuple[Cut, ...]) -> tuple[int, ...]:
