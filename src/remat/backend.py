@@ -40,14 +40,14 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from remat import backend_cache, backend_joint
+from remat import backend_cache, backend_joint, distributed
 from remat.backend_joint import JointStep, UnsupportedJointGraph
 from remat.backend_split import split
 from remat.cost import CostModel, node_costs
 from remat.errors import InfeasibleBudgetError, RematError, SolverError
 from remat.graph import Graph
 from remat.planning import GraphPlan, plan_graph
-from remat.schedule import Schedule
+from remat.schedule import Plan, Schedule
 from remat.simulate import simulate
 from remat.units import format_bytes, parse_budget
 
@@ -166,7 +166,9 @@ class PartitionReport:
     """What the backend did with one joint graph. ``fallback`` is the reason it used PyTorch's
     partitioner instead (the plan fields are then None); ``note`` says why ``method`` is not
     the requested one. Peaks in bytes as remat simulates them; ``overhead``: the plan's compute
-    cost over computing every node once."""
+    cost over computing every node once. Under torch.distributed, ``agreed_ranks`` ranks use the
+    plan that rank ``source_rank`` loaded or solved (``from_cache``, ``status`` and ``solve_s``
+    are that rank's)."""
 
     graph_name: str
     method: str
@@ -184,6 +186,8 @@ class PartitionReport:
     backward_recomputes: int | None = None
     replayed_random_ops: int | None = None
     note: str | None = None
+    source_rank: int | None = None
+    agreed_ranks: int | None = None
 
     def __str__(self) -> str:
         if self.fallback is not None:
@@ -191,6 +195,8 @@ class PartitionReport:
         source = "cached plan" if self.from_cache else f"solved in {self.solve_s:.2f} s ({self.status})"
         if self.note:
             source += f" [{self.note}]"
+        if self.agreed_ranks:
+            source += f", agreed by {self.agreed_ranks} ranks (planned on rank {self.source_rank})"
         return (
             f"{self.graph_name}: {self.method} {source}; predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} of budget {format_bytes(self.budget_bytes)} "
@@ -218,7 +224,8 @@ class RematBackend:
     did with every joint graph it partitioned."""
 
     def __init__(self, budget: Budget, method: str, *, cost_model: CostModel, cache_dir: Path | None,
-                 fallback: bool, fw_compiler, bw_compiler, solver_options: dict[str, object]) -> None:
+                 fallback: bool, fw_compiler, bw_compiler, solver_options: dict[str, object],
+                 process_group: object = distributed.DEFAULT_GROUP) -> None:
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
@@ -228,6 +235,7 @@ class RematBackend:
         self.cache_dir = cache_dir
         self.fallback = fallback
         self.solver_options = dict(solver_options)
+        self.process_group = process_group
         self.reports: list[PartitionReport] = []
         self._aot = aot_autograd(
             fw_compiler=fw_compiler or boxed_nop,
@@ -265,21 +273,38 @@ class RematBackend:
         return fw, bw
 
     def _plan(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str):
-        step = backend_joint.prepare(joint, num_fwd_outputs, name=name)
-        graph = step.graph
-        unoptimized = checkpoint_all_peak(graph)
-        budget_bytes = self.budget.resolve(unoptimized, graph.fixed_bytes, _device_of(step))
-        fingerprint = graph.fingerprint(costs=False)
-        key = backend_cache.cache_key(fingerprint, budget_bytes, self.method, self.solver_options)
-        record = backend_cache.load(key, self.cache_dir)
-        plan = backend_cache.replay(graph, record, budget_bytes) if record is not None else None
-        from_cache = plan is not None
-        if plan is None:
-            if record is not None:
-                log.warning("remat.backend: cached plan %s does not replay on %s; solving again", key[:12], name)
-            planned, record = self._solve(step, budget_bytes, unoptimized)
-            backend_cache.store(key, record, self.cache_dir)
-            plan = planned.plan
+        group = distributed.planning_group(self.process_group)
+        try:
+            step = backend_joint.prepare(joint, num_fwd_outputs, name=name)
+            graph = step.graph
+            unoptimized = checkpoint_all_peak(graph)
+            budget_bytes = self.budget.resolve(unoptimized, graph.fixed_bytes, _device_of(step))
+            fingerprint = graph.fingerprint(costs=False)
+        except Exception as exc:
+            if group is not None:  # tell the other ranks (re-raises here)
+                distributed.plan_together(group, None, None, exc, None)
+            raise
+
+        def key_of(budget: int) -> str:
+            return backend_cache.cache_key(fingerprint, budget, self.method, self.solver_options)
+
+        agreement = None
+        if group is not None:  # one budget, and one plan if the graphs are the same
+            agreement = distributed.plan_together(
+                group, fingerprint, budget_bytes, None,
+                lambda budget: self._load_or_solve(step, key_of(budget), budget, unoptimized)[0])
+        if agreement is not None and agreement.same_graph:
+            # every rank runs the plan rebuilt from the shared compute order, the source too
+            budget_bytes, record = agreement.budget_bytes, agreement.record
+            plan = backend_cache.replay(graph, record, budget_bytes)
+            if plan is None:
+                raise _NotPlanned(f"the plan of rank {agreement.source_rank} does not replay on this rank's graph")
+            if not agreement.is_source:  # this rank's cache, for its next compile or restart
+                backend_cache.store(key_of(budget_bytes), {k: v for k, v in record.items() if k != "from_cache"},
+                                    self.cache_dir)
+        else:
+            agreement = None
+            record, plan = self._load_or_solve(step, key_of(budget_bytes), budget_bytes, unoptimized)
         sim = simulate(graph, plan)
         parts = split(step, joint, plan, sim)
         report = PartitionReport(
@@ -293,13 +318,28 @@ class RematBackend:
             overhead=record.get("overhead"),
             status=record.get("status"),
             solve_s=record.get("solve_s"),
-            from_cache=from_cache,
+            from_cache=bool(record.get("from_cache")),
             saved_values=len(parts.saved),
             backward_recomputes=parts.backward_recomputes,
             replayed_random_ops=sum(1 for i in step.random_nodes if sim.compute_counts[i] > 1),
             note=record.get("note"),
+            source_rank=agreement.source_rank if agreement else None,
+            agreed_ranks=agreement.ranks if agreement else None,
         )
         return parts.forward, parts.backward, report
+
+    def _load_or_solve(self, step: JointStep, key: str, budget_bytes: int, unoptimized: int) -> tuple[dict, Plan]:
+        """The plan of ``key`` and its record: from the cache if it replays, else solved and
+        stored; the record's ``from_cache`` says which."""
+        record = backend_cache.load(key, self.cache_dir)
+        plan = backend_cache.replay(step.graph, record, budget_bytes) if record is not None else None
+        if plan is not None:
+            return {**record, "from_cache": True}, plan
+        if record is not None:
+            log.warning("remat.backend: cached plan %s does not replay on %s; solving again", key[:12], step.graph.name)
+        planned, record = self._solve(step, budget_bytes, unoptimized)
+        backend_cache.store(key, record, self.cache_dir)
+        return {**record, "from_cache": False}, planned.plan
 
     def _costs(self, step: JointStep) -> dict[str, float]:
         """Node costs in microseconds, measured on real tensors outside the compiler's fake mode."""
@@ -378,7 +418,7 @@ def _rescue(graph: Graph, budget_bytes: int, unoptimized: int, method: str, erro
 
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, (UnsupportedJointGraph, _NotPlanned)):
+    if isinstance(exc, (UnsupportedJointGraph, _NotPlanned, distributed.RankDisagreement)):
         return text
     return f"{type(exc).__name__}: {text}"
 
@@ -402,6 +442,7 @@ def create(
     fallback: bool = True,
     fw_compiler=None,
     bw_compiler=None,
+    process_group: object = distributed.DEFAULT_GROUP,
     **solver_options: object,
 ) -> RematBackend:
     """A ``torch.compile`` backend that plans every training graph with remat; what
@@ -420,6 +461,13 @@ def create(
     of using PyTorch's partitioner. ``fw_compiler``/``bw_compiler`` compile the two graphs
     (default: run them as they are, like ``aot_eager``).
 
+    ``process_group``: under torch.distributed, the ranks that agree on every plan (the same
+    budget, the smallest of theirs, and one plan, solved once and broadcast; see
+    ``remat.distributed``). ``"default"``: the default group whenever it is initialized with
+    more than one rank at compile time; a ``ProcessGroup``: that group (e.g. the data-parallel
+    group when pipeline stages compile different graphs); None: every rank plans alone. A byte
+    budget is per device: each rank's graph must fit it.
+
     Raises ``BudgetError`` for a budget it cannot read, ``ValueError`` for an unknown method or
     option.
     """
@@ -429,6 +477,7 @@ def create(
         raise BudgetError(f"budget_bytes={budget_bytes!r} must be an int number of bytes; pass fractions and strings as budget=")
     parsed = Budget.parse(budget if budget is not None else budget_bytes)
     _check_method(method, solver_options)
+    distributed.check_group(process_group)
     if not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model {cost_model!r} is not a CostModel; use CostModel.PROFILE or CostModel.ESTIMATE")
     if cache_dir == "default":
@@ -436,7 +485,8 @@ def create(
     else:
         directory = None if cache_dir is None else Path(cache_dir)
     return RematBackend(parsed, method, cost_model=cost_model, cache_dir=directory, fallback=fallback,
-                        fw_compiler=fw_compiler, bw_compiler=bw_compiler, solver_options=solver_options)
+                        fw_compiler=fw_compiler, bw_compiler=bw_compiler, solver_options=solver_options,
+                        process_group=process_group)
 
 
 class _CallableModule(types.ModuleType):

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from remat.cost import CostModel
+from remat.distributed import refuse_wrapped
 from remat.errors import ScheduleError
 from remat.execute import PlannedStep, build_module
 from remat.planning import plan_graph
@@ -150,6 +151,7 @@ class TrainingStep:
         """Rebuild a saved step without solving. Raises ``StalePlanError`` if the model's
         traced graph (or the requested budget) differs from the file's, ``PlanFileError`` if
         the file is missing or malformed."""
+        refuse_wrapped(model, "TrainingStep.load()")
         record = _read_plan(path)
         traced = trace(model, example_inputs, loss_fn, cost_model=None)
         graph = traced.graph
@@ -252,8 +254,10 @@ def optimize(
     string such as ``"512MiB"`` or ``"60%"`` of the checkpoint-all peak) at the least compute.
 
     Raises ``InfeasibleBudgetError`` (stating the least budget the method can meet) when the
-    budget is too small, ``TraceError`` when the step cannot be traced.
+    budget is too small, ``TraceError`` when the step cannot be traced, ``WrappedModelError``
+    for a model under DistributedDataParallel or FSDP (compile those with ``remat.backend``).
     """
+    refuse_wrapped(model)
     traced = trace(model, example_inputs, loss_fn, cost_model=cost_model)
     graph = traced.graph
     baseline = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
