@@ -31,7 +31,6 @@ How each engine is compiled:
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import warnings

@@ -594,3 +594,49 @@ def test_example_outside_torchrun_says_how_to_run_it():
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == (
         "distributed.py: error: run me with torchrun, e.g. torchrun --nproc-per-node 2 examples/distributed.py --ddp")
+
+
+# ---------------------------------------------------------------------------- the benchmark's report
+def _bench():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "distributed.py"
+    spec = importlib.util.spec_from_file_location("bench_distributed", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_section_shows_every_rank_against_the_engine_without_remat():
+    bench = _bench()
+    none = {"variant": "none", "budget": None, "peak_bytes": 20 * 2**20, "outside_bytes": 2**20, "step_s": 0.2,
+            "fallback_warnings": [], "grads_equal": True, "grad_max_abs_diff": 0.0}
+    planned = {**none, "variant": "remat 70%", "budget": 0.7, "peak_bytes": 13 * 2**20, "step_s": 0.22,
+               "graphs": [{"fallback": None, "predicted_peak_bytes": 12 * 2**20, "budget_bytes": 14 * 2**20,
+                           "overhead": 1.05}]}
+    fell_back = {**none, "variant": "remat 50%", "budget": 0.5, "grads_equal": False, "grad_max_abs_diff": 1e-3,
+                 "fallback_warnings": ["remat.backend: not planning graph0 (infeasible)"],
+                 "graphs": [{"fallback": "infeasible", "predicted_peak_bytes": None, "budget_bytes": None}]}
+    results = {"meta": {"command": "python bench/distributed.py", "config": bench.CONFIG, "method": "milp",
+                        "rounds": 7, "measured": "2026-11-23 18:00"},
+               "engines": {"fsdp2": [[none, planned, fell_back], [none, planned, fell_back]]}}
+    text = bench.markdown(results)
+    assert "## remat under DDP and FSDP2 (`bench/distributed.py`)" in text and "### fsdp2" in text
+    row = ("| remat 70% | 1 | 13.00 | 0.65 | 12.00 | 14.00 | 0.220 | 1.10 | equal | 1 graph(s), overhead 1.05x; "
+           "outside: 1.00 MiB of shards |")
+    assert row in text
+    assert "| remat 50% | 0 | 20.00 | 1.00 |  |  | 0.200 | 1.00 | differ by 0.001 | 1 graph(s); fell back: " \
+           "remat.backend: not planning graph0 (infeasible); outside: 1.00 MiB of shards |" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engines", "ddp,zero3"], "unknown engine(s) zero3; choose from ddp, fsdp2, fsdp2-blocks"),
+    (["--budgets", "0.7,1.2"], "every budget must be a fraction in (0, 1]"),
+    (["--budgets", "seventy"], "give fractions such as 0.7,0.5"),
+])
+def test_bench_usage_errors_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        _bench().main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
