@@ -55,7 +55,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from remat import backend_cache, backend_dynamo, backend_joint
+from remat import backend_cache, backend_dynamo, backend_joint, distributed
 from remat.backend_dynamo import RematFallbackWarning
 from remat.backend_joint import JointStep, UnsupportedJointGraph
 from remat.backend_split import split
@@ -65,7 +65,7 @@ from remat.fx_graph import with_scratch
 from remat.graph import Graph
 from remat.memory import region_eager_peak
 from remat.planning import GraphPlan, plan_graph
-from remat.schedule import Schedule
+from remat.schedule import Plan, Schedule
 from remat.scratch import ScratchModel, node_scratch
 from remat.simulate import simulate
 from remat.units import EAGER, BudgetError, check_budget, format_bytes, parse_budget
@@ -179,7 +179,9 @@ class PartitionReport:
     ``eager_peak_bytes``: the region's eager peak as measured at compile time (None where it
     could not run); ``reference`` what a fractional budget was a fraction of (``"eager"`` or
     ``"unoptimized"``, None for a budget in bytes); ``overhead``: the plan's compute cost over
-    computing every node once."""
+    computing every node once. Under torch.distributed, ``agreed_ranks`` ranks use the plan
+    that rank ``source_rank`` loaded or solved (``from_cache``, ``status`` and ``solve_s`` are
+    that rank's)."""
 
     graph_name: str
     method: str
@@ -200,6 +202,8 @@ class PartitionReport:
     replayed_random_ops: int | None = None
     note: str | None = None
     captured: bool = True  # False: code dynamo left eager (``fallback`` says which), no graph
+    source_rank: int | None = None
+    agreed_ranks: int | None = None
 
     def __str__(self) -> str:
         if not self.captured:
@@ -209,6 +213,8 @@ class PartitionReport:
         source = "cached plan" if self.from_cache else f"solved in {self.solve_s:.2f} s ({self.status})"
         if self.note:
             source += f" [{self.note}]"
+        if self.agreed_ranks:
+            source += f", agreed by {self.agreed_ranks} ranks (planned on rank {self.source_rank})"
         of = ""
         if self.reference is not None:
             reference = self.eager_peak_bytes if self.reference == "eager" else self.unoptimized_peak_bytes
@@ -242,7 +248,7 @@ class RematBackend:
 
     def __init__(self, budget: Budget, method: str, *, cost_model: CostModel, cache_dir: Path | None,
                  fallback: bool, fw_compiler, bw_compiler, solver_options: dict[str, object],
-                 scratch: ScratchModel | None = None) -> None:
+                 scratch: ScratchModel | None = None, process_group: object = distributed.DEFAULT_GROUP) -> None:
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
@@ -255,6 +261,7 @@ class RematBackend:
         self.cache_dir = cache_dir
         self.fallback = fallback
         self.solver_options = dict(solver_options)
+        self.process_group = process_group
         self.reports: list[PartitionReport] = []
         self._eager_peak: int | None = None  # of the graph being compiled, for partition()
         backend_dynamo.watch(self)
@@ -318,26 +325,43 @@ class RematBackend:
         return fw, bw
 
     def _plan(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str):
-        step = backend_joint.prepare(joint, num_fwd_outputs, name=name)
-        inputs = self._example_inputs(step)
-        step = replace(step, graph=with_scratch(step.graph, step.node_names, self._scratch(step, inputs)))
-        graph = step.graph
-        unoptimized = checkpoint_all_peak(graph)
-        eager = self._eager_peak
-        reference = None if self.budget.fraction is None else ("eager" if eager is not None else "unoptimized")
-        budget_bytes = self.budget.resolve(eager if eager is not None else unoptimized, graph.fixed_bytes, _device_of(step))
-        fingerprint = graph.fingerprint(costs=False)
-        key = backend_cache.cache_key(fingerprint, budget_bytes, self.method, self.solver_options)
-        record = backend_cache.load(key, self.cache_dir)
-        plan = backend_cache.replay(graph, record, budget_bytes) if record is not None else None
-        from_cache = plan is not None
-        if plan is None:
-            if record is not None:
-                log.warning("remat.backend: discarding the cached plan %s: it does not replay on %s within its "
-                            "budget; planning the graph again", backend_cache.where(key, self.cache_dir), name)
-            planned, record = self._solve(step, inputs, budget_bytes, unoptimized)
-            backend_cache.store(key, record, self.cache_dir)
-            plan = planned.plan
+        group = distributed.planning_group(self.process_group)
+        try:
+            step = backend_joint.prepare(joint, num_fwd_outputs, name=name)
+            inputs = self._example_inputs(step)
+            step = replace(step, graph=with_scratch(step.graph, step.node_names, self._scratch(step, inputs, group)))
+            graph = step.graph
+            unoptimized = checkpoint_all_peak(graph)
+            eager = self._eager_peak
+            reference = None if self.budget.fraction is None else ("eager" if eager is not None else "unoptimized")
+            budget_bytes = self.budget.resolve(eager if eager is not None else unoptimized, graph.fixed_bytes,
+                                               _device_of(step))
+            fingerprint = graph.fingerprint(costs=False)
+        except Exception as exc:
+            if group is not None:  # tell the other ranks (re-raises here)
+                distributed.plan_together(group, None, None, exc, None)
+            raise
+
+        def key_of(budget: int) -> str:
+            return backend_cache.cache_key(fingerprint, budget, self.method, self.solver_options)
+
+        agreement = None
+        if group is not None:  # one budget, and one plan if the graphs are the same
+            agreement = distributed.plan_together(
+                group, fingerprint, budget_bytes, None,
+                lambda budget: self._load_or_solve(step, inputs, key_of(budget), budget, unoptimized)[0])
+        if agreement is not None and agreement.same_graph:
+            # every rank runs the plan rebuilt from the shared compute order, the source too
+            budget_bytes, record = agreement.budget_bytes, agreement.record
+            plan = backend_cache.replay(graph, record, budget_bytes)
+            if plan is None:
+                raise _NotPlanned(f"the plan of rank {agreement.source_rank} does not replay on this rank's graph")
+            if not agreement.is_source:  # this rank's cache, for its next compile or restart
+                backend_cache.store(key_of(budget_bytes), {k: v for k, v in record.items() if k != "from_cache"},
+                                    self.cache_dir)
+        else:
+            agreement = None
+            record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes), budget_bytes, unoptimized)
         sim = simulate(graph, plan)
         parts = split(step, joint, plan, sim)
         report = PartitionReport(
@@ -353,11 +377,13 @@ class RematBackend:
             overhead=record.get("overhead"),
             status=record.get("status"),
             solve_s=record.get("solve_s"),
-            from_cache=from_cache,
+            from_cache=bool(record.get("from_cache")),
             saved_values=len(parts.saved),
             backward_recomputes=parts.backward_recomputes,
             replayed_random_ops=sum(1 for i in step.random_nodes if sim.compute_counts[i] > 1),
             note=record.get("note"),
+            source_rank=agreement.source_rank if agreement else None,
+            agreed_ranks=agreement.ranks if agreement else None,
         )
         return parts.forward, parts.backward, report
 
@@ -368,20 +394,36 @@ class RematBackend:
             return None
         return backend_joint.example_inputs(step)
 
-    def _scratch(self, step: JointStep, inputs: list[torch.Tensor] | None) -> dict[str, int]:
+    def _scratch(self, step: JointStep, inputs: list[torch.Tensor] | None, group: object) -> dict[str, int]:
         """Kernel scratch bytes by node name, as ``self.scratch`` says (estimated if measuring
-        fails)."""
+        fails). Ranks planning together estimate it: measured scratch differs by a few KiB from
+        rank to rank, and ranks agree on a plan only for the same graph."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         skip = frozenset(nm for i, nm in enumerate(step.node_names) if step.is_alias(i))
         with unset_fake_temporarily():
-            if self.scratch is ScratchModel.MEASURE and inputs is not None:
+            if self.scratch is ScratchModel.MEASURE and inputs is not None and group is None:
                 try:
                     return node_scratch(step.module, inputs, ScratchModel.MEASURE, skip=skip)
                 except Exception as exc:  # synthetic inputs can break data-dependent ops
                     log.warning("remat.backend: measuring scratch memory failed (%s); estimating it instead", _reason(exc))
             model = ScratchModel.NONE if self.scratch is ScratchModel.NONE else ScratchModel.ESTIMATE
             return node_scratch(step.module, [], model, skip=skip)
+
+    def _load_or_solve(self, step: JointStep, inputs: list[torch.Tensor] | None, key: str, budget_bytes: int,
+                       unoptimized: int) -> tuple[dict, Plan]:
+        """The plan of ``key`` and its record: from the cache if it replays, else solved and
+        stored; the record's ``from_cache`` says which."""
+        record = backend_cache.load(key, self.cache_dir)
+        plan = backend_cache.replay(step.graph, record, budget_bytes) if record is not None else None
+        if plan is not None:
+            return {**record, "from_cache": True}, plan
+        if record is not None:
+            log.warning("remat.backend: discarding the cached plan %s: it does not replay on %s within its budget; "
+                        "planning the graph again", backend_cache.where(key, self.cache_dir), step.graph.name)
+        planned, record = self._solve(step, inputs, budget_bytes, unoptimized)
+        backend_cache.store(key, record, self.cache_dir)
+        return {**record, "from_cache": False}, planned.plan
 
     def _costs(self, step: JointStep, inputs: list[torch.Tensor] | None) -> dict[str, float]:
         """Node costs in microseconds, measured on real tensors outside the compiler's fake mode."""
@@ -461,7 +503,7 @@ def _rescue(graph: Graph, budget_bytes: int, unoptimized: int, method: str, erro
 
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, (UnsupportedJointGraph, _NotPlanned)):
+    if isinstance(exc, (UnsupportedJointGraph, _NotPlanned, distributed.RankDisagreement)):
         return text
     return f"{type(exc).__name__}: {text}"
 
@@ -486,6 +528,7 @@ def create(
     fallback: bool = True,
     fw_compiler=None,
     bw_compiler=None,
+    process_group: object = distributed.DEFAULT_GROUP,
     **solver_options: object,
 ) -> RematBackend:
     """A ``torch.compile`` backend that plans every training graph with remat; what
@@ -506,6 +549,13 @@ def create(
     of using PyTorch's partitioner. ``fw_compiler``/``bw_compiler`` compile the two graphs
     (default: run them as they are, like ``aot_eager``).
 
+    ``process_group``: under torch.distributed, the ranks that agree on every plan (the same
+    budget, the smallest of theirs, and one plan, solved once and broadcast; see
+    ``remat.distributed``). ``"default"``: the default group whenever it is initialized with
+    more than one rank at compile time; a ``ProcessGroup``: that group (e.g. the data-parallel
+    group when pipeline stages compile different graphs); None: every rank plans alone. A byte
+    budget is per device: each rank's graph must fit it.
+
     Raises ``BudgetError`` for a budget it cannot read, ``ValueError`` for an unknown method or
     option.
     """
@@ -516,6 +566,7 @@ def create(
     parsed = Budget.parse(check_budget(budget if budget is not None else budget_bytes,
                                        time_limit_s=solver_options.get("time_limit_s"), cuda_free=True, of=EAGER))
     _check_method(method, solver_options)
+    distributed.check_group(process_group)
     if not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model {cost_model!r} is not a CostModel; use CostModel.PROFILE or CostModel.ESTIMATE")
     if scratch is not None and not isinstance(scratch, ScratchModel):
@@ -526,7 +577,7 @@ def create(
         directory = None if cache_dir is None else Path(cache_dir)
     return RematBackend(parsed, method, cost_model=cost_model, cache_dir=directory, fallback=fallback,
                         fw_compiler=fw_compiler, bw_compiler=bw_compiler, solver_options=solver_options,
-                        scratch=scratch)
+                        scratch=scratch, process_group=process_group)
 
 
 class _CallableModule(types.ModuleType):

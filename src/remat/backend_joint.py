@@ -307,8 +307,9 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
     fx_by_name = {n.name: n for n in gm.graph.nodes}
     markers = {m.name for m in marker_of.values()}
     nodes_out = list(graph.nodes)
-    for i, nm in enumerate(node_names):  # tangents arrive once; some random ops cannot replay
-        if nm in markers or (i in random_nodes and not replayable(fx_by_name[nm])):
+    # tangents arrive once; some random ops cannot replay; collectives run once on every rank
+    for i, nm in enumerate(node_names):
+        if nm in markers or (i in random_nodes and not replayable(fx_by_name[nm])) or fx_graph.is_collective(fx_by_name[nm]):
             nodes_out[i] = replace(nodes_out[i], recomputable=False)
     graph = Graph(nodes=tuple(nodes_out), fixed_bytes=graph.fixed_bytes, outputs=graph.outputs, name=name)
     n_forward = next((i for i, nm in enumerate(node_names) if kinds[nm] is NodeKind.BACKWARD), len(node_names))

@@ -22,6 +22,23 @@ def is_random(n: fx.Node) -> bool:
     return n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
 
 
+#: torch.distributed's functional collectives (what dynamo traces ``all_gather``,
+#: ``reduce_scatter``, ``all_reduce`` and their ``wait_tensor`` into).
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+def is_collective(n: fx.Node) -> bool:
+    """A collective runs once per step on every rank, in the same order: never recomputed
+    (a rank that recomputed one alone would wait forever for the others)."""
+    return n.op == "call_function" and getattr(n.target, "namespace", None) in COLLECTIVE_NAMESPACES
+
+
+def _returns_its_input(n: fx.Node) -> bool:
+    """``wait_tensor`` hands back the very tensor it waits for, though its fake value has a
+    storage of its own: it owns no bytes."""
+    return n.op == "call_function" and str(n.target) == "_c10d_functional.wait_tensor.default"
+
+
 def dead_code_elimination(gm: fx.GraphModule) -> None:
     """Remove unused nodes, except random ones: dropping one would shift every later random
     number and the step would no longer match eager PyTorch."""
@@ -111,6 +128,11 @@ def build_graph(gm: fx.GraphModule, kinds: dict[str, NodeKind], name: str, *, re
     fresh_storages: list[dict[int, int]] = []  # node -> the storages it creates, and their bytes
     for i, n in enumerate(compute):
         created, mine = {}, set()
+        if _returns_its_input(n) and isinstance(n.args[0], fx.Node):
+            waited = _tensors(n.args[0].meta.get("val"))
+            for out, src in zip(_tensors(n.meta.get("val")), waited):
+                if _storage_key(src) in owner:
+                    owner[_storage_key(out)] = owner[_storage_key(src)]
         for t in _tensors(n.meta.get("val")):
             key = _storage_key(t)
             if key not in owner:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from remat.cost import CostModel
+from remat.distributed import refuse_wrapped
 from remat.errors import ScheduleError, TraceError
 from remat.execute import PlanFacts, PlannedStep, build_module
 from remat.planning import plan_graph
@@ -171,6 +172,7 @@ class TrainingStep:
         """Rebuild a saved step without solving. Raises ``StalePlanError`` if the model's
         traced graph (or the requested budget) differs from the file's, ``PlanFileError`` if
         the file is missing or malformed."""
+        refuse_wrapped(model, "TrainingStep.load()")
         record = _read_plan(path)
         traced = trace(model, example_inputs, loss_fn, cost_model=None)
         if record["n_nodes"] == traced.graph.n:
@@ -300,9 +302,11 @@ def optimize(
     Budget and time limit are checked before anything is traced (``BudgetError``).
 
     Raises ``InfeasibleBudgetError`` (stating the least budget the method can meet) when the
-    budget is too small, ``TraceError`` when the step cannot be traced.
+    budget is too small, ``TraceError`` when the step cannot be traced, ``WrappedModelError``
+    for a model under DistributedDataParallel or FSDP (compile those with ``remat.backend``).
     """
     budget = _budget_argument(budget, budget_bytes, solver_options)
+    refuse_wrapped(model)
     traced = trace(model, example_inputs, loss_fn, cost_model=cost_model)
     graph = traced.graph
     baseline = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
