@@ -205,3 +205,19 @@ def test_retention_plans_run_bitwise_like_eager_and_as_predicted() -> None:
         assert_same_step(got, want, f"retention {fraction}")
         assert_peak_matches(step, report, f"retention {fraction}")
     assert recomputed > 0
+
+
+def test_the_smallest_budget_is_never_above_a_plan_found():
+    from remat.solvers.milp import MinimumBudget
+
+    graph = random_training_graph(30, seed=6)
+    found = minimum_budget(graph, exact_max_nodes=0)
+    top = checkpoint_all_peak(graph)
+    # a smallest budget remembered from a weaker search, above what a plan at this budget peaks at
+    state = prepared(graph)
+    state.minimum = MinimumBudget(top + 1, False, found.schedule, found.lower_bound_bytes)
+    result = solve(graph, (found.budget_bytes + top) // 2, method="milp", exact_max_nodes=0)
+    assert state.minimum.budget_bytes == result.peak_bytes <= top
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, state.minimum.lower_bound_bytes - 1, method="milp", exact_max_nodes=0)
+    assert info.value.min_budget_bytes <= result.peak_bytes

@@ -163,7 +163,13 @@ def milp(
         status = SolveStatus.OPTIMAL
     else:
         status = SolveStatus.TIME_LIMIT if timed_out else SolveStatus.FEASIBLE
-    return _finish(graph, budget_bytes, best, None, lower, status, started, stats, best.name)
+    result = _finish(graph, budget_bytes, best, None, lower, status, started, stats, best.name)
+    found = prep.minimum
+    if isinstance(found, MinimumBudget) and result.peak_bytes < found.budget_bytes:
+        # a plan below the smallest budget found so far: it is the smallest budget now
+        prep.minimum = MinimumBudget(result.peak_bytes, result.peak_bytes <= found.lower_bound_bytes,
+                                     result.schedule, found.lower_bound_bytes)
+    return result
 
 
 def _retention(graph: Graph, budget_bytes: int, bound: CostBound, target: float, deadline: float,
@@ -300,6 +306,7 @@ def minimum_budget(
     lower = prep.bounds.min_budget_bytes
     known = baseline_candidates(graph, lower, lowest_peak=True)
     known.append(_candidate("checkpoint_all", graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool))))
+    known += [_retention_candidate(graph, plan) for plan in prep.retention_plans]  # found at other budgets
     best = min(known, key=lambda c: (c.peak_bytes, c.cost))
     proven = best.peak_bytes <= lower
     if not proven:
