@@ -29,6 +29,9 @@ SLOW = {
     "python bench/spot_checks.py": "--help",
     "python bench/vs_pytorch.py": "--help",
     "python bench/holdout.py": "--help",
+    "python bench/distributed.py": "--help",
+    "torchrun --nproc-per-node 2 examples/distributed.py --check --ddp": "--help",
+    "torchrun --nproc-per-node 2 examples/distributed.py --check --fsdp": "--help",
     "python bench/solver_scaling.py": "--help",
     "python examples/train_loop.py --check": "--help",
 }
@@ -50,7 +53,7 @@ def command_lines() -> list[str]:
 
 
 def test_the_readme_has_what_these_tests_check():
-    assert len(blocks("python")) == 3
+    assert len(blocks("python")) == 4
     assert "remat methods" in command_lines() and "make demo" in command_lines()
 
 
@@ -74,7 +77,7 @@ def stand_ins(tmp_path, monkeypatch):
 def test_python_snippets_run_as_written(stand_ins, capsys):
     from remat.backend import RematFallbackWarning
 
-    (line1, optimize_snippet), (line2, backend_snippet), (line3, graph_snippet) = blocks("python")
+    (line1, optimize_snippet), (line2, backend_snippet), (line3, graph_snippet), _ = blocks("python")
     namespace = stand_ins
     model = namespace["model"]
     before = [p.detach().clone() for p in model.parameters()]
@@ -98,6 +101,8 @@ def _argv(line: str) -> list[str]:
     words = shlex.split(line)
     if words[0] == "remat":
         return [sys.executable, "-m", "remat.cli", *words[1:]]
+    if words[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
     if words[0] == "python":
         return [sys.executable, *words[1:]]
     raise AssertionError(f"README command {line!r}: this test does not know how to run it")
@@ -141,3 +146,39 @@ def test_command_lines_run(line, tmp_path):
         out = shlex.split(line)[shlex.split(line).index("--out") + 1]
         assert (tmp_path / out).exists() and (tmp_path / out).with_suffix(".png").exists()
     assert done.stdout.strip()
+
+
+def test_the_ddp_snippet_runs_as_written(tmp_path, monkeypatch):
+    """The DDP snippet, in a one-rank gloo group, with a model whose forward returns the loss."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from remat.backend import RematFallbackWarning
+
+    (line, snippet), = [b for b in blocks("python") if "DDP(model)" in b[1]]
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 10))
+
+        def forward(self, batch):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        namespace = {"__name__": "readme", "remat": __import__("remat"), "torch": torch, "DDP": DDP, "model": WithLoss(),
+                     "batch": (torch.randn(4096, 32), torch.randint(0, 10, (4096,)))}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RematFallbackWarning)  # planned, not fallen back
+            exec(compile(snippet, f"README.md:{line}", "exec"), namespace)
+        assert namespace["loss"].ndim == 0
+        assert all(p.grad is not None for p in namespace["model"].parameters())
+    finally:
+        dist.destroy_process_group()

@@ -40,7 +40,7 @@ from remat.errors import GraphError, InfeasibleBudgetError, RematError, Unsuppor
 from remat.graph import Graph
 from remat.solvers import methods as registered_methods
 from remat.solvers import solve
-from remat.sweep import ResultStore, SweepPoint, checkpoint_all_peak, run_interruptibly, solves_running, sweep
+from remat.sweep import ResultStore, SweepPoint, checkpoint_all_peak, run_interruptibly, sweep
 from remat.units import format_bytes
 
 # Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
@@ -461,11 +461,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         if not isinstance(exc, _Interrupted):
             err.print("interrupted", highlight=False)
-        if solves_running():  # a solver thread in C code cannot be stopped: do not wait for it
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_INTERRUPTED)
-        return EXIT_INTERRUPTED
+        # A solver thread in C code cannot be stopped, and a solver's own threads torn down at
+        # interpreter exit abort the process: leave without finalizing (every result file was
+        # written atomically already).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -224,7 +224,7 @@ class InstantBounds:
 
     # ------------------------------------------------------------------ the bound
     def cost_bound(self, budget_bytes: int, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-                   instants: tuple[int, ...] = (), threads: int = 1) -> CostBound:
+                   instants: tuple[int, ...] = (), threads: int = 2) -> CostBound:
         """The instant bound under ``budget_bytes``: LP relaxations at screened instants (and
         at ``instants``), then MIPs at the most promising ones, within ``time_limit_s``.
 

@@ -126,7 +126,8 @@ def milp(
             return _finish(graph, budget_bytes, everything[0], None, graph.total_cost, SolveStatus.OPTIMAL, started,
                            SolverStats(backend=backend.value, nodes_explored=0), "checkpoint-all fits: no search needed")
     best = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
-    bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s))
+    bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s),
+                                   threads=threads)
     if not bound.feasible:
         raise _infeasible(graph, budget_bytes, settings, backend, f"at {graph.describe(bound.instant)} the values "
                           f"no plan can drop already exceed it")
