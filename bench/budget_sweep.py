@@ -1,5 +1,4 @@
-"""Budget sweeps on the Checkmate paper's networks: compute overhead of every method against
-the memory budget.
+"""Budget sweeps on the Checkmate paper's networks: every method's compute overhead vs budget.
 
 For VGG16 (batch 256), MobileNet (batch 512) and the VGG U-Net (batch 32), the batch sizes of
 the Checkmate paper's budget sweeps, and GPT-2 small (batch 8, 512 tokens), the training step

@@ -1,5 +1,6 @@
-"""Maximum batch size: the largest batch each method fits into a 16 GB V100 with at most one
-extra forward pass of compute, next to the Checkmate paper's numbers.
+"""Maximum batch size each method fits into a 16 GB V100 with at most one extra forward pass.
+
+Compared with the Checkmate paper's numbers.
 
 For VGG19, ResNet50, MobileNet, the VGG U-Net, FCN-8 and SegNet at the paper's resolutions,
 a method *fits* batch b when ``remat.planning.plan_graph`` returns a plan of the training step

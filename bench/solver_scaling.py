@@ -1,5 +1,6 @@
-"""The planner at real-model scale: plan cost, a lower bound for the whole graph, the gap and the
-wall time of each budget, on traced training steps of 300 to 5,500 operations.
+"""The planner at real-model scale: plan cost, full-graph lower bound, gap and wall time per budget.
+
+Measured on traced training steps of 300 to 5,500 operations.
 
 Workloads, traced on the meta device with ``CostModel.ESTIMATE`` costs (nothing allocated):
 GPT-2 from transformers (width 256, 4 heads, sequence 256, batch 8, vocabulary 8192, dropout
