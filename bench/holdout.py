@@ -191,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     import torch
 
+    from remat.solvers import planner_version
     from remat.sweep import save_json
 
     torch.set_num_threads(args.threads)
     results = json.loads(args.out.read_text()) if args.out.exists() else {"meta": {}, "models": {}}
     results["meta"].update(command=" ".join(["python bench/holdout.py", *(argv if argv is not None else sys.argv[1:])]),
-                           threads=args.threads, torch=torch.__version__, time_limit_s=args.time_limit)
+                           threads=args.threads, torch=torch.__version__, time_limit_s=args.time_limit,
+                           planner=planner_version())
     for name in chosen:
         print(f"{name}: tracing, planning and running", flush=True)
         results["models"][name] = check_model(name, args.time_limit)
@@ -214,9 +216,9 @@ def markdown(results: dict) -> str:
         f"{meta.get('torch', '?')}). transformers models with random weights (Llama, BERT, T5, ViT, ConvNext) and a "
         f"GRU language model, none of them used while remat was built. Each is traced (FLOP-estimate costs, kernel "
         f"scratch memory measured per op), planned with `plan_graph` at 70% and 50% of its checkpoint-all peak "
-        f"(`milp` with a {meta.get('time_limit_s', '?')} s limit on the graph grouped to 150 nodes, or a full-graph "
-        f"baseline where cheaper), and executed once. Measured = torch.profiler's allocation events replayed "
-        f"(parameters and batch included, kernel scratch included). Within budget = measured <= budget. Gradients: "
+        f"(`milp` with a {meta.get('time_limit_s', '?')} s limit, on the whole op-level graph; \"milp: X's plan\" "
+        f"where a baseline's plan was the best it found), and executed once. Measured = torch.profiler's allocation "
+        f"events replayed (parameters and batch included, kernel scratch included). Within budget = measured <= budget. Gradients: "
         f"loss and every gradient against an eager PyTorch step from the same weights and seed; where not bitwise, "
         f"the traced step itself (no plan) differs from eager by the same amount (float summation order).",
         "",

@@ -26,7 +26,7 @@ from remat.solvers.milp_model import ModelObjective, build_model
 from remat.solvers.milp_start import Candidate, baseline_candidates, best_fitting
 
 #: Graphs of at most this many nodes get Checkmate's relaxation (O(n^2) columns); larger ones the
-#: retention model's (the same limit as the exact MILP's, ``remat.solvers.milp.EXACT_MAX_NODES``).
+#: retention model's.
 EXACT_MAX_NODES = 60
 
 log = logging.getLogger("remat.solve")

@@ -49,8 +49,14 @@ log = logging.getLogger("remat.solve")
 
 __all__ = ["MilpBackend", "MinimumBudget", "milp", "minimum_budget"]
 
-#: Graphs of at most this many nodes also get Checkmate's exact MILP (O(n^2) binaries).
-EXACT_MAX_NODES = lp_round.EXACT_MAX_NODES
+#: Graphs of at most this many nodes also get Checkmate's exact MILP (O(n^2) binaries): always up
+#: to ``EXACT_ALWAYS_NODES`` nodes, above that only when the retention model found no plan or one
+#: more than ``EXACT_RESCUE_GAP`` above the bound. The exact model's plans may compute a value
+#: three times or more, which the retention model's cannot: near the smallest budgets of the
+#: paper's segmentation networks (117-147 folded nodes) only they fit at a sane cost.
+EXACT_MAX_NODES = 160
+EXACT_ALWAYS_NODES = 60
+EXACT_RESCUE_GAP = 0.01
 
 #: The least time handed to a solver after earlier steps used up the rest of the limit.
 MIN_SOLVER_TIME_S = 1.0
@@ -94,8 +100,10 @@ def milp(
     ``time_limit_s`` covers the whole call; an infeasible budget then spends up to as long
     again finding the smallest feasible one. The search stops once the gap to the bound is at
     most ``mip_gap`` (the retention model's own search, once within
-    ``max(mip_gap, retention.MODEL_GAP)`` of the step's cost of the model's bound). ``backend`` ("highs", "cpsat" or "gurobi" if installed) solves
-    Checkmate's exact model on graphs of at most ``exact_max_nodes`` nodes; the retention
+    ``max(mip_gap, retention.MODEL_GAP)`` of the step's cost of the model's bound).
+    ``backend`` ("highs", "cpsat" or "gurobi" if installed) solves Checkmate's exact model on
+    graphs of at most ``exact_max_nodes`` nodes (above ``EXACT_ALWAYS_NODES`` only when the
+    retention model's plan is not within ``EXACT_RESCUE_GAP`` of the bound); the retention
     model and the bound always use HiGHS. ``warm_start`` starts the exact model from the best
     plan known (and falls back on it); with ``early_proof`` a known plan that meets the bound
     is returned at once. ``threads`` is fixed so that timings compare. ``dominance`` adds the
@@ -142,6 +150,8 @@ def milp(
     timed_out = time.perf_counter() >= deadline - 1e-3
     lower = bound.value
     stats = SolverStats(backend="highs", n_variables=prep.retention.n_cols)
+    if exact and graph.n > EXACT_ALWAYS_NODES and best is not None:
+        exact = best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP))
     if exact and (best is None or best.cost > target) and not timed_out:
         result = _exact(graph, budget_bytes, settings, backend, dominance, warm_start, best, deadline)
         if result is not None:
