@@ -335,8 +335,8 @@ def markdown(results: dict) -> str:
         "Costs are `CostModel.ESTIMATE` on graphs traced on the meta device at each batch size tried; the search "
         "doubles (or halves) from the largest batch found so far for the model, then bisects. For `lp_round` and "
         "`milp` a plan found within the time limit counts. Paper: the Checkmate paper's numbers (Jain et al., MLSys "
-        "2020; as quoted in the project's issue); where the paper gives one number per network it is Checkmate's "
-        "own, set here beside our `milp`.",
+        "2020, maximum batch size figure; ≥ where it gives only a lower bound); where the paper gives one number "
+        "per network it is Checkmate's own, set here beside our `milp`.",
         "",
         "| model | " + " | ".join(methods) + " |",
         "|---|" + "---|" * len(methods),
@@ -357,6 +357,13 @@ def markdown(results: dict) -> str:
             paper = _published_text(e.get("published"))
             row.append(f"{text} (paper {paper})" if paper else text)
         lines.append(f"| {model} | " + " | ".join(row) + " |")
+    versions: dict[str, list[str]] = {}
+    for e in runs.values():
+        if e.get("method") in TIMED:
+            versions.setdefault(str(e.get("planner")), []).append(e["model"])
+    if len(versions) > 1:
+        lines += ["", "The solved rows come from more than one planner version (`planner_version()`): " + "; ".join(
+            f"{v}: {', '.join(sorted(set(ms)))}" for v, ms in versions.items()) + "."]
     lines += ["", "Search work per model and method: solves (each one trace and one `plan_graph`), total solve time, "
               "and the status of the plan at the maximum (a MILP stopped by the time limit shows its gap).", "",
               "| model | method | max batch | nodes at max | solves | solve time (s) | trace time (s) | status at max | "

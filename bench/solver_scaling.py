@@ -248,6 +248,12 @@ def markdown(results: dict) -> str:
             base = "-" if c["baseline"] is None else f"{c['baseline']} {c['baseline_overhead']:.4f}x"
             lines.append(f"{head} {level} | {c['overhead']:.4f}x | {c['bound']:.4f} | {c['gap']:.2%} | {c['status']} | "
                          f"{c['wall_s']:.1f} | {base} |")
+    versions: dict[str, list[str]] = {}
+    for rec in recs:
+        versions.setdefault(rec.get("planner", "?"), []).append(rec["workload"])
+    if len(versions) > 1:
+        lines += ["", "Rows come from more than one planner version (`planner_version()`): " + "; ".join(
+            f"{v}: {', '.join(ws)}" for v, ws in versions.items()) + "."]
     lines += ["", "Goals:", "", *checks(results), "", "![planner at scale](bench/plots/solver_scaling.png)"]
     return "\n".join(lines) + "\n"
 
