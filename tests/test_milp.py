@@ -356,3 +356,21 @@ def test_milp_equals_exhaustive_search_on_grouped_graphs(graph: Graph) -> None:
         assert result.objective == pytest.approx(exhaustive_min_cost(graph, budget))
     with pytest.raises(InfeasibleBudgetError):
         solve(graph, low - 1, method="milp")
+
+
+def test_milp_says_which_plan_it_returned():
+    """milp weighs every baseline's plans against its models': the result says which one it
+    returned, and reports of a run label a baseline's plan by its baseline."""
+    from remat.compare import plan_source
+    from remat.planning import plan_graph
+
+    graph = chain_graph(12, bytes_per_node=1)
+    everything = solve(graph, 10**9, method="milp")  # checkpoint-all fits
+    assert everything.stats.plan_from == "checkpoint_all"
+    planned = plan_graph(graph, 10**9, "milp")
+    assert plan_source(planned, "milp") == "checkpoint_all"
+    tight = solve(graph, 6, method="milp")
+    assert tight.stats.plan_from in (*BASELINE_METHODS, "retention", "milp")
+    own = plan_graph(graph, 6, "milp")
+    expected = own.result.stats.plan_from if own.result.stats.plan_from in BASELINE_METHODS else "milp"
+    assert plan_source(own, "milp") == expected

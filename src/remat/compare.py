@@ -127,10 +127,16 @@ def compare_methods(
 
 
 def plan_source(planned_graph: GraphPlan, method: str) -> str:
-    """The method whose plan ``planned_graph`` holds: ``method``, or the full-graph baseline
-    ``plan_graph`` substituted (its note starts with that baseline's name)."""
+    """The method whose plan ``planned_graph`` holds: ``method``, the full-graph baseline
+    ``plan_graph`` substituted (its note starts with that baseline's name), or the baseline
+    whose plan the solver itself found cheapest (``SolverStats.plan_from``)."""
+    from remat.solvers.milp_start import BASELINE_METHODS
+
     match = _SUBSTITUTED.match(planned_graph.note or "")
-    return match.group(1) if match else method
+    if match:
+        return match.group(1)
+    source = planned_graph.result.stats.plan_from
+    return source if source in BASELINE_METHODS else method
 
 
 def _one(workload: Workload, traced: TracedStep, budget: int, method: str, options: dict[str, object],

@@ -43,6 +43,9 @@ class SolverStats:
     n_constraints: int | None = None
     nodes_explored: int | None = None
     iterations: int | None = None
+    #: where the returned plan came from, for solvers that weigh several sources (``milp``: a
+    #: baseline's name such as "segments", "retention" or "milp" for its exact model)
+    plan_from: str | None = None
 
 
 @dataclass(frozen=True)

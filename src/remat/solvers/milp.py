@@ -17,6 +17,7 @@ budget found (``minimum_budget``), which plans: asking for it returns a plan.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -219,7 +220,7 @@ def _finish(graph: Graph, budget_bytes: int, best: Candidate, claimed: float | N
              best.cost / graph.total_cost if graph.total_cost else 1.0, lower, why)
     return finish(graph, best.schedule, budget_bytes=budget_bytes, method="milp", status=status, started_s=started,
                   claimed_objective=best.cost if claimed is None else claimed, lower_bound=min(lower, best.cost),
-                  stats=stats)
+                  stats=dataclasses.replace(stats, plan_from=best.name))
 
 
 # ---------------------------------------------------------------------------- Checkmate's exact model
