@@ -102,3 +102,20 @@ def test_cuda_allocator_measurement():
     r = measure_peak(lambda t: (t + 1) * 2, x)
     assert r.method is MemoryMethod.CUDA_ALLOCATOR
     assert r.dynamic_peak_bytes >= 2 * x.numel() * 4
+
+
+def test_profiled_measurements_print_nothing():
+    """Kineto printed "USDT: ... profiler_start/stop" on the user's terminal each time remat
+    measured with the profiler (optimize, the backend): remat quiets it unless the user set a
+    log level."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom remat.memory import profiled_events\n"
+            "events, _ = profiled_events(lambda: torch.ones(1000) * 2)\nprint(len(events) > 0)\n")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+    assert "USDT" not in done.stdout + done.stderr

@@ -16,6 +16,7 @@ parameters, buffers, batch), the same quantity a traced ``Graph`` calls ``fixed_
 from __future__ import annotations
 
 import enum
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+#: Kineto's log level that silences its USDT lines (above its highest level).
+KINETO_QUIET_LEVEL = "6"
 
 
 class MemoryMethod(enum.Enum):
@@ -145,6 +149,9 @@ def profiled_events(fn: Callable[[], object], mark: str | None = None
     rest of its name."""
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto prints "USDT: ... profiler_start/stop" lines at its default log level; a level
+    # above its highest prints nothing. Read when the profiler starts; a level the user set wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     del result
