@@ -401,6 +401,25 @@ def test_rnn_frames_dynamo_skips_warn_naming_the_module():
         assert str(report).startswith("graph0: not captured by dynamo, ran eagerly")
 
 
+def test_an_rnn_warned_about_once_is_not_warned_about_in_later_compiles():
+    """A backend made before ``torch._dynamo.reset()`` installs its compile callbacks again
+    from inside the next compile, whose start it never sees: that compile warned about every
+    RNN any earlier compile in the process had skipped."""
+    import warnings
+
+    torch._dynamo.reset()
+    gru = nn.GRU(8, 16, batch_first=True)
+    with pytest.warns(rb.RematFallbackWarning, match="dynamo does not capture"):
+        torch.compile(gru, backend=make_backend(0.8, method="chen_greedy"))(torch.randn(2, 3, 8))
+    be = make_backend(1.0, method="chen_greedy")
+    torch._dynamo.reset()  # drops the callbacks: the next compile starts unseen
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(mlp, backend=be)(torch.randn(4, 8)).sum().backward()
+    assert [str(w.message) for w in caught if issubclass(w.category, rb.RematFallbackWarning)] == []
+
+
 # ---------------------------------------------------------------------------- fallbacks
 def test_infeasible_budget_warns_with_the_smallest_budget_and_uses_min_cut():
     w = get_workload("mlp", 64)

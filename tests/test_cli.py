@@ -126,14 +126,26 @@ def test_sweep_resumes_from_its_json(capsys, tmp_path, monkeypatch):
     assert len(_sweep_points(tmp_path / "s.json")) == 6
 
 
+def _interruptible(argv: list[str]) -> subprocess.Popen:
+    """Start ``argv`` with Ctrl-C delivered as a terminal would. A child inherits its parent's
+    blocked signals and an ignored SIGINT across exec (Python then never installs its handler);
+    code that ran earlier in this test process may have left either, so the child starts with
+    SIGINT unblocked and at its default."""
+
+    def reset() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=reset)
+
+
 def test_sweep_stops_at_ctrl_c_keeps_what_it_solved_and_resumes(tmp_path):
     out = tmp_path / "s.json"
     # the exact MILP at 25% of a 59-node chain runs into its time limit (two minutes): Ctrl-C
     # lands inside HiGHS
     argv = ["sweep", "--graph", "chain:29", "--methods", "checkpoint_all,chen_sqrtn,milp", "--budgets", "25%,20%",
             "--time-limit", "120", "--out", str(out)]
-    proc = subprocess.Popen([sys.executable, "-m", "remat.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _interruptible([sys.executable, "-m", "remat.cli", *argv])
     try:
         deadline = time.monotonic() + 120
         while not (out.exists() and len(_sweep_points(out)) >= 2):  # then the MILP at 50% runs
@@ -171,8 +183,7 @@ def test_sweep_stops_at_ctrl_c_keeps_what_it_solved_and_resumes(tmp_path):
 def test_solve_stops_at_ctrl_c_inside_the_solver():
     # the exact MILP at 25% of a 59-node chain runs into its time limit (two minutes)
     argv = ["solve", "--graph", "chain:29", "--budget", "25%", "--method", "milp", "--time-limit", "120"]
-    proc = subprocess.Popen([sys.executable, "-m", "remat.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _interruptible([sys.executable, "-m", "remat.cli", *argv])
     try:
         time.sleep(4.0)  # imports, then the MILP (which alone takes far longer than this)
         assert proc.poll() is None, "the solve ended before it could be interrupted"

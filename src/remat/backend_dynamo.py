@@ -35,6 +35,9 @@ class RematFallbackWarning(UserWarning):
 
 _BACKENDS: weakref.WeakSet = weakref.WeakSet()
 _STARTS: list[dict[str, int]] = []
+#: The RNN graph-break counts at the end of the last compile: what a compile whose start went
+#: unseen (callbacks installed again mid-compile after ``torch._dynamo.reset()``) compares with.
+_SEEN: dict[str, int] = {}
 
 
 def watch(backend: object) -> None:
@@ -70,9 +73,12 @@ def _on_start(args: object) -> None:
 
 
 def _on_end(args: object) -> None:
-    before = _STARTS.pop() if _STARTS else {}
+    before = _STARTS.pop() if _STARTS else dict(_SEEN)
     try:
-        new = [k for k, v in _rnn_breaks().items() if v > before.get(k, 0)]
+        now = _rnn_breaks()
+        _SEEN.clear()
+        _SEEN.update(now)
+        new = [k for k, v in now.items() if v > before.get(k, 0)]
         if not new or not _BACKENDS:
             return
         backend, frame_locals = _compiling_for()
