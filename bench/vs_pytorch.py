@@ -61,9 +61,6 @@ QUICK_RESULTS = HERE / "results" / "vs_pytorch_quick.json"
 PLOTS = HERE / "plots"
 #: glibc malloc: never map big blocks fresh nor trim: 67k page faults per GPT-2 step otherwise.
 GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
-#: Kineto (torch.profiler's backend) prints "USDT: ... profiler_start/stop" lines on stdout at
-#: its default log level; above its highest level it prints nothing. Read when the profiler starts.
-KINETO_LOG_LEVEL = "6"
 #: Version of what a stored entry means; part of its key (bump when the measurement changes).
 SCHEMA = 1
 FAMILIES = ("eager", "remat", "checkpoint", "sac", "aot")
@@ -84,11 +81,6 @@ def _reexec_with_tunables() -> None:
     """glibc reads GLIBC_TUNABLES at process start only: restart with it set."""
     if os.environ.get("GLIBC_TUNABLES") != GLIBC_TUNABLES:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": GLIBC_TUNABLES})
-
-
-def quiet_profiler() -> None:
-    """Silence Kineto's USDT lines (unless the caller chose a log level)."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_LOG_LEVEL)
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -668,7 +660,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     plots = PLOTS if args.out is None else args.out.parent  # a results file elsewhere: its plots beside it
     args.out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
-    quiet_profiler()
     if args.replot:
         results = json.loads(args.out.read_text())
         for path in plot(results, folder=plots):
