@@ -230,17 +230,6 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_step(fn, model, batch, seed: int):
-    import torch
-
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(seed)
-    loss = fn(*batch)
-    loss.backward()
-    return loss.detach()
-
-
 def compare_grads(grads: list, reference: list) -> dict:
     """Largest |difference|, bitwise equality, and the stated allclose, over paired gradients."""
     import torch
@@ -260,6 +249,7 @@ def compare_grads(grads: list, reference: list) -> dict:
 def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, reference: list | None, args) -> dict:
     """Run one variant of one model: first step (compile), gradients, peak memory, step time."""
     from remat.memory import MemoryMethod, measure_peak
+    from remat.sweep import seeded_step
 
     device = batch[0].device
     model = copy.deepcopy(base)
@@ -268,7 +258,7 @@ def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, reference: l
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fn = prepare(variant, model, loss_fn, args, facts)
-        run_step(fn, model, batch, seed=1)
+        seeded_step(fn, model, batch, seed=1)
         synchronize(device)
     record: dict = {"variant": variant, "first_step_s": round(time.perf_counter() - started, 2)}
     grads = [p.grad for p in model.parameters()]
@@ -289,7 +279,7 @@ def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, reference: l
     record.update({k: v for k, v in facts.items() if k in ("checkpointed_blocks", "partitions")})
     resident = [*model.parameters(), *model.buffers(), *batch]
     method = MemoryMethod.CUDA_ALLOCATOR if device.type == "cuda" else MemoryMethod.PROFILER
-    report = measure_peak(lambda *a: run_step(fn, model, batch, seed=2), *resident, method=method)
+    report = measure_peak(lambda *a: seeded_step(fn, model, batch, seed=2), *resident, method=method)
     record.update(peak_bytes=report.peak_bytes, resident_bytes=report.resident_bytes, memory_method=method.value)
     if record.get("predicted_peak_bytes"):
         record["peak_error"] = report.peak_bytes / record["predicted_peak_bytes"] - 1
@@ -297,7 +287,7 @@ def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, reference: l
     for r in range(args.rounds):
         synchronize(device)
         t0 = time.perf_counter()
-        run_step(fn, model, batch, seed=3 + r)
+        seeded_step(fn, model, batch, seed=3 + r)
         synchronize(device)
         times.append(time.perf_counter() - t0)
     record.update(step_s=statistics.median(times), step_s_all=[round(t, 5) for t in times])

@@ -253,17 +253,6 @@ def getattr_path(model, w: Workload, container):
 
 
 # ---------------------------------------------------------------------------- measuring
-def run_step(fn, model, batch, seed: int):
-    import torch
-
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(seed)
-    loss = fn(*batch)
-    loss.backward()
-    return loss.detach()
-
-
 def max_abs_diff(a: list, b: list) -> float:
     """Largest |x - y| over paired tensors (checkpoint wrappers rename parameters, not their order)."""
     worst = 0.0
@@ -325,13 +314,14 @@ def measure_model(w: Workload, args: argparse.Namespace, store, run: dict) -> No
     import torch
 
     from remat.memory import MemoryMethod, measure_peak
+    from remat.sweep import seeded_step
 
     todo = pending(store, w, variants(args, w), args)
     if not todo and not pending(store, w, at_competitor_peaks(store, w, args), args):
         print("  nothing to measure: every selected variant is stored (--fresh measures them again)", flush=True)
         return
     reference = copy.deepcopy(w.model)
-    run_step(lambda *b: w.loss_fn(reference, *b), reference, w.batch, seed=1)
+    seeded_step(lambda *b: w.loss_fn(reference, *b), reference, w.batch, seed=1)
     want_grads = [p.grad for p in reference.parameters()]
     want_buffers = [b.clone() for b in reference.buffers()]
     runnable = []
@@ -347,7 +337,7 @@ def measure_model(w: Workload, args: argparse.Namespace, store, run: dict) -> No
             warnings.simplefilter("always")
             try:
                 fn = prepare(v, w, model, args)
-                run_step(fn, model, w.batch, seed=1)
+                seeded_step(fn, model, w.batch, seed=1)
             except Exception as exc:  # a variant that cannot run is reported, not fatal
                 v.result = {"name": v.name, "family": v.family, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 store_result(v)
@@ -367,7 +357,7 @@ def measure_model(w: Workload, args: argparse.Namespace, store, run: dict) -> No
         }
         _partition_facts(v)
         args_resident = [*model.parameters(), *model.buffers(), *w.batch]
-        report = measure_peak(lambda *a: run_step(fn, model, w.batch, seed=2), *args_resident, method=MemoryMethod.PROFILER)
+        report = measure_peak(lambda *a: seeded_step(fn, model, w.batch, seed=2), *args_resident, method=MemoryMethod.PROFILER)
         v.result.update(peak_bytes=report.peak_bytes, resident_bytes=report.resident_bytes)
         store_result(v)
         runnable.append((v, model, fn))

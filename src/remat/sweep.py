@@ -356,6 +356,19 @@ class ResultStore:
 ESTIMATE_RATES_FILE = "estimate_rates.json"
 
 
+def seeded_step(fn: Callable[..., object], model, batch: Sequence[object], seed: int):
+    """One training step of a benchmark variant: clear ``model``'s gradients, seed torch's
+    random numbers, ``fn(*batch).backward()``; the loss, detached."""
+    import torch
+
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = fn(*batch)
+    loss.backward()
+    return loss.detach()
+
+
 def pin_estimate_rates(folder: Path) -> dict[str, object]:
     """Measure the ESTIMATE cost model's machine rates, or read them from
     ``folder/ESTIMATE_RATES_FILE``, and make this process use them; returns them as a record."""
