@@ -16,6 +16,24 @@ def checkpoint_all_peak(graph: Graph) -> int:
     return simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph)).peak_bytes
 
 
+def budget_between(graph: Graph, low: int, where: float) -> int:
+    """The budget ``where`` of the way from ``low`` (a smallest budget) to checkpoint-all's peak."""
+    return low + int(where * (checkpoint_all_peak(graph) - low))
+
+
+def assert_no_baseline_cheaper(graph: Graph, budget: int, objective: float) -> None:
+    """No baseline method plans ``graph`` under ``budget`` for less than ``objective``."""
+    from remat import solve
+    from remat.solvers.milp_start import BASELINE_METHODS
+
+    for method in BASELINE_METHODS:
+        try:
+            other = solve(graph, budget, method=method)
+        except Exception:  # noqa: BLE001 - a baseline that cannot plan this budget is fine
+            continue
+        assert objective <= other.objective + 1e-9, method
+
+
 def exhaustive_search(graph: Graph, budget_bytes: int, *, any_plan: bool = False) -> float | None:
     """Exhaustive search over every compute matrix R, judged by the simulator.
 

@@ -14,7 +14,7 @@ from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.graph import Node, NodeKind
 from remat.solvers.bounds import InstantBounds
 from remat.solvers.milp import minimum_budget
-from reference import SMALL_GRAPHS, checkpoint_all_peak, exhaustive_min_cost, exhaustive_min_peak
+from reference import SMALL_GRAPHS, budget_between, checkpoint_all_peak, exhaustive_min_cost, exhaustive_min_peak
 
 
 @pytest.mark.parametrize("graph", SMALL_GRAPHS, ids=lambda g: g.name)
@@ -74,7 +74,7 @@ def test_values_that_cannot_be_recomputed_must_stay_live() -> None:
 def test_bound_is_below_the_proven_optimum_on_random_graphs(n_forward: int, seed: int, where: float) -> None:
     graph = random_training_graph(n_forward, seed)
     low = minimum_budget(graph).budget_bytes
-    budget = low + int(where * (checkpoint_all_peak(graph) - low))
+    budget = budget_between(graph, low, where)
     result = solve(graph, budget, method="milp")
     assert result.status is SolveStatus.OPTIMAL
     bound = InstantBounds(graph).cost_bound(budget)

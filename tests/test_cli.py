@@ -139,6 +139,19 @@ def _interruptible(argv: list[str]) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=reset)
 
 
+def _ctrl_c(proc: subprocess.Popen) -> str:
+    """Send Ctrl-C to ``proc`` and check it left at once with exit code 130: its stderr."""
+    try:
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        stopped_s = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and stopped_s < 3.0, (proc.returncode, stopped_s, err[-1000:])
+    return err
+
+
 def test_sweep_stops_at_ctrl_c_keeps_what_it_solved_and_resumes(tmp_path):
     out = tmp_path / "s.json"
     # the exact MILP at 25% of a 59-node chain runs into its time limit (two minutes): Ctrl-C
@@ -152,13 +165,10 @@ def test_sweep_stops_at_ctrl_c_keeps_what_it_solved_and_resumes(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "no point written while sweeping"
             time.sleep(0.05)
         time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        _, err = proc.communicate(timeout=30)
-        stopped_s = time.monotonic() - sent
-    finally:
+    except BaseException:
         proc.kill()
-    assert proc.returncode == 130 and stopped_s < 3.0, (proc.returncode, stopped_s, err[-1000:])
+        raise
+    err = _ctrl_c(proc)
     assert "Traceback" not in err and "run the same command again to resume" in err
     kept = _sweep_points(out)
     assert len(kept) == 2
@@ -184,16 +194,11 @@ def test_solve_stops_at_ctrl_c_inside_the_solver():
     # the exact MILP at 25% of a 59-node chain runs into its time limit (two minutes)
     argv = ["solve", "--graph", "chain:29", "--budget", "25%", "--method", "milp", "--time-limit", "120"]
     proc = _interruptible([sys.executable, "-m", "remat.cli", *argv])
-    try:
-        time.sleep(4.0)  # imports, then the MILP (which alone takes far longer than this)
-        assert proc.poll() is None, "the solve ended before it could be interrupted"
-        proc.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        _, err = proc.communicate(timeout=30)
-        stopped_s = time.monotonic() - sent
-    finally:
+    time.sleep(4.0)  # imports, then the MILP (which alone takes far longer than this)
+    if proc.poll() is not None:
         proc.kill()
-    assert proc.returncode == 130 and stopped_s < 3.0, (proc.returncode, stopped_s, err[-1000:])
+        pytest.fail("the solve ended before it could be interrupted")
+    err = _ctrl_c(proc)
     assert "Traceback" not in err and "interrupted" in err
 
 

@@ -19,7 +19,8 @@ from remat.solvers.lp_round import solve_relaxation
 from remat.solvers.milp import MilpBackend, minimum_budget
 from remat.solvers.milp_model import ModelObjective, build_model, peak_lower_bound_bytes
 from remat.solvers.milp_start import BASELINE_METHODS, without_unread
-from reference import SMALL_GRAPHS, checkpoint_all_peak, exhaustive_min_cost, exhaustive_min_peak
+from reference import (SMALL_GRAPHS, assert_no_baseline_cheaper, budget_between, checkpoint_all_peak, exhaustive_min_cost,
+                       exhaustive_min_peak)
 
 HAS_GUROBI = importlib.util.find_spec("gurobipy") is not None
 
@@ -63,17 +64,12 @@ def test_milp_handles_non_recomputable_nodes() -> None:
 def test_milp_properties_on_random_graphs(n_forward: int, seed: int, where: float) -> None:
     graph = random_training_graph(n_forward, seed)
     low = minimum_budget(graph).budget_bytes
-    budget = low + int(where * (checkpoint_all_peak(graph) - low))
+    budget = budget_between(graph, low, where)
     result = solve(graph, budget, method="milp")
     assert result.status is SolveStatus.OPTIMAL
     assert result.objective == result.sim.total_cost and result.peak_bytes <= budget
     assert solve(graph, budget, method="milp", warm_start=False).objective == pytest.approx(result.objective)
-    for method in BASELINE_METHODS:
-        try:
-            other = solve(graph, budget, method=method)
-        except Exception:  # noqa: BLE001 - a baseline that cannot plan this budget is fine
-            continue
-        assert result.objective <= other.objective + 1e-9, method
+    assert_no_baseline_cheaper(graph, budget, result.objective)
     assert result.lower_bound is not None and result.lower_bound <= result.objective + 1e-6
     relaxation = solve_relaxation(graph, budget)
     assert relaxation is not None and relaxation.lower_bound <= result.objective + 1e-6
