@@ -3,7 +3,6 @@ the maximum-batch search (exact on known answers, resumable), `remat bench` and 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -15,20 +14,14 @@ import torch
 from remat.builders import chain_graph, unet_graph
 from remat.cli import main
 from remat.models import get_workload, names
+from scripts import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 FAST = "checkpoint_all,chen_sqrtn,chen_greedy,griewank,lp_round,milp"
 
 
 def _load(name: str):
-    module_name = f"bench_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"bench/{name}.py", f"bench_{name}")
 
 
 sweep_mod = _load("budget_sweep")

@@ -60,13 +60,9 @@ def test_the_label_says_whose_plan_ran(workload, monkeypatch):
 
 
 def test_the_demo_table_labels_rows_by_what_ran():
-    import importlib.util
-    from pathlib import Path
+    from scripts import load_script
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "demo_gpt2.py"
-    spec = importlib.util.spec_from_file_location("bench_demo_gpt2_test", path)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_script("bench/demo_gpt2.py", "bench_demo_gpt2_test")
     run = {"method": "lp_round", "budget_bytes": 2**20, "status": "optimal", "predicted_peak_bytes": 2**20,
            "measured_peak_bytes": 2**20, "overhead": 1.0, "solve_s": 1.0, "gap": 0.0, "bitwise_equal": True,
            "peak_error": 0.0, "note": "checkpoint_all on the full graph is cheaper at 1.0000x: lp_round on the graph ..."}

@@ -4,7 +4,6 @@ the report it renders from a recorded GPU run, and a dry run of the whole code p
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,18 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_cuda_check", ROOT / "bench" / "cuda_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def load_cuda_check():
+    return load_script("bench/cuda_check.py", "bench_cuda_check")
 
 
-cuda_check = load_script()
+cuda_check = load_cuda_check()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

@@ -28,6 +28,7 @@ import remat.backend as rb
 from remat import backend_cache, distributed
 from remat.cost import CostModel
 from remat.optimize import TrainingStep, optimize
+from scripts import load_script
 
 WORLD = 2
 #: Upper bound of one two-rank case (start, imports, compiles, profiled steps); they take
@@ -553,14 +554,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _example():
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("example_distributed", ROOT / "examples" / "distributed.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/distributed.py", "example_distributed")
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
@@ -604,15 +598,7 @@ def test_example_outside_torchrun_says_how_to_run_it():
 
 # ---------------------------------------------------------------------------- the benchmark's report
 def _bench():
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "distributed.py"
-    spec = importlib.util.spec_from_file_location("bench_distributed", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/distributed.py", "bench_distributed")
 
 
 def test_bench_section_shows_every_rank_against_the_engine_without_remat():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,15 +9,13 @@ import torch
 
 from remat.models import get_workload
 from remat.models.holdout import HOLDOUT
+from scripts import load_script
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_holdout_test", BENCH / "holdout.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/holdout.py", "bench_holdout_test")
 
 
 def test_the_benchmark_runs_every_holdout_workload():

@@ -5,25 +5,20 @@ variants are stand-ins on a tiny model, or entries written by hand."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from remat.sweep import ResultStore
+from scripts import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def vs():
-    spec = importlib.util.spec_from_file_location("bench_vs_pytorch", BENCH / "vs_pytorch.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file loads
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/vs_pytorch.py", "bench_vs_pytorch")
 
 
 def args_for(vs, *argv):
