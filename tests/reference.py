@@ -7,13 +7,37 @@ import itertools
 import math
 
 import numpy as np
+import pytest
 
-from remat import Graph, Schedule, simulate
-from remat.builders import chain_graph, random_training_graph, unet_graph
+from remat import Graph, InfeasibleBudgetError, Schedule, simulate, solve
+from remat.builders import chain_graph, random_training_graph, training_graph, unet_graph
 
 
 def checkpoint_all_peak(graph: Graph) -> int:
     return simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph)).peak_bytes
+
+
+def transformer_like(blocks: int, *, width: int = 4, hidden: int = 16):
+    """A residual stack that every block also reads a shared mask from (node 0), as attention
+    does. Block k: ``a = f(h)``, ``b = g(a, mask)``, ``h' = h + b``. The mask ties every block
+    together, so no h is an articulation point of the forward graph."""
+    deps, sizes = [(), ()], [1, width]  # mask, h0
+    h = 1
+    for _ in range(blocks):
+        a, b = len(deps), len(deps) + 1
+        deps += [(h,), (a, 0), (h, b)]
+        sizes += [hidden, hidden, width]
+        h = b + 1
+    deps.append((h,))
+    sizes.append(width)
+    return training_graph(deps, sizes, [1.0] * len(deps), name=f"transformer{blocks}")
+
+
+def min_budget(graph, method, **options):
+    """The smallest budget ``method`` says it can meet (budget 1 B fits no plan here)."""
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, 1, method=method, **options)
+    return info.value.min_budget_bytes
 
 
 def budget_between(graph: Graph, low: int, where: float) -> int:
@@ -23,7 +47,6 @@ def budget_between(graph: Graph, low: int, where: float) -> int:
 
 def assert_no_baseline_cheaper(graph: Graph, budget: int, objective: float) -> None:
     """No baseline method plans ``graph`` under ``budget`` for less than ``objective``."""
-    from remat import solve
     from remat.solvers.milp_start import BASELINE_METHODS
 
     for method in BASELINE_METHODS:

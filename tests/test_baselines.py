@@ -25,6 +25,7 @@ from remat import (
 )
 from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.solvers import solve
+from reference import min_budget
 from remat.solvers.baselines import (
     ChenVariant,
     chain_length,
@@ -34,21 +35,14 @@ from remat.solvers.baselines import (
     sqrtn_checkpoints,
 )
 
-BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested")
-ANY_GRAPH = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "nested")
+BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested", "chain")
+ANY_GRAPH = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "nested", "chain")
 #: Methods whose candidate plans do not depend on the budget, so more budget never costs more.
 BUDGET_BLIND = ("checkpoint_all", "recompute_all", "chen_sqrtn", "segments", "griewank", "nested")
 
 
 def unit_chain(n):
     return chain_graph(n, bytes_per_node=1)
-
-
-def min_budget(graph, method, **options):
-    """The smallest budget ``method`` says it can meet (budget 1 B fits no plan here)."""
-    with pytest.raises(InfeasibleBudgetError) as info:
-        solve(graph, 1, method=method, **options)
-    return info.value.min_budget_bytes
 
 
 def forward_counts(result, n):
@@ -216,7 +210,7 @@ def test_plans_are_valid_and_fit(graph, data):
         forward = [i for i, node in enumerate(graph.nodes) if node.kind is NodeKind.FORWARD]
         if method.startswith("chen") or method == "segments":  # dropped values recomputed once, forward ones only
             assert max(r.sim.compute_counts) <= 2
-        if method.startswith("chen") or method in ("segments", "nested"):
+        if method.startswith("chen") or method in ("segments", "nested", "chain"):
             assert all(c == 1 for i, c in enumerate(r.sim.compute_counts) if i not in forward)
 
 

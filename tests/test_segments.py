@@ -8,27 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remat import InfeasibleBudgetError, NodeKind
-from remat.builders import chain_graph, random_training_graph, training_graph, unet_graph
+from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.cuts import Cut, cut_tiers, light_cuts, pass_cuts
 from remat.solvers import solve
+from reference import transformer_like
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def transformer_like(blocks: int, *, width: int = 4, hidden: int = 16):
-    """A residual stack that every block also reads a shared mask from (node 0), as attention
-    does. Block k: ``a = f(h)``, ``b = g(a, mask)``, ``h' = h + b``. The mask ties every block
-    together, so no h is an articulation point of the forward graph."""
-    deps, sizes = [(), ()], [1, width]  # mask, h0
-    h = 1
-    for _ in range(blocks):
-        a, b = len(deps), len(deps) + 1
-        deps += [(h,), (a, 0), (h, b)]
-        sizes += [hidden, hidden, width]
-        h = b + 1
-    deps.append((h,))
-    sizes.append(width)
-    return training_graph(deps, sizes, [1.0] * len(deps), name=f"transformer{blocks}")
 
 
 def block_outputs(blocks: int) -> list[int]:

@@ -16,7 +16,7 @@ from remat.sweep import checkpoint_all_peak
 from remat.units import check_time_limit, parse_budget, read_budget
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,segments,nested,griewank,lp_round,milp"
+DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,segments,nested,chain,griewank,lp_round,milp"
 DEMO_METHODS = "checkpoint_all,chen_sqrtn,chen_greedy,segments,lp_round,milp"
 DEMO_BUDGETS = "100%,80%,65%,50%"
 DEMO_BATCH = 8

@@ -157,16 +157,22 @@ def order_peak_and_cost(graph: Graph, order: list[int] | tuple[int, ...]) -> tup
     order = np.asarray(order, dtype=np.int64)
     if not order.size:
         return graph.fixed_bytes, 0.0
-    sizes, kept, temp, costs = graph.node_arrays
+    costs = graph.node_arrays[3]
+    peak = max(graph.fixed_bytes, int(np.max(order_memory(graph, order))))
+    return peak, float(np.cumsum(costs[order])[-1])  # summed in order, as simulate does
+
+
+def order_memory(graph: Graph, order: np.ndarray) -> np.ndarray:
+    """Memory while each position of ``order`` runs: what is live right after it computes
+    (before its frees) plus its scratch. Its maximum is ``order_peak_and_cost``'s peak."""
+    sizes, kept, temp, _costs = graph.node_arrays
     free_at = _free_positions_array(graph, order)
     freed = np.bincount(free_at[free_at >= 0], weights=sizes[order[free_at >= 0]], minlength=order.size)
     first = np.zeros(order.size, dtype=bool)
     first[np.unique(order, return_index=True)[1]] = True
     allocated = sizes[order] + np.where(first, kept[order], 0)
-    # memory right after computing position p (before its frees), plus what p holds while it runs
     after = graph.fixed_bytes + np.cumsum(allocated) - np.concatenate(([0], np.cumsum(freed)[:-1])).astype(np.int64)
-    peak = max(graph.fixed_bytes, int(np.max(after + temp[order])))
-    return peak, float(np.cumsum(costs[order])[-1])  # summed in order, as simulate does
+    return after + temp[order]
 
 
 def _free_positions_array(graph: Graph, order: np.ndarray) -> np.ndarray:

@@ -119,6 +119,7 @@ def plans_of(method: str, graph: Graph, budget_bytes: int) -> list[BaselinePlan]
     result is the cheapest that fits. Measured plans are remembered per graph, so asking
     again (another budget) costs little. ``UnsupportedGraphError`` as the method raises it."""
     if method not in _PLANS:
+        import remat.solvers.chain  # noqa: F401 - registers its plans
         import remat.solvers.segments  # noqa: F401 - registers its plans
 
     return _PLANS[method](graph, budget_bytes)

@@ -25,7 +25,8 @@ from remat.solvers.baselines import plans_of
 log = logging.getLogger("remat.solve")
 
 #: The baseline methods tried, in this order, when they are registered.
-BASELINE_METHODS = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested")
+BASELINE_METHODS = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested",
+                    "chain")
 
 #: recompute_all recomputes a whole ancestry in every stage: building its plan is quadratic in
 #: the node count (22 s on a 1445-node GPT-2), and on traced steps it is never the cheapest
