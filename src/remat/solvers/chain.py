@@ -96,8 +96,9 @@ class ChainModel:
         cross_bytes = np.array([c.bytes for c in cuts], dtype=np.int64)
         keep_bytes = np.array([sizes[(self.leaf_mask[k] & read_backward) | self.cross_mask[k]].sum()
                                for k in range(L)], dtype=np.int64)
-        need = self._needs(sizes)
-        peak = int(order_memory(graph, np.arange(n)).max())
+        profile = order_memory(graph, np.arange(n)).astype(np.float64)  # the checkpoint-all plan's
+        need = self._needs(sizes, profile)
+        peak = int(profile.max())
         self.unit = max(1, math.ceil(peak / MEMORY_LEVELS))
         self.levels = MEMORY_LEVELS + 1
         self.c = np.rint(cross_bytes / self.unit).astype(np.int64)
@@ -106,12 +107,11 @@ class ChainModel:
         self._solve()
 
     # ------------------------------------------------------------------ the memory model
-    def _needs(self, sizes: np.ndarray) -> np.ndarray:
+    def _needs(self, sizes: np.ndarray, mem: np.ndarray) -> np.ndarray:
         """Per segment (and the tail, index L): the most memory its backward stages need in the
-        checkpoint-all plan, less the forward values of earlier segments live then (those the
-        recursion holds, or not, itself)."""
+        checkpoint-all plan (``mem``: its memory at each stage), less the forward values of
+        earlier segments live then (those the recursion holds, or not, itself)."""
         graph, L, n = self.graph, self.L, self.graph.n
-        mem = order_memory(graph, np.arange(n)).astype(np.float64)
         last = np.array([max(graph.users[i], default=i) for i in range(n)], dtype=np.int64)
         live_from = np.zeros((L + 1, n + 1), dtype=np.float64)  # live_from[s, t]: seg-s bytes read at or after t
         chain = np.flatnonzero((self.seg_of >= 0) & (self.seg_of < L))
