@@ -75,6 +75,13 @@ def measure_order(graph: Graph, stages: Sequence[int], nodes: Sequence[int], lab
     return BaselinePlan(label, np.asarray(stages, dtype=np.int32), np.asarray(nodes, dtype=np.int32), peak, cost)
 
 
+def measure_by_stage(graph: Graph, stages: Sequence[int], nodes: Sequence[int], label: str) -> BaselinePlan:
+    """Measure the plan computing ``nodes[k]`` in stage ``stages[k]``, listed in any order: each
+    stage runs its recomputations in id order, then its own node (the stage's id is its largest)."""
+    by_stage = np.lexsort((nodes, stages))
+    return measure_order(graph, np.asarray(stages)[by_stage], np.asarray(nodes)[by_stage], label)
+
+
 def measure_kept(graph: Graph, keep: np.ndarray, label: str) -> BaselinePlan:
     """Measure what ``Schedule.from_kept(graph, keep)`` runs."""
     stages, nodes = stage_order(least_compute(graph, keep))
@@ -225,8 +232,7 @@ def chen_plan(graph: Graph, checkpoints: Iterable[int], label: str) -> BaselineP
             stages += [t] * len(computed)
             nodes += computed
             reused[computed] = True
-        by_stage = np.lexsort((nodes, stages))  # each stage: its recomputations, in id order, then its node
-        return measure_order(graph, np.asarray(stages)[by_stage], np.asarray(nodes)[by_stage], label)
+        return measure_by_stage(graph, stages, nodes, label)
 
     return dataclasses.replace(remembered(graph, ("chen", key), make), label=label)
 

@@ -43,7 +43,15 @@ from remat.cuts import Cut, light_cuts, pass_cuts
 from remat.graph import Graph, NodeKind
 from remat.schedule import order_memory
 from remat.solvers.base import SolveResult, register
-from remat.solvers.baselines import BaselinePlan, _computed_in_stage, considers, measure_order, pick_cheapest, remembered
+from remat.solvers.baselines import (
+    BaselinePlan,
+    _computed_in_stage,
+    chen_plan,
+    considers,
+    measure_by_stage,
+    pick_cheapest,
+    remembered,
+)
 
 #: At most this many segments: the programme is cubic in their number.
 MAX_SEGMENTS = 128
@@ -268,8 +276,7 @@ class ChainModel:
             nodes += done
             done_arr = np.asarray(done, dtype=np.int64)
             kept[done_arr[masks[seg][done_arr]]] = True
-        order = np.lexsort((nodes, stages))  # each stage: its recomputations, in id order, then its node
-        return measure_order(graph, np.asarray(stages)[order], np.asarray(nodes)[order], label)
+        return measure_by_stage(graph, stages, nodes, label)
 
     def plans_near(self, budget_bytes: int) -> list[BaselinePlan]:
         """Measured plans around ``budget_bytes``: a bisection over the model's plans (cheaper
@@ -340,7 +347,5 @@ def _chain_plans(graph: Graph, budget_bytes: int) -> list[BaselinePlan]:
     model = chain_model(graph)
     plans = model.plans_near(budget_bytes)
     if not plans:  # no forward pass to cut: checkpoint every value
-        from remat.solvers.baselines import chen_plan
-
         plans = [chen_plan(graph, graph.ids_of_kind(NodeKind.FORWARD), "checkpoint-all")]
     return plans

@@ -32,7 +32,7 @@ from remat.solvers.baselines import (
     chen_plan,
     considers,
     greedy_checkpoints,
-    measure_order,
+    measure_by_stage,
     pick_cheapest,
     remembered,
 )
@@ -114,8 +114,7 @@ def _nested(graph: Graph, cuts: tuple[Cut, ...], levels: tuple[tuple[int, ...], 
             new = fresh if crossing[level] is None else [i for i in fresh if i in crossing[level]]
             held[level].update(new)
             kept[new] = True
-    order = np.lexsort((nodes, stages))  # each stage: its recomputations, in id order, then its node
-    return measure_order(graph, np.asarray(stages)[order], np.asarray(nodes)[order], label)
+    return measure_by_stage(graph, stages, nodes, label)
 
 
 def _checkpoints(cuts: list[Cut] | tuple[Cut, ...]) -> tuple[int, ...]:
