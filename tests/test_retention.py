@@ -215,3 +215,45 @@ def test_the_smallest_budget_is_never_above_a_plan_found():
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(graph, state.minimum.lower_bound_bytes - 1, method="milp", exact_max_nodes=0)
     assert info.value.min_budget_bytes <= result.peak_bytes
+
+
+def test_the_smallest_budget_search_starts_from_the_least_peak_plan_returned_so_far():
+    # the exact model's plan at 22 B peaks at 20 B, below anything the search without the exact
+    # model finds (22 B): asked afterwards, the smallest budget is that plan's peak
+    graph = random_training_graph(6, seed=0)
+    prepared_state = prepared(graph)
+    prepared_state.minimum = None
+    prepared_state.lowest = None
+    alone = minimum_budget(graph, exact_max_nodes=0).budget_bytes
+    prepared_state.minimum = None
+    result = solve(graph, alone, method="milp")
+    assert result.peak_bytes < alone
+    found = minimum_budget(graph, exact_max_nodes=0)
+    assert found.budget_bytes == result.peak_bytes
+    assert solve(graph, found.budget_bytes, method="milp", exact_max_nodes=0).peak_bytes <= found.budget_bytes
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(4, 16), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0))
+def test_the_lp_guided_search_fits_and_never_beats_the_model_optimum(n_forward: int, seed: int, where: float) -> None:
+    import time
+
+    from remat.solvers.retention import _fixed_integral, relax_retention
+
+    graph = random_training_graph(n_forward, seed)
+    structure = RetentionStructure(graph)
+    least = solve_retention(structure, 0, minimize_peak=True, time_limit_s=30).solution.model_peak_bytes
+    budget = budget_between(graph, least, where)
+    rows: list[int] = []
+    lp = relax_retention(structure, budget, rows, deadline=time.perf_counter() + 30)
+    if lp.x is None:
+        return
+    found = _fixed_integral(structure, budget, rows, lp.x, threads=1, mip_gap=0.0, deadline=time.perf_counter() + 30)
+    if found is None:
+        return
+    optimum = solve_retention(structure, budget, mip_gap=0.0, time_limit_s=30)
+    assert optimum.optimal
+    assert found.model_peak_bytes <= budget
+    assert structure.violation(structure.columns_of(found)) == 0.0
+    assert found.cost >= optimum.solution.cost - 1e-6 and found.cost >= lp.value - 1e-6
+    assert simulate(graph, Schedule.from_order(graph, *zip(*found.order(structure))).lower(graph)).peak_bytes <= budget

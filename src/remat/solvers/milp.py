@@ -176,6 +176,7 @@ def milp(
     else:
         status = SolveStatus.TIME_LIMIT if timed_out else SolveStatus.FEASIBLE
     result = _finish(graph, budget_bytes, best, None, lower, status, started, stats, best.name)
+    prep.saw_plan(result.peak_bytes, best.cost, best.schedule)
     found = prep.minimum
     if isinstance(found, MinimumBudget) and result.peak_bytes < found.budget_bytes:
         # a plan below the smallest budget found so far: it is the smallest budget now
@@ -319,6 +320,8 @@ def minimum_budget(
     known = baseline_candidates(graph, lower, lowest_peak=True)
     known.append(_candidate("checkpoint_all", graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool))))
     known += [_retention_candidate(graph, plan) for plan in prep.retention_plans]  # found at other budgets
+    if prep.lowest is not None:  # the least-peak plan returned at any budget so far (the exact model's, say)
+        known.append(_candidate("least-peak plan found so far", graph, prep.lowest[2]))
     best = min(known, key=lambda c: (c.peak_bytes, c.cost))
     proven = best.peak_bytes <= lower
     if not proven:

@@ -39,6 +39,10 @@ class PreparedGraph:
         self.retention_rows: set[int] = set()
         #: the smallest budget once found (see ``remat.solvers.milp.minimum_budget``)
         self.minimum: object | None = None
+        #: the plan of least simulated peak any call returned so far, as ``(peak, cost, schedule)``:
+        #: a candidate of the smallest-budget search (a plan the exact model found at one budget
+        #: may reach below every baseline's)
+        self.lowest: tuple | None = None
 
     @cached_property
     def bounds(self) -> InstantBounds:
@@ -58,6 +62,11 @@ class PreparedGraph:
         if all(solution.cost != s.cost or solution.model_peak_bytes != s.model_peak_bytes
                for s in self.retention_plans):
             self.retention_plans.append(solution)
+
+    def saw_plan(self, peak_bytes: int, cost: float, schedule) -> None:
+        """Note a plan returned for some budget (kept if its peak is the least seen)."""
+        if self.lowest is None or (peak_bytes, cost) < self.lowest[:2]:
+            self.lowest = (peak_bytes, cost, schedule)
 
     def best_retention_plan(self, budget_bytes: int) -> RetentionSolution | None:
         """The cheapest retention plan found so far whose model peak fits the budget."""

@@ -443,6 +443,20 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
                      len(chosen), rounds, time.perf_counter() - started)
             return RetentionResult(rounded, optimal, False, lp.value, tuple(chosen), rounds, 0,
                                    time.perf_counter() - started)
+        if not minimize_peak:
+            # most columns are integral in the LP: the MIP over the fractional ones alone (the
+            # others fixed at their LP values) is small and usually lands within the gap
+            found = _fixed_integral(structure, budget_bytes, chosen, lp.x, threads=threads, mip_gap=mip_gap,
+                                    deadline=deadline)
+            rounds += 1
+            if found is not None and found.cost <= lp.value + slack + 1e-9:
+                log.info("retention: %s under %d B: the LP's fractional columns solved alone (recomputation %g, "
+                         "within the gap of the model's LP bound %g), %d memory rows, %d rounds, %.2f s", g.name,
+                         budget_bytes, found.cost, lp.value, len(chosen), rounds, time.perf_counter() - started)
+                return RetentionResult(found, True, False, lp.value, tuple(chosen), rounds, 0,
+                                       time.perf_counter() - started)
+            if found is not None and (start is None or _better(found, start, minimize_peak)):
+                start = found
     best: RetentionSolution | None = None
     optimal, bound, nodes = False, None, 0
     start_x = structure.columns_of(start) if start is not None else None
@@ -470,6 +484,26 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
              "no plan" if best is None else f"recomputation {best.cost:g}{' (model optimum)' if optimal else ''}",
              len(chosen), rounds, nodes, time.perf_counter() - started)
     return RetentionResult(best, optimal, False, bound, tuple(chosen), rounds, nodes, time.perf_counter() - started)
+
+
+#: Time the MIP over the LP's fractional columns may take (``_fixed_integral``).
+FIXED_MIP_S = 5.0
+
+
+def _fixed_integral(structure: RetentionStructure, budget_bytes: int, rows: list[int], x: np.ndarray, *,
+                    threads: int, mip_gap: float, deadline: float) -> RetentionSolution | None:
+    """The best plan of the model with every column the LP solution ``x`` sets to 0 or 1 fixed
+    there (the MIP over its fractional columns; an LP-guided neighbourhood search), or None if
+    it finds none that fits every stage in the time."""
+    fixed = np.where(x <= BINARY_TOLERANCE, 0.0, np.where(x >= 1 - BINARY_TOLERANCE, 1.0, np.nan))
+    left = min(FIXED_MIP_S, deadline - time.perf_counter())
+    if left <= 0.05:
+        return None
+    run = _solve(structure, budget_bytes, list(rows), relax=False, threads=threads, time_limit_s=left,
+                 mip_gap=mip_gap, fixed=fixed)
+    if run.x is None or _overfilled(structure, run.x, budget_bytes, list(rows), None):
+        return None
+    return structure.solution(run.x)
 
 
 @dataclass(frozen=True)
@@ -610,7 +644,8 @@ class _Run:
 
 def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], *, relax: bool, threads: int,
            time_limit_s: float, mip_gap: float = 1e-4, start: np.ndarray | None = None,
-           stop_at: float | None = None, minimize_peak: bool = False) -> _Run:
+           stop_at: float | None = None, minimize_peak: bool = False,
+           fixed: np.ndarray | None = None) -> _Run:
     import highspy
 
     from remat.solvers.milp_backends import objective_scale, run_highs
@@ -660,7 +695,11 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
     lp.num_col_ = n_cols
     lp.num_row_ = all_starts.size - 1
     lp.col_cost_ = col_cost
-    lp.col_lower_ = np.zeros(n_cols)
+    col_lower = np.zeros(n_cols)
+    if fixed is not None:  # columns fixed at 0 or 1 (NaN: free)
+        pinned = np.flatnonzero(~np.isnan(fixed))
+        col_lower[pinned] = col_upper[pinned] = fixed[pinned]
+    lp.col_lower_ = col_lower
     lp.col_upper_ = col_upper
     rl, ru = np.concatenate(row_lower), np.concatenate(row_upper)
     lp.row_lower_ = np.where(np.isinf(rl), -highspy.kHighsInf, rl)
