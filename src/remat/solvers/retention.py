@@ -423,6 +423,7 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
         return RetentionResult(None, False, True, None, tuple(chosen), rounds, 0, time.perf_counter() - started)
     # 2. the MIP on those rows, started from the best of ``start`` and the rounded LP; a
     # solution that overfills another stage adds its row and goes again
+    enough = stop_at  # a plan costing this much ends the search
     if lp.x is not None:
         if minimize_peak:
             rounded = min((round_solution(structure, lp.x, t) for t in ROUNDING_THRESHOLDS),
@@ -446,7 +447,8 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
                                    time.perf_counter() - started)
         if not minimize_peak:
             # most columns are integral in the LP: the MIP over the fractional ones alone (the
-            # others fixed at their LP values) is small and usually lands within the gap
+            # others fixed at their LP values) is small and usually lands within the gap; so
+            # does any plan within the gap of the LP's value, a bound for the model
             enough = lp.value + slack if stop_at is None else max(stop_at, lp.value + slack)
             found = _fixed_integral(structure, budget_bytes, chosen, lp.x, threads=threads, mip_gap=mip_gap,
                                     deadline=deadline, stop_at=enough)
@@ -467,7 +469,7 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
         rounds += 1
         mip = _solve(structure, budget_bytes, chosen, relax=False, threads=threads, mip_gap=mip_gap,
                      time_limit_s=max(deadline - time.perf_counter(), 0.1), start=start_x,
-                     stop_at=stop_at, minimize_peak=minimize_peak)
+                     stop_at=enough, minimize_peak=minimize_peak)
         nodes += mip.nodes
         if mip.infeasible:
             return RetentionResult(best, False, best is None, bound, tuple(chosen), rounds, nodes,
@@ -480,6 +482,8 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
             continue
         best = structure.solution(mip.x)
         optimal, bound = mip.optimal, mip.bound
+        if lp.value is not None and not minimize_peak and best.cost <= lp.value + mip_gap * g.total_cost + 1e-9:
+            optimal, bound = True, max(bound if bound is not None else -math.inf, lp.value)  # within the LP's gap
         break
     if best is None and start is not None and (minimize_peak or start.model_peak_bytes <= budget_bytes):
         best = start
