@@ -1,5 +1,7 @@
 """compare_methods records every outcome instead of stopping at the first failure."""
 
+import re
+
 import pytest
 
 from remat import compare as compare_mod
@@ -29,6 +31,8 @@ def test_outcomes_of_every_kind(workload, monkeypatch):
     assert status[("checkpoint_all", True)].peak_error == 0.0
     assert status[("checkpoint_all", False)].status == "infeasible"
     assert "needs at least" in status[("checkpoint_all", False)].note
+    least = re.search(r"\((\d+) B: a budget of exactly that plans\)", status[("checkpoint_all", False)].note)
+    assert least is not None and int(least.group(1)) == c.checkpoint_all_peak_bytes  # exact, not rounded
     assert status[("griewank", True)].status == "not applicable"
     assert status[("recompute_all", True)].status == "no plan"
     assert status[("recompute_all", True)].note == "solver gave up"

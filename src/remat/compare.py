@@ -144,7 +144,10 @@ def _one(workload: Workload, traced: TracedStep, budget: int, method: str, optio
     try:
         planned_graph = plan_graph(traced.graph, budget, method, **options)
     except InfeasibleBudgetError as exc:
-        return MethodRun(method, budget, "infeasible", note=f"needs at least {format_bytes(exc.min_budget_bytes)}")
+        least = exc.min_budget_bytes
+        note = "no budget works for this method" if least is None else \
+            f"needs at least {format_bytes(least)} ({least} B: a budget of exactly that plans)"
+        return MethodRun(method, budget, "infeasible", note=note)
     except UnsupportedGraphError as exc:
         return MethodRun(method, budget, "not applicable", note=str(exc).split(";")[0])
     except SolverError as exc:  # e.g. a time limit with no plan found and no baseline that fits
