@@ -176,7 +176,7 @@ def milp(
     else:
         status = SolveStatus.TIME_LIMIT if timed_out else SolveStatus.FEASIBLE
     result = _finish(graph, budget_bytes, best, None, lower, status, started, stats, best.name)
-    prep.saw_plan(result.peak_bytes, best.cost, best.schedule)
+    prep.saw_plan(best)
     found = prep.minimum
     if isinstance(found, MinimumBudget) and result.peak_bytes < found.budget_bytes:
         # a plan below the smallest budget found so far: it is the smallest budget now
@@ -321,7 +321,7 @@ def minimum_budget(
     known.append(_candidate("checkpoint_all", graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool))))
     known += [_retention_candidate(graph, plan) for plan in prep.retention_plans]  # found at other budgets
     if prep.lowest is not None:  # the least-peak plan returned at any budget so far (the exact model's, say)
-        known.append(_candidate("least-peak plan found so far", graph, prep.lowest[2]))
+        known.append(prep.lowest)
     best = min(known, key=lambda c: (c.peak_bytes, c.cost))
     proven = best.peak_bytes <= lower
     if not proven:

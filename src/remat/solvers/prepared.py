@@ -21,6 +21,7 @@ from remat.graph import Graph
 
 if TYPE_CHECKING:
     from remat.solvers.bounds import InstantBounds
+    from remat.solvers.milp_start import Candidate
     from remat.solvers.retention import RetentionSolution, RetentionStructure
 
 #: How many graphs keep their prepared state (least recently planned dropped first).
@@ -39,10 +40,10 @@ class PreparedGraph:
         self.retention_rows: set[int] = set()
         #: the smallest budget once found (see ``remat.solvers.milp.minimum_budget``)
         self.minimum: object | None = None
-        #: the plan of least simulated peak any call returned so far, as ``(peak, cost, schedule)``:
-        #: a candidate of the smallest-budget search (a plan the exact model found at one budget
-        #: may reach below every baseline's)
-        self.lowest: tuple | None = None
+        #: the plan of least simulated peak any call returned so far: a candidate of the
+        #: smallest-budget search (a plan the exact model found at one budget may reach below
+        #: every baseline's)
+        self.lowest: Candidate | None = None
 
     @cached_property
     def bounds(self) -> InstantBounds:
@@ -63,10 +64,10 @@ class PreparedGraph:
                for s in self.retention_plans):
             self.retention_plans.append(solution)
 
-    def saw_plan(self, peak_bytes: int, cost: float, schedule) -> None:
+    def saw_plan(self, plan: Candidate) -> None:
         """Note a plan returned for some budget (kept if its peak is the least seen)."""
-        if self.lowest is None or (peak_bytes, cost) < self.lowest[:2]:
-            self.lowest = (peak_bytes, cost, schedule)
+        if self.lowest is None or (plan.peak_bytes, plan.cost) < (self.lowest.peak_bytes, self.lowest.cost):
+            self.lowest = plan
 
     def best_retention_plan(self, budget_bytes: int) -> RetentionSolution | None:
         """The cheapest retention plan found so far whose model peak fits the budget."""

@@ -424,6 +424,7 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
     # 2. the MIP on those rows, started from the best of ``start`` and the rounded LP; a
     # solution that overfills another stage adds its row and goes again
     enough = stop_at  # a plan costing this much ends the search
+    slack = mip_gap * g.total_cost  # the model's gap, in cost units
     if lp.x is not None:
         if minimize_peak:
             rounded = min((round_solution(structure, lp.x, t) for t in ROUNDING_THRESHOLDS),
@@ -435,7 +436,6 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
             start = rounded
         # the LP is often integral or nearly: a rounded plan that meets the target (or the LP
         # value itself, a bound for the model) needs no MIP
-        slack = mip_gap * g.total_cost
         if fits and not minimize_peak and (
                 (stop_at is not None and rounded.cost <= stop_at + 1e-9 * max(1.0, stop_at))
                 or rounded.cost <= lp.value + slack + 1e-9):
@@ -482,7 +482,7 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
             continue
         best = structure.solution(mip.x)
         optimal, bound = mip.optimal, mip.bound
-        if lp.value is not None and not minimize_peak and best.cost <= lp.value + mip_gap * g.total_cost + 1e-9:
+        if lp.value is not None and not minimize_peak and best.cost <= lp.value + slack + 1e-9:
             optimal, bound = True, max(bound if bound is not None else -math.inf, lp.value)  # within the LP's gap
         break
     if best is None and start is not None and (minimize_peak or start.model_peak_bytes <= budget_bytes):
