@@ -35,8 +35,8 @@ from remat.solvers.baselines import (
     sqrtn_checkpoints,
 )
 
-BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested", "chain")
-ANY_GRAPH = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "nested", "chain")
+BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested", "chain", "descent")
+ANY_GRAPH = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "nested", "chain", "descent")
 #: Methods whose candidate plans do not depend on the budget, so more budget never costs more.
 BUDGET_BLIND = ("checkpoint_all", "recompute_all", "chen_sqrtn", "segments", "griewank", "nested")
 

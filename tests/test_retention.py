@@ -162,8 +162,9 @@ def test_a_time_limit_returns_the_best_plan_with_the_whole_graph_gap(caplog) -> 
 def test_budget_independent_work_is_done_once_per_graph() -> None:
     graph = random_training_graph(40, seed=9)
     top = checkpoint_all_peak(graph)
-    low = minimum_budget(graph, exact_max_nodes=0).budget_bytes
     state = prepared(graph)
+    # the retention model's own least peak: other methods (descent) may reach lower
+    low = solve_retention(state.retention, top, minimize_peak=True).solution.model_peak_bytes
     first = solve(graph, (2 * low + top) // 3, method="milp", exact_max_nodes=0, early_proof=False)
     assert prepared(graph) is state and state.retention_plans
     structure, bounds = state.retention, state.bounds
@@ -217,9 +218,13 @@ def test_the_smallest_budget_is_never_above_a_plan_found():
     assert info.value.min_budget_bytes <= result.peak_bytes
 
 
-def test_the_smallest_budget_search_starts_from_the_least_peak_plan_returned_so_far():
+def test_the_smallest_budget_search_starts_from_the_least_peak_plan_returned_so_far(monkeypatch):
     # the exact model's plan at 22 B peaks at 20 B, below anything the search without the exact
-    # model finds (22 B): asked afterwards, the smallest budget is that plan's peak
+    # model finds (22 B): asked afterwards, the smallest budget is that plan's peak. (The
+    # descent reaches 20 B on its own on this graph: it is left out here.)
+    from remat.solvers import baselines
+
+    monkeypatch.setitem(baselines._PLANS, "descent", lambda graph, budget_bytes: [])
     graph = random_training_graph(6, seed=0)
     prepared_state = prepared(graph)
     prepared_state.minimum = None

@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 
 #: (workload name, batch size): small, but large enough that activations matter.
 WORKLOADS = (("mlp", 256), ("cnn", 4), ("gpt2-tiny", 2))
-BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested", "chain")
+BASELINES = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested", "chain", "descent")
 #: Measured peak must be this close to the simulated one (relative).
 PEAK_RTOL = 0.02
 

@@ -242,6 +242,7 @@ def _load_builtin() -> None:
     # Importing the solver modules registers them; done lazily to keep import cheap.
     import remat.solvers.baselines  # noqa: F401
     import remat.solvers.chain  # noqa: F401
+    import remat.solvers.repair  # noqa: F401
     import remat.solvers.segments  # noqa: F401
 
     try:

@@ -127,6 +127,7 @@ def plans_of(method: str, graph: Graph, budget_bytes: int) -> list[BaselinePlan]
     again (another budget) costs little. ``UnsupportedGraphError`` as the method raises it."""
     if method not in _PLANS:
         import remat.solvers.chain  # noqa: F401 - registers its plans
+        import remat.solvers.repair  # noqa: F401 - registers its plans
         import remat.solvers.segments  # noqa: F401 - registers its plans
 
     return _PLANS[method](graph, budget_bytes)

@@ -26,7 +26,7 @@ log = logging.getLogger("remat.solve")
 
 #: The baseline methods tried, in this order, when they are registered.
 BASELINE_METHODS = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "griewank", "nested",
-                    "chain")
+                    "chain", "descent")
 
 #: recompute_all recomputes a whole ancestry in every stage: building its plan is quadratic in
 #: the node count (22 s on a 1445-node GPT-2), and on traced steps it is never the cheapest

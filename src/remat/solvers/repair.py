@@ -1,0 +1,237 @@
+"""Lowering a plan's peak by recomputing what it holds there: a local search on compute orders.
+
+Near the smallest budgets the plans the baselines and the retention model know cliff: the
+cheapest plan that fits can cost far more than one whose peak is a few values too high. This
+module takes such a plan and brings its peak down a move at a time. A move picks a value the
+plan holds across its peak without reading it there, frees it after its last read before the
+peak, and computes it again right before its next read (in that reader's stage), together
+with every input of it that is no longer live then (recursively, back to values that are).
+Of the moves that lower the peak (or, on a plateau, the number of positions at the peak), the
+one adding the least compute per byte saved is taken; the search stops when the plan fits
+the budget, no move helps, or time runs out.
+
+Moves are measured with ``order_memory`` (the simulator's count, without building the plan),
+so a move that lengthens an input's life past the peak, or makes a new peak elsewhere, simply
+does not help. The plans it returns are ordinary compute orders, replayed by ``simulate`` like
+every other plan before they are used.
+
+>>> import numpy as np
+>>> from remat.builders import chain_graph
+>>> from remat.schedule import stage_order
+>>> from remat.solvers.baselines import measure_order
+>>> g = chain_graph(8, bytes_per_node=1)
+>>> stages, nodes = stage_order(np.eye(g.n, dtype=bool))     # checkpoint-all
+>>> start = measure_order(g, stages, nodes, "checkpoint-all")
+>>> lowered = lower_peak(g, start, budget_bytes=start.peak_bytes - 3)
+>>> lowered.peak_bytes <= start.peak_bytes - 3, lowered.cost > start.cost
+(True, True)
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from remat.graph import Graph, NodeKind
+from remat.schedule import order_memory
+from remat.solvers.base import SolveResult, register
+from remat.solvers.baselines import BaselinePlan, chen_plan, considers, pick_cheapest, remembered
+
+#: Values considered per move: those held across the peak, largest first; they are measured
+#: in order of their least possible compute per byte saved, until none can beat the best.
+CANDIDATES_PER_MOVE = 128
+#: A move recomputes at most this many values (the value and the inputs it needs again).
+MAX_MOVE_NODES = 256
+#: The most time one call spends extending a graph's descent (method ``descent``).
+DESCENT_TIME_S = 10.0
+
+
+@register("descent")
+def descent(graph: Graph, budget_bytes: int) -> SolveResult:
+    """Checkpoint-all with its peak lowered a recomputation at a time until it fits (see the
+    module): the cheapest plan of the descent that fits. The descent is remembered per graph
+    and goes on where it stopped when a lower budget is asked for. Raises
+    ``InfeasibleBudgetError`` with the lowest peak it reached."""
+    started = time.perf_counter()
+    return pick_cheapest(graph, _descent_plans(graph, budget_bytes), budget_bytes=budget_bytes, method="descent",
+                         started_s=started)
+
+
+class _Path:
+    """A graph's descent so far: its plans in order; ``stuck`` when no move lowers the last."""
+
+    def __init__(self) -> None:
+        self.plans: list[BaselinePlan] = []
+        self.stuck = False
+
+
+@considers("descent")
+def _descent_plans(graph: Graph, budget_bytes: int) -> list[BaselinePlan]:
+    path: _Path = remembered(graph, ("descent",), _Path)
+    if not path.plans:
+        path.plans.append(chen_plan(graph, graph.ids_of_kind(NodeKind.FORWARD), "checkpoint-all"))
+    last = path.plans[-1]
+    if last.peak_bytes > budget_bytes and not path.stuck:
+        more, path.stuck = _descend(graph, last, budget_bytes, DESCENT_TIME_S, 10**9)
+        path.plans += more
+    # costs only rise along the path: the first plan that fits is the cheapest
+    fitting = next((p for p in path.plans if p.peak_bytes <= budget_bytes), None)
+    return [p for p in (fitting, path.plans[-1]) if p is not None][: 1 if fitting is path.plans[-1] else 2]
+
+
+def lower_peak(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: float = 10.0,
+               max_moves: int = 10_000) -> BaselinePlan:
+    """``plan`` with its peak brought down towards ``budget_bytes`` by recomputing held values
+    (see the module). Returns the last plan reached: within the budget if the search got
+    there, else the lowest peak it found (``plan`` itself if no move helped)."""
+    path = descend(graph, plan, budget_bytes=budget_bytes, time_limit_s=time_limit_s, max_moves=max_moves)
+    return path[-1] if path else plan
+
+
+def descend(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: float = 10.0,
+            max_moves: int = 10_000) -> list[BaselinePlan]:
+    """Every plan the search passes through from ``plan`` (excluded) towards ``budget_bytes``,
+    in order: peaks fall (or a plateau at the peak shrinks), costs rise."""
+    return _descend(graph, plan, budget_bytes, time_limit_s, max_moves)[0]
+
+
+def _descend(graph: Graph, plan: BaselinePlan, budget_bytes: int, time_limit_s: float,
+             max_moves: int) -> tuple[list[BaselinePlan], bool]:
+    """``descend``'s plans, and whether it stopped because no move helps."""
+    deadline = time.perf_counter() + time_limit_s
+    search = _Search(graph)
+    stages = np.asarray(plan.stages, dtype=np.int64)
+    nodes = np.asarray(plan.nodes, dtype=np.int64)
+    mem = order_memory(graph, nodes)
+    costs = graph.node_arrays[3]
+    path: list[BaselinePlan] = []
+    while int(mem.max()) > budget_bytes and len(path) < max_moves and time.perf_counter() < deadline:
+        step = search.best_move(stages, nodes, mem, deadline)
+        if step is None:
+            return path, time.perf_counter() < deadline
+        stages, nodes, mem = step
+        path.append(BaselinePlan(f"{plan.label}, peak lowered by {len(path) + 1} recomputation(s)",
+                                 stages.astype(np.int32), nodes.astype(np.int32),
+                                 max(graph.fixed_bytes, int(mem.max())), float(np.cumsum(costs[nodes])[-1])))
+    return path, False
+
+
+class _Search:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.sizes, kept, _temp, self.costs = graph.node_arrays
+        self.indptr, self.indices = graph.deps_csr
+        # a node that allocates step outputs for good runs once
+        self.movable = np.array([node.recomputable for node in graph.nodes], dtype=bool) & (self.sizes > 0) & (kept == 0)
+        self.movable[list(graph.outputs)] = False
+
+    def deps(self, v: int) -> np.ndarray:
+        return self.indices[self.indptr[v]:self.indptr[v + 1]]
+
+    def reads(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every read of the order: reader position, value read, position of the instance read
+        (-1 when the value was never computed before)."""
+        m = nodes.size
+        counts = self.indptr[nodes + 1] - self.indptr[nodes]
+        reader = np.repeat(np.arange(m), counts)
+        first_dep = np.repeat(self.indptr[nodes] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+        value = self.indices[first_dep + np.arange(reader.size)]
+        occurrences = np.sort(nodes * m + np.arange(m))
+        at = np.searchsorted(occurrences, value * m + reader, side="left") - 1
+        ok = at >= 0
+        ok[ok] = occurrences[at[ok]] // m == value[ok]
+        inst = np.where(ok, occurrences[np.maximum(at, 0)] % m, -1)
+        return reader, value, inst
+
+    def best_move(self, stages: np.ndarray, nodes: np.ndarray, mem: np.ndarray, deadline: float):
+        """The move with the least added compute per byte of peak saved: (stages, nodes,
+        memory) after it, or None when none lowers the peak or the plateau at it."""
+        m = nodes.size
+        peak = int(mem.max())
+        at_peak = np.flatnonzero(mem == peak)
+        p = int(at_peak[0])
+        reader, value, inst = self.reads(nodes)
+        last_read = np.arange(m)
+        np.maximum.at(last_read, inst[inst >= 0], reader[inst >= 0])
+        read_at_p = set(value[reader == p].tolist())
+        # instances computed before p, read after it, movable, not read by the step at p
+        before = np.arange(p)
+        held = before[(last_read[:p] > p) & self.movable[nodes[:p]]]
+        held = np.array([i for i in held if int(nodes[i]) not in read_at_p], dtype=np.int64)
+        if not held.size:
+            return None
+        held = held[np.argsort(-self.sizes[nodes[held]], kind="stable")][:CANDIDATES_PER_MOVE]
+        # the first read of each held instance after p
+        after = (reader > p) & (inst >= 0)
+        next_read = np.full(m, m, dtype=np.int64)
+        np.minimum.at(next_read, inst[after], reader[after])
+        occurrences = np.sort(nodes * m + np.arange(m))
+        moves = []
+        for i in held:
+            q = int(next_read[i])
+            if q >= m:
+                continue
+            added = self._recompute_set(int(nodes[i]), q, p, stages, nodes, last_read, occurrences)
+            if added is not None:
+                # a move saves at most the value's bytes: its compute per byte is at least this
+                moves.append((float(self.costs[added].sum()) / float(self.sizes[nodes[i]]), q, added))
+        moves.sort(key=lambda move: move[0])
+        best = None
+        count = at_peak.size
+        for least_ratio, q, added in moves:
+            if time.perf_counter() > deadline or (best is not None and least_ratio >= best[0][0]):
+                break  # no move left can beat the best one's compute per byte saved
+            new_stages = np.concatenate((stages, np.full(len(added), stages[q], dtype=np.int64)))
+            new_nodes = np.concatenate((nodes, np.asarray(added, dtype=np.int64)))
+            by_stage = np.lexsort((new_nodes, new_stages))
+            new_stages, new_nodes = new_stages[by_stage], new_nodes[by_stage]
+            if (self.reads(new_nodes)[2] < 0).any():
+                continue
+            new_mem = order_memory(self.graph, new_nodes)
+            new_peak = int(new_mem.max())
+            if new_peak > peak or (new_peak == peak and int((new_mem == peak).sum()) >= count):
+                continue
+            extra = float(self.costs[added].sum())
+            saved = peak - new_peak
+            # lower peak first; on a plateau (nothing saved), fewest positions left at the peak
+            key = (extra / saved, 0.0) if saved > 0 else (np.inf, extra)
+            if best is None or key < best[0]:
+                best = (key, new_stages, new_nodes, new_mem)
+        if best is None:
+            return None
+        return best[1], best[2], best[3]
+
+    def _recompute_set(self, v: int, q: int, p: int, stages: np.ndarray, nodes: np.ndarray,
+                       last_read: np.ndarray, occurrences: np.ndarray) -> list[int] | None:
+        """v and the inputs it needs computed again in the stage of position q: every input
+        whose latest instance before q was freed before p (an input live across p, or
+        computed after it, is read where it is). None when the set grows too large, needs a
+        value that cannot be recomputed, or the stage computes one of them already."""
+        stage = stages[q]
+        in_stage = set(nodes[stages == stage].tolist())
+        m = nodes.size
+        added: list[int] = []
+        todo = [v]
+        seen = {v}
+        while todo:
+            w = todo.pop()
+            if w in in_stage:
+                return None
+            added.append(w)
+            if len(added) > MAX_MOVE_NODES:
+                return None
+            for u in self.deps(w).tolist():
+                if u in seen:
+                    continue
+                k = int(np.searchsorted(occurrences, u * m + q)) - 1  # u's latest instance before q
+                if k < 0 or occurrences[k] // m != u:
+                    return None
+                j = int(occurrences[k] % m)
+                if j > p or last_read[j] >= p:
+                    continue  # live across p, or computed after it: read where it is
+                if not self.movable[u] and self.sizes[u] > 0:
+                    continue  # cannot be recomputed: its life is lengthened instead
+                seen.add(u)
+                todo.append(u)
+        return sorted(added)

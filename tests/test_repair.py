@@ -1,0 +1,109 @@
+"""The descent (``remat.solvers.repair``): lowering a plan's peak a recomputation at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remat import InfeasibleBudgetError
+from remat.builders import chain_graph, random_training_graph, unet_graph
+from remat.graph import NodeKind
+from remat.schedule import order_peak_and_cost
+from remat.simulate import simulate
+from remat.solvers import solve
+from remat.solvers.baselines import chen_plan, plans_of
+from remat.solvers.milp import minimum_budget
+from remat.solvers.prepared import clear
+from remat.solvers.repair import descend, lower_peak
+from reference import min_budget, transformer_like
+
+PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def graphs():
+    return st.one_of(
+        st.builds(random_training_graph, st.integers(1, 25), st.integers(0, 10_000), fixed_bytes=st.integers(0, 40)),
+        st.builds(chain_graph, st.integers(1, 16)),
+        st.builds(lambda d: unet_graph(d, base_bytes=1024), st.integers(1, 4)),
+    )
+
+
+def checkpoint_all(graph):
+    return chen_plan(graph, graph.ids_of_kind(NodeKind.FORWARD), "checkpoint-all")
+
+
+@PROPERTY
+@given(graph=graphs())
+def test_every_plan_of_the_descent_is_what_the_simulator_measures(graph):
+    start = checkpoint_all(graph)
+    path = descend(graph, start, budget_bytes=0)
+    previous = start
+    for plan in path:
+        sim = simulate(graph, plan.schedule(graph).lower(graph))
+        assert sim.ok, sim.violations[:3]
+        assert (sim.peak_bytes, sim.total_cost) == (plan.peak_bytes, plan.cost)
+        assert order_peak_and_cost(graph, plan.nodes.tolist()) == (plan.peak_bytes, plan.cost)
+        # a move never raises the peak and never makes the step cheaper
+        assert plan.peak_bytes <= previous.peak_bytes and plan.cost >= previous.cost
+        # outputs (loss, gradients) are computed once; the forward pass is the first computation
+        counts = sim.compute_counts
+        assert all(counts[i] == 1 for i in graph.outputs)
+        previous = plan
+
+
+@PROPERTY
+@given(graph=graphs(), data=st.data())
+def test_lower_peak_fits_when_the_descent_gets_there(graph, data):
+    start = checkpoint_all(graph)
+    lowest = min_budget(graph, "descent")
+    budget = data.draw(st.integers(lowest, start.peak_bytes), label="budget")
+    plan = lower_peak(graph, start, budget_bytes=budget)
+    assert plan.peak_bytes <= budget
+    assert solve(graph, budget, method="descent").cost == plan.cost  # the first plan of the path that fits
+
+
+def test_reaches_the_floor_of_a_chain_cheaper_than_recomputing_everything():
+    g = chain_graph(16)
+    lowest = min_budget(g, "descent")
+    assert lowest == min_budget(g, "recompute_all") < min_budget(g, "chain")
+    assert solve(g, lowest, method="descent").cost < solve(g, lowest, method="recompute_all").cost  # 153 vs 169
+
+
+@pytest.mark.parametrize("graph", [random_training_graph(12, seed=5), transformer_like(4)], ids=["random12", "transformer"])
+def test_reaches_below_every_other_baseline_and_milp_states_it(graph):
+    lowest = min_budget(graph, "descent")
+    others = [min_budget(graph, m) for m in ("chen_greedy", "segments", "nested", "chain")]
+    assert lowest < min(others)
+    found = minimum_budget(graph)
+    assert found.budget_bytes <= lowest
+    assert solve(graph, found.budget_bytes, method="milp").peak_bytes <= found.budget_bytes
+
+
+def test_a_lower_budget_goes_on_from_where_the_descent_stopped():
+    g = random_training_graph(12, seed=5)
+    top = checkpoint_all(g).peak_bytes
+    clear()
+    halfway = plans_of("descent", g, (top + min_budget(g, "descent")) // 2)
+    deeper = plans_of("descent", g, 1)
+    clear()
+    direct = plans_of("descent", g, 1)
+    assert halfway[0].peak_bytes > deeper[-1].peak_bytes
+    assert [(p.peak_bytes, p.cost) for p in deeper] == [(p.peak_bytes, p.cost) for p in direct]
+    assert np.array_equal(deeper[-1].nodes, direct[-1].nodes)
+
+
+def test_no_time_no_move():
+    g = chain_graph(8)
+    start = checkpoint_all(g)
+    assert descend(g, start, budget_bytes=0, time_limit_s=0.0) == []
+    assert lower_peak(g, start, budget_bytes=0, time_limit_s=0.0) is start
+
+
+def test_infeasible_budget_names_the_lowest_peak_reached():
+    g = chain_graph(8)
+    lowest = min_budget(g, "descent")
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(g, lowest - 1, method="descent")
+    assert info.value.min_budget_bytes == lowest and "method 'descent'" in str(info.value)
