@@ -15,6 +15,7 @@ from remat.simulate import simulate
 from remat.solvers import solve
 from remat.solvers.baselines import chen_plan, plans_of
 from remat.solvers.milp import minimum_budget
+from remat.solvers.milp_start import baseline_candidates, best_fitting
 from remat.solvers.prepared import clear
 from remat.solvers.repair import descend, lower_peak
 from reference import min_budget, transformer_like
@@ -107,3 +108,14 @@ def test_infeasible_budget_names_the_lowest_peak_reached():
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(g, lowest - 1, method="descent")
     assert info.value.min_budget_bytes == lowest and "method 'descent'" in str(info.value)
+
+
+def test_milp_lowers_a_cheap_plan_over_the_budget_below_it():
+    # at its smallest budget (37 B) the cheapest known plan that fits is the descent's (236);
+    # segments' plan over the budget, its peak lowered to it, costs 232
+    g = random_training_graph(10, seed=0)
+    known = best_fitting(baseline_candidates(g, 37), 37)
+    assert (known.name, known.cost) == ("descent", 236.0)
+    r = solve(g, 37, method="milp", exact_max_nodes=0)
+    assert r.stats.plan_from == "segments with its peak lowered" and r.cost == 232.0
+    assert r.sim.ok and r.peak_bytes <= 37 and r.lower_bound <= r.cost

@@ -58,26 +58,16 @@ def descent(graph: Graph, budget_bytes: int) -> SolveResult:
                          started_s=started)
 
 
-class _Path:
-    """A graph's descent so far: its plans in order; ``stuck`` when no move lowers the last."""
-
-    def __init__(self) -> None:
-        self.plans: list[BaselinePlan] = []
-        self.stuck = False
-
-
 @considers("descent")
 def _descent_plans(graph: Graph, budget_bytes: int) -> list[BaselinePlan]:
-    path: _Path = remembered(graph, ("descent",), _Path)
-    if not path.plans:
-        path.plans.append(chen_plan(graph, graph.ids_of_kind(NodeKind.FORWARD), "checkpoint-all"))
-    last = path.plans[-1]
-    if last.peak_bytes > budget_bytes and not path.stuck:
-        more, path.stuck = _descend(graph, last, budget_bytes, DESCENT_TIME_S, 10**9)
-        path.plans += more
+    path: Descent = remembered(
+        graph, ("descent",), lambda: Descent(graph, chen_plan(graph, graph.ids_of_kind(NodeKind.FORWARD), "checkpoint-all")))
+    if path.peaks[-1] > budget_bytes:
+        path.extend(budget_bytes, time_limit_s=DESCENT_TIME_S)
     # costs only rise along the path: the first plan that fits is the cheapest
-    fitting = next((p for p in path.plans if p.peak_bytes <= budget_bytes), None)
-    return [p for p in (fitting, path.plans[-1]) if p is not None][: 1 if fitting is path.plans[-1] else 2]
+    last = len(path.peaks) - 1
+    fitting = next((k for k, peak in enumerate(path.peaks) if peak <= budget_bytes), last)
+    return [path.plan(k) for k in dict.fromkeys((fitting, last))]
 
 
 def lower_peak(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: float = 10.0,
@@ -85,36 +75,65 @@ def lower_peak(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limi
     """``plan`` with its peak brought down towards ``budget_bytes`` by recomputing held values
     (see the module). Returns the last plan reached: within the budget if the search got
     there, else the lowest peak it found (``plan`` itself if no move helped)."""
-    path = descend(graph, plan, budget_bytes=budget_bytes, time_limit_s=time_limit_s, max_moves=max_moves)
-    return path[-1] if path else plan
+    path = Descent(graph, plan)
+    path.extend(budget_bytes, time_limit_s=time_limit_s, max_moves=max_moves)
+    return path.plan(len(path.moves))
 
 
 def descend(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: float = 10.0,
             max_moves: int = 10_000) -> list[BaselinePlan]:
     """Every plan the search passes through from ``plan`` (excluded) towards ``budget_bytes``,
     in order: peaks fall (or a plateau at the peak shrinks), costs rise."""
-    return _descend(graph, plan, budget_bytes, time_limit_s, max_moves)[0]
+    path = Descent(graph, plan)
+    path.extend(budget_bytes, time_limit_s=time_limit_s, max_moves=max_moves)
+    return [path.plan(k) for k in range(1, len(path.moves) + 1)]
 
 
-def _descend(graph: Graph, plan: BaselinePlan, budget_bytes: int, time_limit_s: float,
-             max_moves: int) -> tuple[list[BaselinePlan], bool]:
-    """``descend``'s plans, and whether it stopped because no move helps."""
-    deadline = time.perf_counter() + time_limit_s
-    search = _Search(graph)
-    stages = np.asarray(plan.stages, dtype=np.int64)
-    nodes = np.asarray(plan.nodes, dtype=np.int64)
-    mem = order_memory(graph, nodes)
-    costs = graph.node_arrays[3]
-    path: list[BaselinePlan] = []
-    while int(mem.max()) > budget_bytes and len(path) < max_moves and time.perf_counter() < deadline:
-        step = search.best_move(stages, nodes, mem, deadline)
-        if step is None:
-            return path, time.perf_counter() < deadline
-        stages, nodes, mem = step
-        path.append(BaselinePlan(f"{plan.label}, peak lowered by {len(path) + 1} recomputation(s)",
-                                 stages.astype(np.int32), nodes.astype(np.int32),
-                                 max(graph.fixed_bytes, int(mem.max())), float(np.cumsum(costs[nodes])[-1])))
-    return path, False
+class Descent:
+    """A plan and the moves of its descent so far, kept as what each move adds (a stage and
+    the nodes it computes again there): plan k is the start plus the first k moves' additions,
+    each stage in id order. ``stuck`` once no move lowers the last plan."""
+
+    def __init__(self, graph: Graph, start: BaselinePlan) -> None:
+        self.graph = graph
+        self.start = start
+        self.moves: list[tuple[int, np.ndarray]] = []
+        self.peaks = [start.peak_bytes]
+        self.costs = [start.cost]
+        self.stuck = False
+        self._last = (np.asarray(start.stages, dtype=np.int64), np.asarray(start.nodes, dtype=np.int64))
+
+    def plan(self, k: int) -> BaselinePlan:
+        """The plan after the first k moves (the start for k = 0)."""
+        if k == 0:
+            return self.start
+        stages = np.concatenate([self.start.stages, *(np.full(len(a), s) for s, a in self.moves[:k])]).astype(np.int64)
+        nodes = np.concatenate([self.start.nodes, *(a for _, a in self.moves[:k])]).astype(np.int64)
+        by_stage = np.lexsort((nodes, stages))
+        return BaselinePlan(f"{self.start.label}, peak lowered by {k} recomputation(s)", stages[by_stage].astype(np.int32),
+                            nodes[by_stage].astype(np.int32), self.peaks[k], self.costs[k])
+
+    def extend(self, budget_bytes: int, *, time_limit_s: float, max_moves: int = 10**9) -> None:
+        """Go on moving until the last plan fits ``budget_bytes``, no move helps (``stuck``),
+        ``max_moves`` more were made or the time is up."""
+        deadline = time.perf_counter() + time_limit_s
+        search = _Search(self.graph)
+        stages, nodes = self._last
+        mem = order_memory(self.graph, nodes)
+        costs = self.graph.node_arrays[3]
+        made = 0
+        while (not self.stuck and int(mem.max()) > budget_bytes and made < max_moves
+               and time.perf_counter() < deadline):
+            step = search.best_move(stages, nodes, mem, deadline)
+            if step is None:
+                self.stuck = time.perf_counter() < deadline
+                break
+            stages, nodes, mem, stage, added = step
+            self.moves.append((stage, added))
+            self.peaks.append(max(self.graph.fixed_bytes, int(mem.max())))
+            self.costs.append(float(np.cumsum(costs[nodes])[-1]))
+            made += 1
+        self._last = (stages, nodes)
 
 
 class _Search:
@@ -146,7 +165,8 @@ class _Search:
 
     def best_move(self, stages: np.ndarray, nodes: np.ndarray, mem: np.ndarray, deadline: float):
         """The move with the least added compute per byte of peak saved: (stages, nodes,
-        memory) after it, or None when none lowers the peak or the plateau at it."""
+        memory) after it and what it adds (stage, nodes), or None when none lowers the peak or
+        the plateau at it."""
         m = nodes.size
         peak = int(mem.max())
         at_peak = np.flatnonzero(mem == peak)
@@ -197,10 +217,8 @@ class _Search:
             # lower peak first; on a plateau (nothing saved), fewest positions left at the peak
             key = (extra / saved, 0.0) if saved > 0 else (np.inf, extra)
             if best is None or key < best[0]:
-                best = (key, new_stages, new_nodes, new_mem)
-        if best is None:
-            return None
-        return best[1], best[2], best[3]
+                best = (key, new_stages, new_nodes, new_mem, int(stages[q]), np.asarray(added, dtype=np.int32))
+        return None if best is None else best[1:]
 
     def _recompute_set(self, v: int, q: int, p: int, stages: np.ndarray, nodes: np.ndarray,
                        last_read: np.ndarray, occurrences: np.ndarray) -> list[int] | None:
