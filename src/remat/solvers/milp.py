@@ -111,8 +111,9 @@ def milp(
     """The cheapest plan found whose simulated peak fits ``budget_bytes``, with a lower bound
     on every plan's cost (``lower_bound``, ``gap``).
 
-    ``time_limit_s`` covers the whole call; an infeasible budget then spends up to as long
-    again finding the smallest feasible one. The search stops once the gap to the bound is at
+    ``time_limit_s`` covers the whole call but for the baselines' plans (measured once per
+    graph; the descent's path is extended by at most ``repair.DESCENT_TIME_S`` per call); an
+    infeasible budget then spends up to as long again finding the smallest feasible one. The search stops once the gap to the bound is at
     most ``mip_gap`` (the retention model's own search, once within
     ``max(mip_gap, retention.MODEL_GAP)`` of the step's cost of the model's bound).
     ``backend`` ("highs", "cpsat" or "gurobi" if installed) solves Checkmate's exact model on
