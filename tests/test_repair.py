@@ -72,7 +72,8 @@ def test_reaches_the_floor_of_a_chain_cheaper_than_recomputing_everything():
     assert solve(g, lowest, method="descent").cost < solve(g, lowest, method="recompute_all").cost  # 153 vs 169
 
 
-@pytest.mark.parametrize("graph", [random_training_graph(12, seed=5), transformer_like(4)], ids=["random12", "transformer"])
+@pytest.mark.parametrize("graph", [random_training_graph(12, seed=5), transformer_like(4)],
+                         ids=["random12", "transformer"])
 def test_reaches_below_every_other_baseline_and_milp_states_it(graph):
     lowest = min_budget(graph, "descent")
     others = [min_budget(graph, m) for m in ("chen_greedy", "segments", "nested", "chain")]

@@ -75,9 +75,10 @@ BOUND_MAX_S = 10.0
 LP_TIME_SHARE = 0.5
 
 #: When the best plan is more than ``EXACT_RESCUE_GAP`` above the bound, the peaks of the
-#: ``REPAIR_STARTS`` cheapest known plans over the budget (checkpoint-all aside) are lowered to it (``repair``), for
-#: at most ``REPAIR_MAX_S`` in all (and ``REPAIR_TIME_SHARE`` of the time limit): near a
-#: method's smallest budget a cheap plan a little over it usually beats every plan that fits.
+#: ``REPAIR_STARTS`` cheapest known plans over the budget (checkpoint-all aside) are lowered to
+#: it (``repair``), for at most ``REPAIR_MAX_S`` in all (and ``REPAIR_TIME_SHARE`` of the time
+#: limit): near a method's smallest budget a cheap plan a little over it often beats every plan
+#: that fits.
 REPAIR_STARTS = 4
 REPAIR_MAX_S = 5.0
 REPAIR_TIME_SHARE = 0.1
@@ -113,8 +114,8 @@ def milp(
 
     ``time_limit_s`` covers the whole call but for the baselines' plans (measured once per
     graph; the descent's path is extended by at most ``repair.DESCENT_TIME_S`` per call); an
-    infeasible budget then spends up to as long again finding the smallest feasible one. The search stops once the gap to the bound is at
-    most ``mip_gap`` (the retention model's own search, once within
+    infeasible budget then spends up to as long again finding the smallest feasible one. The
+    search stops once the gap to the bound is at most ``mip_gap`` (the retention model's own search, once within
     ``max(mip_gap, retention.MODEL_GAP)`` of the step's cost of the model's bound).
     ``backend`` ("highs", "cpsat" or "gurobi" if installed) solves Checkmate's exact model on
     graphs of at most ``exact_max_nodes`` nodes (above ``EXACT_ALWAYS_NODES`` only when the
@@ -244,13 +245,13 @@ def _repair(graph: Graph, budget_bytes: int, time_limit_s: float) -> Candidate |
                   key=lambda c: (c.cost, c.peak_bytes))[:REPAIR_STARTS]
     deadline = time.perf_counter() + time_limit_s
     best = None
-    for known in over:
+    for k, known in enumerate(over):
         left = deadline - time.perf_counter()
         if left <= 0:
             break
         stages, nodes = stage_order(known.schedule.R)
         start = measure_order(graph, stages, nodes, known.name)
-        plan = lower_peak(graph, start, budget_bytes=budget_bytes, time_limit_s=left / max(1, len(over)))
+        plan = lower_peak(graph, start, budget_bytes=budget_bytes, time_limit_s=left / (len(over) - k))
         if plan.peak_bytes <= budget_bytes and (best is None or plan.cost < best.cost):
             best = Candidate(f"{known.name} with its peak lowered", plan.peak_bytes, plan.cost,
                              functools.partial(plan.schedule, graph))

@@ -60,14 +60,17 @@ def descent(graph: Graph, budget_bytes: int) -> SolveResult:
 
 @considers("descent")
 def _descent_plans(graph: Graph, budget_bytes: int) -> list[BaselinePlan]:
-    path: Descent = remembered(
-        graph, ("descent",), lambda: Descent(graph, chen_plan(graph, graph.ids_of_kind(NodeKind.FORWARD), "checkpoint-all")))
+    path: Descent = remembered(graph, ("descent",), lambda: _from_checkpoint_all(graph))
     if path.peaks[-1] > budget_bytes:
         path.extend(budget_bytes, time_limit_s=DESCENT_TIME_S)
     # costs only rise along the path: the first plan that fits is the cheapest
     last = len(path.peaks) - 1
     fitting = next((k for k, peak in enumerate(path.peaks) if peak <= budget_bytes), last)
     return [path.plan(k) for k in dict.fromkeys((fitting, last))]
+
+
+def _from_checkpoint_all(graph: Graph) -> Descent:
+    return Descent(graph, chen_plan(graph, graph.ids_of_kind(NodeKind.FORWARD), "checkpoint-all"))
 
 
 def lower_peak(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: float = 10.0,
@@ -110,8 +113,9 @@ class Descent:
         stages = np.concatenate([self.start.stages, *(np.full(len(a), s) for s, a in self.moves[:k])]).astype(np.int64)
         nodes = np.concatenate([self.start.nodes, *(a for _, a in self.moves[:k])]).astype(np.int64)
         by_stage = np.lexsort((nodes, stages))
-        return BaselinePlan(f"{self.start.label}, peak lowered by {k} recomputation(s)", stages[by_stage].astype(np.int32),
-                            nodes[by_stage].astype(np.int32), self.peaks[k], self.costs[k])
+        return BaselinePlan(f"{self.start.label}, peak lowered by {k} recomputation(s)",
+                            stages[by_stage].astype(np.int32), nodes[by_stage].astype(np.int32),
+                            self.peaks[k], self.costs[k])
 
     def extend(self, budget_bytes: int, *, time_limit_s: float, max_moves: int = 10**9) -> None:
         """Go on moving until the last plan fits ``budget_bytes``, no move helps (``stuck``),
@@ -142,7 +146,8 @@ class _Search:
         self.sizes, kept, _temp, self.costs = graph.node_arrays
         self.indptr, self.indices = graph.deps_csr
         # a node that allocates step outputs for good runs once
-        self.movable = np.array([node.recomputable for node in graph.nodes], dtype=bool) & (self.sizes > 0) & (kept == 0)
+        recomputable = np.array([node.recomputable for node in graph.nodes], dtype=bool)
+        self.movable = recomputable & (self.sizes > 0) & (kept == 0)
         self.movable[list(graph.outputs)] = False
 
     def deps(self, v: int) -> np.ndarray:
