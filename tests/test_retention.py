@@ -262,3 +262,49 @@ def test_the_lp_guided_search_fits_and_never_beats_the_model_optimum(n_forward: 
     assert structure.violation(structure.columns_of(found)) == 0.0
     assert found.cost >= optimum.solution.cost - 1e-6 and found.cost >= lp.value - 1e-6
     assert simulate(graph, Schedule.from_order(graph, *zip(*found.order(structure))).lower(graph)).peak_bytes <= budget
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(4, 16), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0))
+def test_a_plan_over_the_models_count_is_taken_only_when_accepted(n_forward: int, seed: int, where: float) -> None:
+    graph = random_training_graph(n_forward, seed)
+    structure = RetentionStructure(graph)
+    least = solve_retention(structure, 0, minimize_peak=True, time_limit_s=30).solution.model_peak_bytes
+    budget = budget_between(graph, least, where)
+    plain = solve_retention(structure, budget, mip_gap=0.0, time_limit_s=30)
+    asked: list[RetentionSolution] = []
+    refused = solve_retention(structure, budget, mip_gap=0.0, time_limit_s=30,
+                              accept=lambda s: asked.append(s) is not None)  # always False
+    assert all(s.model_peak_bytes > budget for s in asked)  # asked only about plans over the count
+    assert (refused.solution is None) == (plain.solution is None)
+    if plain.solution is None:
+        return
+    assert refused.solution.model_peak_bytes <= budget
+    assert refused.solution.cost == pytest.approx(plain.solution.cost)
+    # taking every plan over the count: fewer rows, never a dearer plan
+    taken = solve_retention(structure, budget, mip_gap=0.0, time_limit_s=30, accept=lambda s: True)
+    assert taken.solution.cost <= plain.solution.cost + 1e-6
+
+
+def test_a_plan_the_simulator_fits_is_taken_though_the_model_overfills() -> None:
+    # on a traced CNN the model's count is above the simulator's (it holds a value over its
+    # whole possible lifetime): the MIP's first plan overfills a stage in the model but fits
+    # in the simulator; accepted, no round adds that stage's row
+    from torch_helpers import traced
+
+    from remat.coarsen import fold_aliases
+
+    graph = fold_aliases(traced("cnn", 4).graph).coarse
+    structure = RetentionStructure(graph)
+    least = solve_retention(structure, 0, minimize_peak=True, time_limit_s=30).solution.model_peak_bytes
+    budget = budget_between(graph, least, 0.2)
+
+    def simulated_peak(solution: RetentionSolution) -> int:
+        return simulate(graph, Schedule.from_order(graph, *zip(*solution.order(structure))).lower(graph)).peak_bytes
+
+    plain = solve_retention(structure, budget, mip_gap=0.0, time_limit_s=30)
+    taken = solve_retention(structure, budget, mip_gap=0.0, time_limit_s=30,
+                            accept=lambda s: simulated_peak(s) <= budget)
+    assert taken.solution.model_peak_bytes > budget >= simulated_peak(taken.solution)
+    assert plain.solution.model_peak_bytes <= budget
+    assert taken.solution.cost <= plain.solution.cost + 1e-6 and len(taken.rows) < len(plain.rows)

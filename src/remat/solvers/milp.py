@@ -5,10 +5,10 @@ Every call returns the cheapest plan it found among:
 * the baselines' plans (``milp_start``; measured once per graph, so each budget is cheap),
 * the retention model's plan (``retention``): an exact MILP over op-level plans in which every
   forward value is kept or recomputed once, solved on the whole graph;
-* on graphs of at most ``exact_max_nodes`` nodes, Checkmate's exact MILP (``milp_model``),
-  started from the best of the above;
 * when the best of these is more than ``EXACT_RESCUE_GAP`` above the bound, the cheapest
-  known plans over the budget with their peaks lowered to it (``repair``).
+  known plans over the budget with their peaks lowered to it (``repair``);
+* on graphs of at most ``exact_max_nodes`` nodes, Checkmate's exact MILP (``milp_model``),
+  started from the best of the above.
 
 and reports the instant bound (``bounds``), a lower bound on the cost of *every* plan of the
 graph, as ``lower_bound``, with the gap to it. The search stops as soon as the gap is within
@@ -163,6 +163,13 @@ def milp(
     solved = _retention(graph, budget_bytes, bound, target, deadline, mip_gap, threads)
     if solved is not None and (best is None or solved.cost < best.cost - 1e-9 * max(1.0, best.cost)):
         best = solved
+    if best is None or best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP)):
+        # within the time limit, but with a second at least when nothing fits yet; the exact
+        # model, if it runs, starts from the plan
+        left = max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S if best is None else 0.0)
+        repaired = _repair(graph, budget_bytes, min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s, left))
+        if repaired is not None and (best is None or repaired.cost < best.cost - 1e-9 * max(1.0, best.cost)):
+            best = repaired
     timed_out = time.perf_counter() >= deadline - 1e-3
     lower = bound.value
     stats = SolverStats(backend="highs", n_variables=prep.retention.n_cols)
@@ -178,12 +185,6 @@ def milp(
             if model_bound is not None:
                 lower = max(lower, model_bound)
             timed_out = status is BackendStatus.FEASIBLE or status is BackendStatus.NO_SOLUTION
-    if best is None or best.cost > lower * (1 + max(mip_gap, EXACT_RESCUE_GAP)):
-        # within the time limit, but with a second at least when nothing fits yet
-        left = max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S if best is None else 0.0)
-        repaired = _repair(graph, budget_bytes, min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s, left))
-        if repaired is not None and (best is None or repaired.cost < best.cost - 1e-9 * max(1.0, best.cost)):
-            best = repaired
     if best is None:
         found = minimum_budget(graph, backend=backend, time_limit_s=max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S),
                                threads=threads)
@@ -213,9 +214,12 @@ def _retention(graph: Graph, budget_bytes: int, bound: CostBound, target: float,
     structure = prep.retention
     start = prep.best_retention_plan(budget_bytes)
     rows = tuple(sorted(prep.retention_rows)) + ((bound.instant,) if bound.instant is not None else ())
+    def fits(solution: RetentionSolution) -> bool:  # over the model's count, within the simulator's?
+        return _retention_candidate(graph, solution).peak_bytes <= budget_bytes
+
     result = solve_retention(structure, budget_bytes, time_limit_s=max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S),
                              mip_gap=max(mip_gap, MODEL_GAP), threads=threads, start=start,
-                             stop_at=target - graph.total_cost, rows=rows)
+                             stop_at=target - graph.total_cost, rows=rows, accept=fits)
     if result.solution is None:
         return None
     prep.remember(result.solution, result.rows)

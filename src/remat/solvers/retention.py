@@ -37,6 +37,7 @@ import bisect
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -392,7 +393,8 @@ class RetentionResult:
 def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_limit_s: float = 60.0,
                     mip_gap: float = 1e-4, threads: int = 2, start: RetentionSolution | None = None,
                     stop_at: float | None = None, rows: tuple[int, ...] = (),
-                    minimize_peak: bool = False) -> RetentionResult:
+                    minimize_peak: bool = False,
+                    accept: Callable[[RetentionSolution], bool] | None = None) -> RetentionResult:
     """The cheapest plan of the retention model whose model memory fits ``budget_bytes``
     (``minimize_peak``: the plan of least model peak, budget ignored).
 
@@ -400,7 +402,10 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
     the search stops when no plan of the model can be cheaper by more than that. ``start`` is
     a plan known to fit (a MIP start); ``stop_at`` ends the search as soon as a plan costs at
     most that much recomputation (e.g. when it meets a bound for the whole graph); ``rows``
-    are stages whose memory rows to include from the start.
+    are stages whose memory rows to include from the start. ``accept`` is asked about a MIP
+    plan that overfills a stage in the model's count (which never counts less than the
+    simulator): if it says the plan fits (it simulated within the budget), the plan is taken
+    as if it fit the model, saving the round that would add that stage's row.
     """
     started = time.perf_counter()
     deadline = started + time_limit_s
@@ -451,7 +456,7 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
             # does any plan within the gap of the LP's value, a bound for the model
             enough = lp.value + slack if stop_at is None else max(stop_at, lp.value + slack)
             found = _fixed_integral(structure, budget_bytes, chosen, lp.x, threads=threads, mip_gap=mip_gap,
-                                    deadline=deadline, stop_at=enough)
+                                    deadline=deadline, stop_at=enough, accept=accept)
             rounds += 1
             if found is not None and found.cost <= enough + 1e-9 * max(1.0, enough):
                 optimal = found.cost <= lp.value + slack + 1e-9
@@ -477,7 +482,7 @@ def solve_retention(structure: RetentionStructure, budget_bytes: int, *, time_li
         if mip.x is None:
             break
         added = _overfilled(structure, mip.x, budget_bytes, chosen, mip.peak)
-        if added:
+        if added and not (accept is not None and not minimize_peak and accept(structure.solution(mip.x))):
             chosen += added
             continue
         best = structure.solution(mip.x)
@@ -498,12 +503,13 @@ FIXED_MIP_S = 3.0
 
 
 def _fixed_integral(structure: RetentionStructure, budget_bytes: int, rows: list[int], x: np.ndarray, *,
-                    threads: int, mip_gap: float, deadline: float, stop_at: float | None = None
-                    ) -> RetentionSolution | None:
+                    threads: int, mip_gap: float, deadline: float, stop_at: float | None = None,
+                    accept: Callable[[RetentionSolution], bool] | None = None) -> RetentionSolution | None:
     """The best plan of the model with every column the LP solution ``x`` sets to 0 or 1 fixed
     there (the MIP over its fractional columns; an LP-guided neighbourhood search), or None if
-    it finds none that fits every stage in the time. Stops at a plan costing at most
-    ``stop_at``; stages its plans overfill are added to ``rows`` (in place) and it goes again.
+    it finds none that fits every stage in the time (or that ``accept`` takes, see
+    ``solve_retention``). Stops at a plan costing at most ``stop_at``; stages its plans
+    overfill are added to ``rows`` (in place) and it goes again.
     """
     fixed = np.where(x <= BINARY_TOLERANCE, 0.0, np.where(x >= 1 - BINARY_TOLERANCE, 1.0, np.nan))
     until = min(deadline, time.perf_counter() + FIXED_MIP_S)
@@ -513,7 +519,7 @@ def _fixed_integral(structure: RetentionStructure, budget_bytes: int, rows: list
         if run.x is None:
             return None
         added = _overfilled(structure, run.x, budget_bytes, rows, None)
-        if not added:
+        if not added or (accept is not None and accept(structure.solution(run.x))):
             return structure.solution(run.x)
         rows += added
     return None
