@@ -238,6 +238,15 @@ def test_the_smallest_budget_search_starts_from_the_least_peak_plan_returned_so_
     assert solve(graph, found.budget_bytes, method="milp", exact_max_nodes=0).peak_bytes <= found.budget_bytes
 
 
+def _random_case(n_forward: int, seed: int, where: float) -> tuple[Graph, RetentionStructure, int]:
+    """A random training graph, its retention structure and a budget ``where`` of the way from
+    the model's least peak to checkpoint-all's."""
+    graph = random_training_graph(n_forward, seed)
+    structure = RetentionStructure(graph)
+    least = solve_retention(structure, 0, minimize_peak=True, time_limit_s=30).solution.model_peak_bytes
+    return graph, structure, budget_between(graph, least, where)
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_forward=st.integers(4, 16), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0))
 def test_the_lp_guided_search_fits_and_never_beats_the_model_optimum(n_forward: int, seed: int, where: float) -> None:
@@ -245,10 +254,7 @@ def test_the_lp_guided_search_fits_and_never_beats_the_model_optimum(n_forward: 
 
     from remat.solvers.retention import _fixed_integral, relax_retention
 
-    graph = random_training_graph(n_forward, seed)
-    structure = RetentionStructure(graph)
-    least = solve_retention(structure, 0, minimize_peak=True, time_limit_s=30).solution.model_peak_bytes
-    budget = budget_between(graph, least, where)
+    graph, structure, budget = _random_case(n_forward, seed, where)
     rows: list[int] = []
     lp = relax_retention(structure, budget, rows, deadline=time.perf_counter() + 30)
     if lp.x is None:
@@ -267,10 +273,7 @@ def test_the_lp_guided_search_fits_and_never_beats_the_model_optimum(n_forward: 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_forward=st.integers(4, 16), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0))
 def test_a_plan_over_the_models_count_is_taken_only_when_accepted(n_forward: int, seed: int, where: float) -> None:
-    graph = random_training_graph(n_forward, seed)
-    structure = RetentionStructure(graph)
-    least = solve_retention(structure, 0, minimize_peak=True, time_limit_s=30).solution.model_peak_bytes
-    budget = budget_between(graph, least, where)
+    _, structure, budget = _random_case(n_forward, seed, where)
     plain = solve_retention(structure, budget, mip_gap=0.0, time_limit_s=30)
     asked: list[RetentionSolution] = []
     refused = solve_retention(structure, budget, mip_gap=0.0, time_limit_s=30,
