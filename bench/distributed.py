@@ -210,6 +210,11 @@ def run_rank(rank: int, store: str, out: str, engine: str, args: dict) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(list(records.values())))
     dist.barrier()
     dist.destroy_process_group()
+    # FSDP2's caches keep gloo's threads alive past destroy_process_group(), and their teardown at
+    # interpreter exit can abort a rank whose work is done (see examples/distributed.py)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _local(t):

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import json
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -87,6 +88,11 @@ def _finish(rank: int, out_dir: str, result: dict) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    # FSDP2's caches keep gloo's threads alive past destroy_process_group(), and their teardown at
+    # interpreter exit can abort a rank whose work is done (the example explains): leave without it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------- models
