@@ -150,7 +150,7 @@ def _progress(workload: str, cell: dict) -> None:
         return
     print(f"  {workload} {cell['level']:>4s} ({cell['fraction']:.1%}): {cell['overhead']:.4f}x, bound "
           f"{cell['bound']:.4f}, gap {cell['gap']:.2%}, {cell['status']}, {cell['wall_s']} s; best baseline "
-          f"{cell['baseline']} {cell['baseline_overhead'] or float('nan'):.4f}x", flush=True)
+          + (f"{cell['baseline']} {cell['baseline_overhead']:.4f}x" if cell["baseline"] else "none fits"), flush=True)
 
 
 def run(workloads: list[str], time_limit_s: float, out: Path, fresh: bool) -> dict:

@@ -245,21 +245,33 @@ def _repair(graph: Graph, budget_bytes: int, time_limit_s: float) -> Candidate |
     budget (each method's cheapest, or its lowest-peak plan) to it, or None. Checkpoint-all
     is left out: the descent's plans are its own lowered."""
     over = sorted((c for c in baseline_candidates(graph, budget_bytes, lowest_peak=True)
-                   if c.peak_bytes > budget_bytes and c.name not in ("checkpoint_all", "descent")),
+                   if c.peak_bytes > budget_bytes and c.name not in NOT_LOWERED),
                   key=lambda c: (c.cost, c.peak_bytes))[:REPAIR_STARTS]
+    fitting = [c for c in _lowered(graph, over, budget_bytes, time_limit_s) if c.peak_bytes <= budget_bytes]
+    return min(fitting, key=lambda c: (c.cost, c.peak_bytes), default=None)
+
+
+#: Plans never lowered: checkpoint-all's lowering is the descent, whose plans are known, and
+#: recomputing everything leaves nothing to free.
+NOT_LOWERED = ("checkpoint_all", "descent", "recompute_all")
+
+
+def _lowered(graph: Graph, starts: list[Candidate], budget_bytes: int, time_limit_s: float) -> list[Candidate]:
+    """Each of ``starts`` with its peak lowered towards ``budget_bytes`` (``repair``), the time
+    split evenly over those not yet lowered; a start no move lowers is left out."""
     deadline = time.perf_counter() + time_limit_s
-    best = None
-    for k, known in enumerate(over):
+    found = []
+    for k, known in enumerate(starts):
         left = deadline - time.perf_counter()
         if left <= 0:
             break
         stages, nodes = stage_order(known.schedule.R)
         start = measure_order(graph, stages, nodes, known.name)
-        plan = lower_peak(graph, start, budget_bytes=budget_bytes, time_limit_s=left / (len(over) - k))
-        if plan.peak_bytes <= budget_bytes and (best is None or plan.cost < best.cost):
-            best = Candidate(f"{known.name} with its peak lowered", plan.peak_bytes, plan.cost,
-                             functools.partial(plan.schedule, graph))
-    return best
+        plan = lower_peak(graph, start, budget_bytes=budget_bytes, time_limit_s=left / (len(starts) - k))
+        if plan.peak_bytes < known.peak_bytes:
+            found.append(Candidate(f"{known.name} with its peak lowered", plan.peak_bytes, plan.cost,
+                                   functools.partial(plan.schedule, graph)))
+    return found
 
 
 def _finish(graph: Graph, budget_bytes: int, best: Candidate, claimed: float | None, lower: float,
@@ -349,8 +361,8 @@ def minimum_budget(
     exact_max_nodes: int = EXACT_MAX_NODES,
 ) -> MinimumBudget:
     """The smallest budget under which ``milp`` finds a plan: the least simulated peak among
-    the baselines' plans, the retention model's least-peak plan and (on small graphs) the
-    exact least-peak MILP. ``proven`` when it meets ``bounds``' smallest-budget bound or the
+    the baselines' plans, those plans with their peaks lowered by ``repair``, the retention
+    model's least-peak plan and (on small graphs) the exact least-peak MILP. ``proven`` when it meets ``bounds``' smallest-budget bound or the
     exact model proved it. Remembered per graph: asking ``milp`` for this budget plans.
 
     >>> from remat.builders import chain_graph
@@ -371,6 +383,11 @@ def minimum_budget(
         known.append(prep.lowest)
     best = min(known, key=lambda c: (c.peak_bytes, c.cost))
     proven = best.peak_bytes <= lower
+    if not proven:  # every method's least-peak plan lowered towards the bound (ResNet50: 24.0% -> 23.1%)
+        starts = sorted((c for c in known if c.name not in NOT_LOWERED), key=lambda c: (c.peak_bytes, c.cost))
+        lowered = _lowered(graph, starts, lower, min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s))
+        best = min([best, *lowered], key=lambda c: (c.peak_bytes, c.cost))
+        proven = best.peak_bytes <= lower
     if not proven:
         result = solve_retention(prep.retention, best.peak_bytes, time_limit_s=0.5 * time_limit_s, threads=threads,
                                  minimize_peak=True, rows=tuple(prep.retention_rows))
