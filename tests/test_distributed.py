@@ -9,6 +9,7 @@ bounded by ``SPAWN_TIMEOUT_S``); each rank writes what it saw to a JSON file the
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
@@ -36,7 +37,7 @@ WORLD = 2
 #: 15-40 s on 2 busy cores.
 SPAWN_TIMEOUT_S = 240
 STEPS = 3
-#: Budget of the GPT-2 cases, a fraction of each graph's unoptimized peak; a block alone holds
+#: Budget of the GPT-2 cases, a fraction of each graph's eager peak; a block alone holds
 #: its parameters and gradients beside its activations, so per-block graphs get more.
 BUDGET = 0.7
 BLOCK_BUDGET = 0.8
@@ -90,6 +91,7 @@ def _finish(rank: int, out_dir: str, result: dict) -> None:
     dist.destroy_process_group()
     # FSDP2's caches keep gloo's threads alive past destroy_process_group(), and their teardown at
     # interpreter exit can abort a rank whose work is done (the example explains): leave without it
+    atexit._run_exitfuncs()  # what a normal exit runs first (multiprocessing's finalizers among them)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

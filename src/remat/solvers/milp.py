@@ -362,8 +362,9 @@ def minimum_budget(
 ) -> MinimumBudget:
     """The smallest budget under which ``milp`` finds a plan: the least simulated peak among
     the baselines' plans, those plans with their peaks lowered by ``repair``, the retention
-    model's least-peak plan and (on small graphs) the exact least-peak MILP. ``proven`` when it meets ``bounds``' smallest-budget bound or the
-    exact model proved it. Remembered per graph: asking ``milp`` for this budget plans.
+    model's least-peak plan and (on small graphs) the exact least-peak MILP. ``proven`` when
+    it meets ``bounds``' smallest-budget bound or the exact model proved it. Remembered per
+    graph: asking ``milp`` for this budget plans.
 
     >>> from remat.builders import chain_graph
     >>> minimum_budget(chain_graph(4, bytes_per_node=1)).budget_bytes
