@@ -295,14 +295,21 @@ def test_a_plan_the_simulator_fits_is_taken_though_the_model_overfills() -> None
     # on a traced CNN the model's count is above the simulator's (it holds a value over its
     # whole possible lifetime): the MIP's first plan overfills a stage in the model but fits
     # in the simulator; accepted, no round adds that stage's row
-    from torch_helpers import traced
+    # (estimated scratch and costs: a measured graph differs between CPUs, and so would the MIP's
+    # first plan)
+    from torch_helpers import workload
 
+    from remat import trace
     from remat.coarsen import fold_aliases
+    from remat.cost import CostModel
+    from remat.scratch import ScratchModel
 
-    graph = fold_aliases(traced("cnn", 4).graph).coarse
+    w = workload("cnn", 4)
+    graph = fold_aliases(trace(w.model, w.batch, w.loss_fn, cost_model=CostModel.ESTIMATE,
+                               scratch=ScratchModel.ESTIMATE).graph).coarse
     structure = RetentionStructure(graph)
     least = solve_retention(structure, 0, minimize_peak=True, time_limit_s=30).solution.model_peak_bytes
-    budget = budget_between(graph, least, 0.2)
+    budget = budget_between(graph, least, 0.55)
 
     def simulated_peak(solution: RetentionSolution) -> int:
         return simulate(graph, Schedule.from_order(graph, *zip(*solution.order(structure))).lower(graph)).peak_bytes

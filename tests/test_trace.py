@@ -4,6 +4,10 @@ map back to torch, and clear errors for steps that cannot be traced."""
 from __future__ import annotations
 
 import copy
+import os
+import platform
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -317,10 +321,11 @@ def test_meta_device_models_trace_like_cpu_models_without_memory():
 
 # ---------------------------------------------------------------------------- recurrent modules
 class _Tagger(nn.Module):
-    def __init__(self, cell: type[nn.RNNBase], **kwargs: object) -> None:
+    # hidden 64: a multiple of every CPU's elementwise block, so a GRU traces (see below)
+    def __init__(self, cell: type[nn.RNNBase], hidden: int = 64, **kwargs: object) -> None:
         super().__init__()
-        self.rnn = cell(8, 16, batch_first=True, **kwargs)
-        self.head = nn.Linear(16, 3)
+        self.rnn = cell(8, hidden, batch_first=True, **kwargs)
+        self.head = nn.Linear(hidden, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(x)[0])
@@ -345,15 +350,58 @@ def test_rnn_dropout_between_layers_is_refused_naming_the_module(cell):
         trace(model, (torch.randn(4, 5, 8),), _tag_loss, cost_model=None)
 
 
+def _rnn_step_agreement(cell: type[nn.RNNBase], hidden: int) -> verify.Agreement:
+    torch.manual_seed(0)
+    model, x = _Tagger(cell, hidden, num_layers=2).train(), torch.randn(4, 5, 8)
+    t = trace(model, (x,), _tag_loss, cost_model=None)
+    step = build_module(t, remat.solve(t.graph, 10**15, method="recompute_all").plan)
+    got, _ = verify.planned_step(model, (x,), t, step)
+    want, _ = verify.eager_step(model, (x,), _tag_loss)
+    return verify.compare(got, want)
+
+
 def test_rnns_without_inner_dropout_match_eager_bitwise():
     for cell in (nn.GRU, nn.RNN):
-        torch.manual_seed(0)
-        model, x = _Tagger(cell, num_layers=2).train(), torch.randn(4, 5, 8)
-        t = trace(model, (x,), _tag_loss, cost_model=None)
-        step = build_module(t, remat.solve(t.graph, 10**15, method="recompute_all").plan)
-        got, _ = verify.planned_step(model, (x,), t, step)
-        want, _ = verify.eager_step(model, (x,), _tag_loss)
-        assert verify.compare(got, want).bitwise, cell.__name__
+        agreement = _rnn_step_agreement(cell, 64)
+        assert agreement.bitwise, (cell.__name__, agreement.mismatches)
+
+
+def test_gru_whose_rows_round_differently_on_this_cpu_is_refused_with_a_remedy_that_works():
+    """Eager's CPU GRU cell applies sigmoid_ in place to strided views of its gates: a row's
+    last hidden_size % block values take the scalar path, which the traced (contiguous) step
+    computes vectorized; gradients differed by 7e-9 (hidden 16, AVX-512), silently."""
+    from remat.trace_errors import gru_rounding_block
+
+    block = gru_rounding_block(torch.device("cpu"), torch.float32)
+    if block is None:
+        pytest.skip("this CPU runs unvectorized kernels: no GRU rounds differently")
+    hidden = block + 4
+    with pytest.raises(TraceError, match=f"module 'rnn' \\(GRU\\) has hidden_size={hidden}, not a multiple of "
+                                         f"{block}.*not be bitwise eager's.*ATEN_CPU_CAPABILITY=default"):
+        trace(_Tagger(nn.GRU, hidden).train(), (torch.randn(4, 5, 8),), _tag_loss, cost_model=None)
+
+    class Cells(nn.Module):  # the cell module alone is watched too
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.GRUCell(8, hidden)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.cell(x[:, 0])
+            return self.cell(x[:, 1], h)
+
+    with pytest.raises(TraceError, match=f"module 'cell' \\(GRUCell\\) has hidden_size={hidden}"):
+        trace(Cells(), (torch.randn(4, 2, 8),), lambda m, x: m(x).square().mean(), cost_model=None)
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return
+    # the remedy: unvectorized kernels, where eager and the traced step agree bitwise
+    script = (f"import sys; sys.path[:0] = {sys.path!r}\n"
+              "import torch.nn as nn\n"
+              "from test_trace import _rnn_step_agreement\n"
+              f"a = _rnn_step_agreement(nn.GRU, {hidden})\n"
+              "print('bitwise' if a.bitwise else a.mismatches)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(__file__), env={**os.environ, "ATEN_CPU_CAPABILITY": "default"})
+    assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == "bitwise", run.stdout + run.stderr
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")

@@ -4,6 +4,7 @@ refusing the modules whose traced form would not compute what eager PyTorch comp
 from __future__ import annotations
 
 import os
+import platform
 import traceback
 
 import torch
@@ -86,23 +87,47 @@ def _describe_module(model: torch.nn.Module, name: str) -> str:
 
 
 # ---------------------------------------------------------------------------- recurrent modules
+_RECURRENT = (torch.nn.RNNBase, torch.nn.GRUCell)
+_SIMD_BYTES = {"AVX2": 32, "AVX512": 64}  # one register of ATen's vectorized CPU kernels
+
+
+def gru_rounding_block(device: torch.device, dtype: torch.dtype) -> int | None:
+    """Elements per block of ATen's vectorized elementwise loops (two registers) for ``dtype``
+    on this CPU: a GRU whose hidden size is not a multiple of it rounds its gates differently
+    in eager PyTorch and in a traced step. None where no such difference arises: not a CPU,
+    or an x86 CPU running unvectorized (``DEFAULT``) kernels."""
+    if device.type != "cpu" or not dtype.is_floating_point:
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "DEFAULT" and platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return None
+    register = _SIMD_BYTES.get(capability, 64)  # other vector units: assume the widest
+    return max(1, 2 * register // dtype.itemsize)
+
+
 class RnnWatch:
     """Watches the ``nn.RNN``/``nn.GRU``/``nn.LSTM`` modules a trace calls and refuses, with a
-    ``TraceError`` naming the module and a remedy, the two cases whose traced step would not be
+    ``TraceError`` naming the module and a remedy, the cases whose traced step would not be
     eager PyTorch's:
 
     * dropout between layers in training: PyTorch's traced RNN (its decomposition into cells)
       leaves that dropout out, so the traced step computes other gradients, silently;
     * oneDNN's fused CPU LSTM (``aten.mkldnn_rnn_layer``): its traced form has no workspace,
-      which its backward needs, so the step cannot run.
+      which its backward needs, so the step cannot run;
+    * a GRU on a vectorizing CPU whose ``hidden_size`` is not a multiple of the elementwise
+      kernels' block (two SIMD registers): eager PyTorch's GRU cell applies ``sigmoid_`` in place
+      to strided views of its gates, so each row's last ``hidden_size % block`` elements take
+      the scalar code path, while the traced step (functionalized: out of place, contiguous)
+      computes them vectorized; the two round differently (a few ulps), so gradients would not
+      be bitwise eager's.
 
     Use as a context manager around tracing, then ``check_graph`` the traced module.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, torch.nn.RNNBase)}
-        self.called: dict[str, torch.nn.RNNBase] = {}
+        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, _RECURRENT)}
+        self.called: dict[str, torch.nn.Module] = {}
         self.handles: list = []
 
     def __enter__(self) -> RnnWatch:
@@ -116,10 +141,10 @@ class RnnWatch:
             h.remove()
         self.handles.clear()
 
-    def _called(self, module: torch.nn.RNNBase, args: object) -> None:
+    def _called(self, module: torch.nn.RNNBase | torch.nn.GRUCell, args: tuple) -> None:
         name = self.names[id(module)]
         self.called[name] = module
-        if module.training and module.dropout > 0 and module.num_layers > 1:
+        if isinstance(module, torch.nn.RNNBase) and module.training and module.dropout > 0 and module.num_layers > 1:
             kind = type(module).__name__
             raise TraceError(
                 f"{_describe_module(self.model, name)} applies dropout={module.dropout} between its "
@@ -128,6 +153,20 @@ class RnnWatch:
                 f"and put an nn.Dropout between single-layer {kind} modules, or call .eval() on this "
                 f"module if it should not drop anything"
             )
+        if isinstance(module, (torch.nn.GRU, torch.nn.GRUCell)) and args:
+            x = args[0].data if isinstance(args[0], torch.nn.utils.rnn.PackedSequence) else args[0]
+            block = gru_rounding_block(x.device, x.dtype) if isinstance(x, torch.Tensor) else None
+            if block is not None and module.hidden_size % block:
+                raise TraceError(
+                    f"{_describe_module(self.model, name)} has hidden_size={module.hidden_size}, not a "
+                    f"multiple of {block}: on this CPU ({torch.backends.cpu.get_cpu_capability()} kernels) "
+                    f"eager PyTorch's GRU cell computes the last {module.hidden_size % block} gate values "
+                    f"of each row with scalar code, which rounds differently from the traced step's "
+                    f"vectorized kernels, so remat's gradients would not be bitwise eager's; use a "
+                    f"hidden_size that is a multiple of {block}, or set the environment variable "
+                    f"ATEN_CPU_CAPABILITY=default before torch is imported (unvectorized kernels: eager "
+                    f"and traced then agree)"
+                )
 
     def check_graph(self, gm: torch.fx.GraphModule) -> None:
         """Refuse a traced step that runs oneDNN's fused LSTM kernel."""
