@@ -370,3 +370,20 @@ def test_milp_says_which_plan_it_returned():
     own = plan_graph(graph, 6, "milp")
     expected = own.result.stats.plan_from if own.result.stats.plan_from in BASELINE_METHODS else "milp"
     assert plan_source(own, "milp") == expected
+
+
+def test_highs_banner_never_reaches_stdout():
+    """HiGHS prints its banner when a process builds its first instance, before any option can be
+    set: remat's tables and JSON on stdout must not start with it."""
+    import subprocess
+    import sys
+
+    script = (f"import sys; sys.path[:0] = {sys.path!r}\n"
+              "from remat import solve\n"
+              "from remat.builders import chain_graph\n"
+              "from reference import budget_between, checkpoint_all_peak\n"
+              "g = chain_graph(8)\n"
+              "print(solve(g, budget_between(g, checkpoint_all_peak(g) // 2, 0.5), method='milp').status.value)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() in ("optimal", "feasible"), run.stdout

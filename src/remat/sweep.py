@@ -404,9 +404,9 @@ def environment() -> dict[str, object]:
     env: dict[str, object] = {"torch": torch.__version__, "cpu_count": os.cpu_count(),
                               "machine": platform.platform(), "python": platform.python_version()}
     try:
-        import highspy
+        from remat.solvers.milp_backends import quiet_highs
 
-        h = highspy.Highs()
+        h = quiet_highs()
         env["highspy"] = f"{h.versionMajor()}.{h.versionMinor()}.{h.versionPatch()}"
     except Exception:  # noqa: BLE001 - the version is a courtesy
         pass

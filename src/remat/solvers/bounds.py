@@ -43,7 +43,7 @@ import numpy as np
 
 from remat.graph import Graph
 from remat.schedule import StepKind, plan_from_order
-from remat.solvers.milp_backends import run_highs
+from remat.solvers.milp_backends import quiet_highs, run_highs
 
 log = logging.getLogger("remat.solve")
 
@@ -328,8 +328,7 @@ def _solve_knapsack(k: _Knapsack, budget_bytes: int, *, relax: bool, time_limit_
     row_lower = np.concatenate(lower + [[-np.inf]])
     row_upper = np.concatenate(upper_rows + [[capacity * scale]])
     cost_scale = 1.0 / max(1e-12, float(k.costs.max(initial=0.0))) if k.costs.size else 1.0
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("threads", int(threads))
     h.setOptionValue("time_limit", float(max(time_limit_s, 0.05)))
     # HiGHS presolve once returned a wrong "optimal" on such a model: the bound must be safe

@@ -262,6 +262,36 @@ def objective_scale(costs: np.ndarray) -> float:
     return 2.0 ** -math.ceil(math.log2(top / HIGHS_MAX_COST))
 
 
+_highs_banner_done = False
+_highs_banner_lock = threading.Lock()
+
+
+def quiet_highs():
+    """A ``highspy.Highs`` with its output off. HiGHS prints a banner to the process's stdout
+    when the first instance is built, before any option can be set: that one is built with file
+    descriptor 1 pointed at /dev/null, so remat's own output (tables, JSON on stdout) stays
+    clean."""
+    import highspy
+
+    global _highs_banner_done
+    with _highs_banner_lock:
+        if not _highs_banner_done:
+            sys.stdout.flush()
+            saved = os.dup(1)
+            try:
+                with open(os.devnull, "w") as null:
+                    os.dup2(null.fileno(), 1)
+                    h = highspy.Highs()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+            _highs_banner_done = True
+        else:
+            h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def run_highs(h) -> None:
     """``h.run()`` on a ``highspy.Highs``, whatever thread count earlier runs used.
 
@@ -296,8 +326,7 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
 def _run_highs_once(model: MilpModel, settings: SolverSettings, start: np.ndarray | None) -> BackendResult:
     import highspy
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("time_limit", float(settings.time_limit_s))
     h.setOptionValue("mip_rel_gap", float(settings.mip_gap))
     h.setOptionValue("mip_abs_gap", float(settings.mip_abs_gap))

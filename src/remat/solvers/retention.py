@@ -667,7 +667,7 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
            fixed: np.ndarray | None = None) -> _Run:
     import highspy
 
-    from remat.solvers.milp_backends import objective_scale, run_highs
+    from remat.solvers.milp_backends import objective_scale, quiet_highs, run_highs
 
     starts, index, value, lower, upper = structure.structure_rows
     n_cols = structure.n_cols + (1 if minimize_peak else 0)
@@ -700,8 +700,7 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
         col_upper[peak_col] = highspy.kHighsInf
     else:
         col_cost = structure.costs * scale
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("threads", int(threads))
     h.setOptionValue("time_limit", float(max(time_limit_s, 0.05)))
     if minimize_peak:
