@@ -167,6 +167,31 @@ def _always_kept(graph: Graph) -> np.ndarray:
     return remembered(graph, ("always kept",), make).copy()
 
 
+class StageWalk:
+    """A plan built the way Chen's, the chain's and the nested schedules build theirs: every
+    node computed once in its own stage, plus what backward stages recompute of the values
+    their policy did not keep. ``recompute_for`` records one stage's recomputations; the
+    policy (which values stay held afterwards) is the caller's."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.stages: list[int] = list(range(graph.n))
+        self.nodes: list[int] = list(range(graph.n))
+
+    def recompute_for(self, t: int, kept: np.ndarray) -> list[int]:
+        """Record that stage t recomputes, in id order, what it needs and ``kept`` lacks (the
+        walk of ``from_kept``), and return those nodes (none if t reads only kept values)."""
+        if all(kept[d] for d in self.graph.nodes[t].deps):
+            return []
+        done = [i for i in sorted(_computed_in_stage(self.graph, t, kept)) if i != t]
+        self.stages += [t] * len(done)
+        self.nodes += done
+        return done
+
+    def measure(self, label: str) -> BaselinePlan:
+        return measure_by_stage(self.graph, self.stages, self.nodes, label)
+
+
 def _computed_in_stage(graph: Graph, t: int, kept: np.ndarray) -> set[int]:
     """The nodes ``from_kept`` computes in stage t given the row ``kept`` (its own walk)."""
     computed, need = {t}, [t]
@@ -226,14 +251,10 @@ def chen_plan(graph: Graph, checkpoints: Iterable[int], label: str) -> BaselineP
         # per node: does it read a value not reused? (a row per node; a sentinel ends the last)
         flags = np.append(~reused[indices], False)
         reads_dropped = np.logical_or.reduceat(flags, np.minimum(indptr[:-1], flags.size - 1)) & (np.diff(indptr) > 0)
-        stages: list[int] = list(range(graph.n))
-        nodes: list[int] = list(range(graph.n))
+        walk = StageWalk(graph)
         for t in backward[reads_dropped[backward]].tolist():
-            computed = [i for i in sorted(_computed_in_stage(graph, t, reused)) if i != t]
-            stages += [t] * len(computed)
-            nodes += computed
-            reused[computed] = True
-        return measure_by_stage(graph, stages, nodes, label)
+            reused[walk.recompute_for(t, reused)] = True
+        return walk.measure(label)
 
     return dataclasses.replace(remembered(graph, ("chen", key), make), label=label)
 

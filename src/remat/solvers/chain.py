@@ -45,10 +45,9 @@ from remat.schedule import order_memory
 from remat.solvers.base import SolveResult, register
 from remat.solvers.baselines import (
     BaselinePlan,
-    _computed_in_stage,
+    StageWalk,
     chen_plan,
     considers,
-    measure_by_stage,
     pick_cheapest,
     remembered,
 )
@@ -262,21 +261,15 @@ class ChainModel:
         always = self.always | self._mask(kept_forward)
         masks = [self._mask(h) for h in held] + [np.zeros(graph.n, dtype=bool)]
         kept = always.copy()
-        stages: list[int] = list(range(graph.n))
-        nodes: list[int] = list(range(graph.n))
+        walk = StageWalk(graph)
         current = None
         for t, seg in self.stage_segments():
             if seg != current:  # the recursion leaves what it held for the segment before
                 kept = always | (kept & masks[seg])
                 current = seg
-            if all(kept[d] for d in graph.nodes[t].deps):
-                continue
-            done = [i for i in sorted(_computed_in_stage(graph, t, kept)) if i != t]
-            stages += [t] * len(done)
-            nodes += done
-            done_arr = np.asarray(done, dtype=np.int64)
-            kept[done_arr[masks[seg][done_arr]]] = True
-        return measure_by_stage(graph, stages, nodes, label)
+            done = np.asarray(walk.recompute_for(t, kept), dtype=np.int64)
+            kept[done[masks[seg][done]]] = True
+        return walk.measure(label)
 
     def plans_near(self, budget_bytes: int) -> list[BaselinePlan]:
         """Measured plans around ``budget_bytes``: a bisection over the model's plans (cheaper

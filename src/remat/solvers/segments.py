@@ -28,11 +28,10 @@ from remat.cuts import Cut, cut_tiers, light_cuts, pass_cuts
 from remat.graph import Graph, NodeKind
 from remat.solvers.base import SolveResult, register
 from remat.solvers.baselines import (
-    _computed_in_stage,
+    StageWalk,
     chen_plan,
     considers,
     greedy_checkpoints,
-    measure_by_stage,
     pick_cheapest,
     remembered,
 )
@@ -88,8 +87,7 @@ def _nested(graph: Graph, cuts: tuple[Cut, ...], levels: tuple[tuple[int, ...], 
     held: list[set[int]] = [set() for _ in range(inner)]
     kept = always.copy()  # always, or held by some level: kept up to date as blocks change
     seg = last
-    stages: list[int] = list(range(graph.n))
-    nodes: list[int] = list(range(graph.n))
+    walk = StageWalk(graph)
     for t in graph.ids_of_kind(NodeKind.BACKWARD):
         deps = graph.nodes[t].deps
         seg = max((segment[d] for d in deps if d in segment), default=seg)
@@ -104,17 +102,12 @@ def _nested(graph: Graph, cuts: tuple[Cut, ...], levels: tuple[tuple[int, ...], 
                 for v in dropped:
                     kept[v] = always[v] or v in still
                 break
-        if all(kept[d] for d in deps):
-            continue  # nothing to recompute: the stage computes its own node
-        done = [i for i in sorted(_computed_in_stage(graph, t, kept)) if i != t]
-        stages += [t] * len(done)
-        nodes += done
-        fresh = [i for i in done if i in segment]
+        fresh = [i for i in walk.recompute_for(t, kept) if i in segment]
         for level in range(inner):
             new = fresh if crossing[level] is None else [i for i in fresh if i in crossing[level]]
             held[level].update(new)
             kept[new] = True
-    return measure_by_stage(graph, stages, nodes, label)
+    return walk.measure(label)
 
 
 def _checkpoints(cuts: list[Cut] | tuple[Cut, ...]) -> tuple[int, ...]:
