@@ -3,6 +3,7 @@ MILP), exact where they should be, and what they prove about infeasible budgets.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from remat import Graph, InfeasibleBudgetError, SolveStatus, solve
 from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.graph import Node, NodeKind
-from remat.solvers.bounds import InstantBounds
+from remat.solvers.bounds import InstantBounds, _solve_program
 from remat.solvers.milp import minimum_budget
 from reference import SMALL_GRAPHS, budget_between, checkpoint_all_peak, exhaustive_min_cost, exhaustive_min_peak
 
@@ -77,9 +78,13 @@ def test_bound_is_below_the_proven_optimum_on_random_graphs(n_forward: int, seed
     budget = budget_between(graph, low, where)
     result = solve(graph, budget, method="milp")
     assert result.status is SolveStatus.OPTIMAL
-    bound = InstantBounds(graph).cost_bound(budget)
+    bounds = InstantBounds(graph)
+    bound = bounds.cost_bound(budget)
     assert graph.total_cost <= bound.value <= result.objective + 1e-6
     assert result.lower_bound is not None and bound.value - 1e-6 <= result.lower_bound <= result.objective + 1e-6
+    for instants in _instant_sets(graph, budget, 2)[:40]:  # any pair of instants, not only those chosen
+        value = _solve_program(bounds.program(instants, budget), relax=False, time_limit_s=5.0, threads=1)
+        assert graph.total_cost + value <= result.objective + 1e-6, instants
 
 
 def test_milp_reports_the_whole_graph_bound_and_refuses_what_it_proves_infeasible() -> None:
@@ -92,3 +97,49 @@ def test_milp_reports_the_whole_graph_bound_and_refuses_what_it_proves_infeasibl
     result = solve(graph, budget, method="milp", exact_max_nodes=0)
     assert result.lower_bound == pytest.approx(min(bounds.cost_bound(budget).value, result.objective))
     assert result.gap == pytest.approx(max(0.0, 1 - result.lower_bound / result.objective))
+
+
+def _instant_sets(graph: Graph, budget: int, size: int) -> list[tuple[int, ...]]:
+    over = [t for t in range(graph.n) if InstantBounds(graph).checkpoint_all_instants[t] > budget]
+    return list(itertools.combinations(over, size))
+
+
+@pytest.mark.parametrize("graph", SMALL_GRAPHS, ids=lambda g: g.name)
+def test_several_instants_together_never_exceed_the_exhaustive_optimum(graph: Graph) -> None:
+    # every pair and triple of instants, as an LP and as a MIP, at the smallest budget and
+    # between it and checkpoint-all: the recomputation they prove is never above the optimum's
+    bounds = InstantBounds(graph)
+    low = exhaustive_min_peak(graph)
+    for budget in sorted({low, (low + checkpoint_all_peak(graph)) // 2}):
+        extra = exhaustive_min_cost(graph, budget) - graph.total_cost
+        for size in (2, 3):
+            for instants in _instant_sets(graph, budget, size)[:60]:
+                program = bounds.program(instants, budget)
+                for relax in (True, False):
+                    value = _solve_program(program, relax=relax, time_limit_s=5.0, threads=1)
+                    assert 0.0 <= value <= extra + 1e-9, (instants, budget, relax)
+
+
+def test_two_instants_see_a_value_recomputed_twice() -> None:
+    # chain of 3 layers, 1 byte and cost 1 per node: f0 f1 f2 loss g2 g1 g0 (nodes 0..6).
+    # With 3 bytes, right after g2 (node 4) only its inputs fit: f0 and f1 are recomputed after
+    # it, f1 from f0 (one instant: 2 more). Right after g1 (node 5), g1 and its inputs f1, g2
+    # fit again and f0 is read later: a plan that held f0 across g1 would need a fourth byte, so
+    # f0 is computed a third time -- which only the two instants together see.
+    graph = chain_graph(3, bytes_per_node=1)
+    bounds = InstantBounds(graph)
+    optimum = exhaustive_min_cost(graph, 3)
+    single = max(_solve_program(bounds.program((t,), 3), relax=False, time_limit_s=5.0, threads=1)
+                 for t in range(graph.n))
+    pair = _solve_program(bounds.program((4, 5), 3), relax=False, time_limit_s=5.0, threads=1)
+    assert graph.total_cost + single < graph.total_cost + pair <= optimum
+    bound = bounds.cost_bound(3)
+    assert bound.value == graph.total_cost + pair and bound.instants == (4, 5)
+
+
+def test_an_instant_set_no_plan_fits_proves_the_budget_infeasible() -> None:
+    graph = random_training_graph(6, seed=4)
+    bounds = InstantBounds(graph)
+    below = bounds.min_budget_bytes - 1
+    program = bounds.program((bounds.graph.n - 3, bounds.graph.n - 2), below)
+    assert not program.feasible and math.isinf(_solve_program(program, relax=True, time_limit_s=1.0, threads=1))
