@@ -186,6 +186,7 @@ class InstantBounds:
         inputs = np.array([sum(int(self.sizes[d]) for d in node.deps) for node in graph.nodes], dtype=np.int64)
         # fixed, kept so far, the node with its scratch and its inputs: held at its instant
         self.instant_base = graph.fixed_bytes + kept + temp + self.sizes + inputs
+        self._singles: dict[tuple[int, tuple[int, ...]], tuple[dict[int, float], int, float]] = {}
 
     # ------------------------------------------------------------------ the smallest budget
     @cached_property
@@ -310,7 +311,9 @@ class InstantBounds:
     def cost_bound(self, budget_bytes: int, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
                    instants: tuple[int, ...] = (), threads: int = 2, multi: bool = True) -> CostBound:
         """The instant bound under ``budget_bytes``: LP relaxations at screened instants (and
-        at ``instants``), then MIPs at the most promising ones, within ``time_limit_s``.
+        at ``instants``), then MIPs at the most promising ones, within ``time_limit_s``; with
+        ``multi``, then several instants together (the module). The single instants' results
+        are kept per budget, so asking first without ``multi`` and later with it repeats nothing.
 
         Every number it takes is a valid bound, so stopping early only makes it weaker.
         """
@@ -323,6 +326,34 @@ class InstantBounds:
         over = np.flatnonzero(excess > 0)
         if over.size == 0:
             return CostBound(budget_bytes, g.total_cost, None, True, 0, time.perf_counter() - started)
+        deadline = started + time_limit_s
+        key = (budget_bytes, tuple(instants))
+        if key in self._singles:
+            lp_values, best_t, best = self._singles[key]
+        else:
+            lp_values, best_t, best = self._single(budget_bytes, over, excess, deadline, time_limit_s, instants,
+                                                   threads)
+            if time.perf_counter() < deadline:  # complete: kept for a second call (``multi``)
+                if len(self._singles) >= 64:
+                    self._singles.clear()
+                self._singles[key] = (lp_values, best_t, best)
+        feasible = math.isfinite(best)
+        together: tuple[int, ...] = (best_t,)
+        if feasible and multi:  # (no plan fits if the instants together leave none)
+            best, together = self._several(budget_bytes, best_t, best, lp_values, excess, deadline, threads)
+            feasible = math.isfinite(best)
+        value = g.total_cost + best if feasible else math.inf
+        log.info("bound: %s under %d B: %s at %s (%d instants, %.2f s)", g.name, budget_bytes,
+                 f"{value / g.total_cost:.4f}x" if feasible and g.total_cost else ("no plan fits" if not feasible else value),
+                 ", ".join(g.describe(t) for t in together), len(lp_values), time.perf_counter() - started)
+        return CostBound(budget_bytes, value, best_t, feasible, len(lp_values), time.perf_counter() - started,
+                         together)
+
+    def _single(self, budget_bytes: int, over: np.ndarray, excess: np.ndarray, deadline: float, time_limit_s: float,
+                instants: tuple[int, ...], threads: int) -> tuple[dict[int, float], int, float]:
+        """Single instants: (LP value per instant tried, the best instant, its value, raised by
+        MIPs at the best ones). Kept per budget: a second call with ``multi`` reuses it."""
+        g = self.graph
         ranked = over[np.argsort(-excess[over], kind="stable")]
         top = ranked.size if ranked.size <= SCREEN_ALL else SCREEN_TOP
         # the most crowded instants, and those whose own working set (what no plan can drop)
@@ -334,7 +365,6 @@ class InstantBounds:
             chosen += list(rest[np.unique(np.linspace(0, rest.size - 1, min(SCREEN_SPREAD, rest.size)).astype(int))])
         chosen += [t for t in instants if 0 <= t < g.n]
         lp_values: dict[int, float] = {}
-        deadline = started + time_limit_s
         for t in dict.fromkeys(int(t) for t in chosen):
             if time.perf_counter() > deadline and lp_values:
                 break
@@ -366,24 +396,14 @@ class InstantBounds:
                                        threads=threads)
                 if value > best:
                     best, best_t = value, t
-        feasible = math.isfinite(best)
-        together: tuple[int, ...] = (best_t,)
-        if feasible and multi:  # (no plan fits if the instants together leave none)
-            best, together = self._several(budget_bytes, best_t, best, lp_values, excess, deadline, threads)
-            feasible = math.isfinite(best)
-        value = g.total_cost + best if feasible else math.inf
-        log.info("bound: %s under %d B: %s at %s (%d instants, %.2f s)", g.name, budget_bytes,
-                 f"{value / g.total_cost:.4f}x" if feasible and g.total_cost else ("no plan fits" if not feasible else value),
-                 ", ".join(g.describe(t) for t in together), len(lp_values), time.perf_counter() - started)
-        return CostBound(budget_bytes, value, best_t, feasible, len(lp_values), time.perf_counter() - started,
-                         together)
+        return lp_values, best_t, best
 
     def _several(self, budget_bytes: int, best_t: int, best: float, single: dict[int, float], excess: np.ndarray,
                  deadline: float, threads: int) -> tuple[float, tuple[int, ...]]:
         """The bound of several instants together, grown from the best single one: add the
         instant whose LP raises the value most (among the best single instants, the close
-        neighbours of those chosen and a spread over the rest), up to ``MAX_INSTANTS``; then a short MIP on the set.
-        Returns (recomputation bound, instants); ``best`` and ``(best_t,)`` if nothing helps."""
+        neighbours of those chosen and a spread over the rest), up to ``MAX_INSTANTS``; then a
+        short MIP on the set. Returns (recomputation bound, instants); ``best`` and ``(best_t,)`` if nothing helps."""
         n = self.graph.n
         searching = min(deadline, time.perf_counter() + MULTI_TIME_S - MULTI_MIP_TIME_S)
         chosen = (best_t,)

@@ -151,7 +151,7 @@ def milp(
                            SolverStats(backend=backend.value, nodes_explored=0), "checkpoint-all fits: no search needed")
     best = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
     bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s),
-                                   threads=threads)
+                                   threads=threads, multi=False)
     if not bound.feasible:
         raise _infeasible(graph, budget_bytes, settings, backend, f"at {graph.describe(bound.instant)} the values "
                           f"no plan can drop already exceed it")
@@ -170,6 +170,15 @@ def milp(
         repaired = _repair(graph, budget_bytes, min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s, left))
         if repaired is not None and (best is None or repaired.cost < best.cost - 1e-9 * max(1.0, best.cost)):
             best = repaired
+    if best is not None and best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP)):
+        # a gap is left: several instants together may explain it (they cost a few seconds,
+        # so only here)
+        left = deadline - time.perf_counter()
+        if left > 0:
+            together = prep.bounds.cost_bound(budget_bytes, threads=threads,
+                                              time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s, left))
+            if together.feasible and together.value > bound.value:
+                bound = together
     timed_out = time.perf_counter() >= deadline - 1e-3
     lower = bound.value
     stats = SolverStats(backend="highs", n_variables=prep.retention.n_cols)
