@@ -46,9 +46,9 @@ all windows is at most what the plan recomputes: the program's optimum (or its L
 MIP's dual bound) plus ``graph.total_cost`` bounds every plan's cost. With one instant it is
 the single instant's knapsack. ``cost_bound`` grows the set from the best single instant,
 adding the instant whose LP raises the value most, up to ``MAX_INSTANTS``, then solves the
-set as a MIP for a short time. On the 12-layer GPT-2 at its smallest budget the two instants
-named above give 1.58x against one instant's 1.35x; ResNet50 b32 there, three give 1.35x
-against 1.23x.
+set as a MIP for a short time. On the 12-layer GPT-2 at the budget below which no plan fits
+(``min_budget_bytes``) the two instants named above give 1.58x against one instant's 1.35x;
+ResNet50 b32 there, three give 1.35x against 1.23x.
 
 **The smallest budget.** At the instant t is first computed, no plan holds less than
 ``fixed_bytes``, the kept bytes so far, t with its scratch and inputs, the outputs so far and
@@ -86,7 +86,8 @@ MIP_INSTANTS = 1
 MIP_TIME_S = 0.5
 #: The bound of several instants together (see the module): at most this many instants, the
 #: next one chosen among the MULTI_TOP best single instants, those within NEIGHBOURS of the
-#: chosen ones and MULTI_SPREAD spread evenly over the instants checkpoint-all overfills; then a MIP on the set for at most MULTI_MIP_TIME_S.
+#: chosen ones and MULTI_SPREAD spread evenly over the instants checkpoint-all overfills; then
+#: a MIP on the set for at most MULTI_MIP_TIME_S.
 MAX_INSTANTS = 3
 MULTI_TOP = 12
 MULTI_SPREAD = 32
@@ -403,12 +404,12 @@ class InstantBounds:
         """The bound of several instants together, grown from the best single one: add the
         instant whose LP raises the value most (among the best single instants, the close
         neighbours of those chosen and a spread over the rest), up to ``MAX_INSTANTS``; then a
-        short MIP on the set. Returns (recomputation bound, instants); ``best`` and ``(best_t,)`` if nothing helps."""
+        short MIP on the set. Returns (recomputation bound, instants); ``best`` and
+        ``(best_t,)`` if nothing helps."""
         n = self.graph.n
         searching = min(deadline, time.perf_counter() + MULTI_TIME_S - MULTI_MIP_TIME_S)
         chosen = (best_t,)
-        value = best
-        lp = best
+        lp = best  # the LP value of the chosen set (of one instant: the single bound)
         over = np.flatnonzero(excess > 0)
         spread = over[np.unique(np.linspace(0, over.size - 1, min(MULTI_SPREAD, over.size)).astype(int))].tolist()
         for _ in range(MAX_INSTANTS - 1):
@@ -430,12 +431,11 @@ class InstantBounds:
             chosen = tuple(sorted((*chosen, found[1])))
         if len(chosen) == 1:
             return best, chosen
-        value = max(value, lp)
         left = min(deadline - time.perf_counter(), MULTI_MIP_TIME_S)
         if left > 0.05:
-            value = max(value, _solve_program(self.program(chosen, budget_bytes), relax=False, time_limit_s=left,
-                                              threads=threads))
-        return value, chosen
+            lp = max(lp, _solve_program(self.program(chosen, budget_bytes), relax=False, time_limit_s=left,
+                                        threads=threads))
+        return lp, chosen
 
 
 class _Rows:
@@ -487,7 +487,7 @@ def _solve_program(p: _Program, *, relax: bool, time_limit_s: float, threads: in
 
     if not p.feasible:
         return math.inf
-    if p.empty or p.col_cost.size == 0:
+    if p.empty:  # (also when there is nothing to decide)
         return 0.0
     ncol, nrow = p.col_cost.size, p.row_lower.size
     cost_scale = 1.0 / max(1e-12, float(p.col_cost.max()))
