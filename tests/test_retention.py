@@ -9,7 +9,7 @@ import logging
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from remat import InfeasibleBudgetError, SolveStatus, simulate, solve
@@ -17,7 +17,7 @@ from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.graph import Graph
 from remat.schedule import Schedule, StepKind, plan_from_order
 from remat.solvers.bounds import InstantBounds
-from remat.solvers.milp import minimum_budget
+from remat.solvers.milp import EXACT_RESCUE_GAP, minimum_budget
 from remat.solvers.prepared import prepared
 from remat.solvers.retention import RetentionSolution, RetentionStructure, round_solution, solve_retention
 from reference import assert_no_baseline_cheaper, budget_between, checkpoint_all_peak
@@ -119,6 +119,7 @@ def test_solve_finds_the_best_plan_of_its_family(graph: Graph) -> None:
 # ---------------------------------------------------------------------------- milp on large graphs
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_forward=st.integers(4, 24), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0))
+@example(n_forward=20, seed=8, where=0.25)  # a gap under 1%: the single-instant bound is reported
 def test_milp_without_the_exact_model_is_never_worse_than_a_baseline(n_forward: int, seed: int, where: float) -> None:
     graph = random_training_graph(n_forward, seed)
     low = minimum_budget(graph, exact_max_nodes=0).budget_bytes
@@ -127,7 +128,12 @@ def test_milp_without_the_exact_model_is_never_worse_than_a_baseline(n_forward: 
     assert result.peak_bytes <= budget and result.sim.ok
     assert result.objective == result.sim.total_cost
     assert graph.total_cost <= result.lower_bound <= result.objective + 1e-6
-    assert result.lower_bound >= InstantBounds(graph).cost_bound(budget).value - 1e-6 or result.gap == 0
+    # the single-instant bound always; several instants together where a gap of over 1% was left
+    bounds = InstantBounds(graph)
+    single = bounds.cost_bound(budget, multi=False).value
+    assert result.lower_bound >= single - 1e-6 or result.gap == 0
+    if result.objective > single * (1 + EXACT_RESCUE_GAP):
+        assert result.lower_bound >= bounds.cost_bound(budget).value - 1e-6 or result.gap == 0
     assert_no_baseline_cheaper(graph, budget, result.objective)
     if result.status is SolveStatus.OPTIMAL:
         assert result.gap <= 1e-4
