@@ -1,4 +1,5 @@
-"""The descent (``remat.solvers.repair``): lowering a plan's peak a recomputation at a time."""
+"""The descent (``remat.solvers.repair``): lowering a plan's peak a recomputation at a time, and
+pruning the recomputations a plan does not need."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ from hypothesis import strategies as st
 from remat import InfeasibleBudgetError
 from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.graph import NodeKind
-from remat.schedule import order_peak_and_cost
+from remat.schedule import order_memory, order_peak_and_cost
 from remat.simulate import simulate
 from remat.solvers import solve
 from remat.solvers.baselines import chen_plan, plans_of
 from remat.solvers.milp import minimum_budget
 from remat.solvers.milp_start import baseline_candidates, best_fitting
 from remat.solvers.prepared import clear
-from remat.solvers.repair import descend, lower_peak
+from remat.solvers.baselines import measure_order
+from remat.solvers.repair import descend, lower_peak, prune
 from reference import min_budget, transformer_like
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -113,12 +115,13 @@ def test_infeasible_budget_names_the_lowest_peak_reached():
 
 def test_milp_lowers_a_cheap_plan_over_the_budget_below_it():
     # at its smallest budget (37 B) the cheapest known plan that fits is the descent's (236);
-    # segments' plan over the budget, its peak lowered to it, costs 232
+    # segments' plan over the budget, its peak lowered to it, costs 232, and 193 once the
+    # recomputations the lowering made unnecessary are dropped (the bound is 182)
     g = random_training_graph(10, seed=0)
     known = best_fitting(baseline_candidates(g, 37), 37)
     assert (known.name, known.cost) == ("descent", 236.0)
     r = solve(g, 37, method="milp", exact_max_nodes=0)
-    assert r.stats.plan_from == "segments with its peak lowered" and r.cost == 232.0
+    assert r.stats.plan_from == "segments with its peak lowered" and r.cost == 193.0
     assert r.sim.ok and r.peak_bytes <= 37 and r.lower_bound <= r.cost
 
 
@@ -135,3 +138,72 @@ def test_the_smallest_budget_lowers_every_method_s_least_peak_plan(monkeypatch):
     clear()
     monkeypatch.setattr("remat.solvers.milp._lowered", lambda *args: [])
     assert not minimum_budget(g, exact_max_nodes=0).proven  # the retention model alone does not prove it
+
+
+# ---------------------------------------------------------------------------- prune
+def droppable(graph, plan, budget):
+    """Positions of ``plan`` whose recomputation could go with the plan still within ``budget``."""
+    nodes = np.asarray(plan.nodes, dtype=np.int64)
+    costs = graph.node_arrays[3]
+    seen, out = set(), []
+    for k, v in enumerate(nodes.tolist()):
+        if v in seen and costs[v] > 0 and v not in graph.output_set:
+            if order_memory(graph, np.delete(nodes, k)).max() <= budget:
+                out.append(k)
+        seen.add(v)
+    return out
+
+
+@PROPERTY
+@given(graph=graphs(), data=st.data())
+def test_pruning_keeps_the_plan_within_the_budget_and_leaves_nothing_to_drop(graph, data):
+    start = checkpoint_all(graph)
+    lowest = min_budget(graph, "descent")
+    budget = data.draw(st.integers(lowest, start.peak_bytes), label="budget")
+    lowered = lower_peak(graph, start, budget_bytes=budget)
+    plan = prune(graph, lowered, budget_bytes=budget, time_limit_s=60)
+    sim = simulate(graph, plan.schedule(graph).lower(graph))
+    assert sim.ok, sim.violations[:3]
+    assert (sim.peak_bytes, sim.total_cost) == (plan.peak_bytes, plan.cost)
+    assert plan.peak_bytes <= budget and plan.cost <= lowered.cost
+    assert all(sim.compute_counts[i] == 1 for i in graph.outputs)
+    assert droppable(graph, plan, budget) == []  # every recomputation left is needed
+    if plan is not lowered:
+        assert plan.cost < lowered.cost and "dropped" in plan.label
+
+
+@PROPERTY
+@given(graph=graphs(), data=st.data())
+def test_pruning_a_baseline_s_plan_at_its_own_peak_never_raises_it(graph, data):
+    method = data.draw(st.sampled_from(["chen_greedy", "segments", "nested", "chain"]), label="method")
+    for known in plans_of(method, graph, 10**12)[:3]:
+        plan = prune(graph, known, budget_bytes=known.peak_bytes, time_limit_s=60)
+        sim = simulate(graph, plan.schedule(graph).lower(graph))
+        assert sim.ok and sim.peak_bytes <= known.peak_bytes and sim.total_cost <= known.cost
+        assert droppable(graph, plan, known.peak_bytes) == []
+
+
+def test_pruning_drops_recomputations_of_values_still_live():
+    # the first backward stage recomputes f0, f1, f2, all still live: with the budget to
+    # hold them, all three go
+    g = chain_graph(4, bytes_per_node=1)
+    start = measure_order(g, [0, 1, 2, 3, 4, 5, 5, 5, 5, 6, 7, 8], [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8], "wasteful")
+    plan = prune(g, start, budget_bytes=start.peak_bytes + 10)
+    assert plan.nodes.tolist() == list(range(9)) and plan.cost == g.total_cost
+    assert plan.label == "wasteful, 3 recomputation(s) dropped"
+
+
+def test_pruning_leaves_alone_a_plan_over_the_budget_or_out_of_time():
+    g = chain_graph(4, bytes_per_node=1)
+    start = measure_order(g, [0, 1, 2, 3, 4, 5, 5, 5, 5, 6, 7, 8], [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8], "wasteful")
+    assert prune(g, start, budget_bytes=start.peak_bytes - 1) is start
+    assert prune(g, start, budget_bytes=start.peak_bytes, time_limit_s=0.0) is start
+
+
+def test_pruning_keeps_what_the_budget_needs():
+    # chain of 8 at the descent's smallest budget: whatever it recomputes, it needs
+    g = chain_graph(8)
+    budget = min_budget(g, "descent")
+    lowered = lower_peak(g, checkpoint_all(g), budget_bytes=budget)
+    plan = prune(g, lowered, budget_bytes=budget)
+    assert plan.peak_bytes <= budget and plan.cost > checkpoint_all(g).cost

@@ -166,7 +166,7 @@ def order_memory(graph: Graph, order: np.ndarray) -> np.ndarray:
     """Memory while each position of ``order`` runs: what is live right after it computes
     (before its frees) plus its scratch. Its maximum is ``order_peak_and_cost``'s peak."""
     sizes, kept, temp, _costs = graph.node_arrays
-    free_at = _free_positions_array(graph, order)
+    free_at = order_frees(graph, order)
     freed = np.bincount(free_at[free_at >= 0], weights=sizes[order[free_at >= 0]], minlength=order.size)
     first = np.zeros(order.size, dtype=bool)
     first[np.unique(order, return_index=True)[1]] = True
@@ -175,7 +175,7 @@ def order_memory(graph: Graph, order: np.ndarray) -> np.ndarray:
     return after + temp[order]
 
 
-def _free_positions_array(graph: Graph, order: np.ndarray) -> np.ndarray:
+def order_frees(graph: Graph, order: np.ndarray) -> np.ndarray:
     """``_free_positions`` with numpy: for each position, the position of the last read of the
     instance computed there before its node is computed again (its own position if never
     read), -1 for the last instance of an output."""
@@ -250,7 +250,7 @@ def _free_positions(graph: Graph, order: list[int] | tuple[int, ...]) -> list[in
     """For the instance computed at each position of ``order``: the position after which it is
     freed (its last reader before the value is computed again, or its own position), or -1
     for the last instance of an output, which is never freed."""
-    return _free_positions_array(graph, np.asarray(order, dtype=np.int64)).tolist() if len(order) else []
+    return order_frees(graph, np.asarray(order, dtype=np.int64)).tolist() if len(order) else []
 
 
 def _liveness(graph: Graph, R: np.ndarray) -> np.ndarray:

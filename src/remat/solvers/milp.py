@@ -6,7 +6,9 @@ Every call returns the cheapest plan it found among:
 * the retention model's plan (``retention``): an exact MILP over op-level plans in which every
   forward value is kept or recomputed once, solved on the whole graph;
 * when the best of these is more than ``EXACT_RESCUE_GAP`` above the bound, the cheapest
-  known plans over the budget with their peaks lowered to it (``repair``);
+  known plans over the budget with their peaks lowered to it (``repair.lower_peak``);
+* the best of these without the recomputations it does not need under the budget
+  (``repair.prune``; greedy lowering and fixed recursions leave such work behind);
 * on graphs of at most ``exact_max_nodes`` nodes, Checkmate's exact MILP (``milp_model``),
   started from the best of the above.
 
@@ -48,7 +50,7 @@ from remat.solvers.milp_backends import (
 from remat.solvers.milp_model import MilpModel, ModelObjective, build_model
 from remat.solvers.milp_start import Candidate, baseline_candidates, best_fitting, without_unread
 from remat.solvers.prepared import prepared
-from remat.solvers.repair import lower_peak
+from remat.solvers.repair import lower_peak, prune
 from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
 
 log = logging.getLogger("remat.solve")
@@ -82,6 +84,11 @@ LP_TIME_SHARE = 0.5
 REPAIR_STARTS = 4
 REPAIR_MAX_S = 5.0
 REPAIR_TIME_SHARE = 0.1
+
+#: A plan left above the bound loses the recomputations it does not need (``repair.prune``)
+#: for at most ``PRUNE_MAX_S`` (and ``PRUNE_TIME_SHARE`` of the time limit).
+PRUNE_MAX_S = 5.0
+PRUNE_TIME_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,14 @@ def milp(
         repaired = _repair(graph, budget_bytes, min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s, left))
         if repaired is not None and (best is None or repaired.cost < best.cost - 1e-9 * max(1.0, best.cost)):
             best = repaired
+    if best is not None and best.cost > target:
+        # drop what the plan recomputes without needing to (greedy descents and fixed
+        # recursions leave such work behind; the retention model's memory is conservative)
+        left = deadline - time.perf_counter()
+        if left > 0:
+            pruned = _pruned(graph, best, budget_bytes, min(PRUNE_MAX_S, PRUNE_TIME_SHARE * time_limit_s, left))
+            if pruned is not None:
+                best = pruned
     if best is not None and best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP)):
         # a gap is left: several instants together may explain it (they cost a few seconds,
         # so only here)
@@ -201,6 +216,10 @@ def milp(
             raise _infeasible(graph, budget_bytes, settings, backend, "no plan found fits", found=found)
         sim = simulate(graph, found.schedule.lower(graph))
         best = Candidate.known("min-peak plan", found.schedule, sim.peak_bytes, sim.total_cost)
+        left = max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S)
+        pruned = _pruned(graph, best, budget_bytes, min(PRUNE_MAX_S, PRUNE_TIME_SHARE * time_limit_s, left))
+        if pruned is not None:
+            best = pruned
     gap = relative_gap(best.cost, lower)
     if gap is not None and gap <= mip_gap:
         status = SolveStatus.OPTIMAL
@@ -277,10 +296,24 @@ def _lowered(graph: Graph, starts: list[Candidate], budget_bytes: int, time_limi
         stages, nodes = stage_order(known.schedule.R)
         start = measure_order(graph, stages, nodes, known.name)
         plan = lower_peak(graph, start, budget_bytes=budget_bytes, time_limit_s=left / (len(starts) - k))
+        if plan.peak_bytes <= budget_bytes:  # the descent's greedy moves leave work behind
+            plan = prune(graph, plan, budget_bytes=budget_bytes,
+                         time_limit_s=min(PRUNE_MAX_S, max(deadline - time.perf_counter(), 0.0) / (len(starts) - k)))
         if plan.peak_bytes < known.peak_bytes:
             found.append(Candidate(f"{known.name} with its peak lowered", plan.peak_bytes, plan.cost,
                                    functools.partial(plan.schedule, graph)))
     return found
+
+
+def _pruned(graph: Graph, known: Candidate, budget_bytes: int, time_limit_s: float) -> Candidate | None:
+    """``known`` without the recomputations it does not need under the budget (``repair.prune``),
+    or None when it has none to drop."""
+    stages, nodes = stage_order(known.schedule.R)
+    plan = prune(graph, measure_order(graph, stages, nodes, known.name), budget_bytes=budget_bytes,
+                 time_limit_s=time_limit_s)
+    if plan.cost >= known.cost - 1e-9 * max(1.0, known.cost):
+        return None
+    return Candidate(f"{known.name}, pruned", plan.peak_bytes, plan.cost, functools.partial(plan.schedule, graph))
 
 
 def _finish(graph: Graph, budget_bytes: int, best: Candidate, claimed: float | None, lower: float,

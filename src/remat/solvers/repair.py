@@ -33,8 +33,9 @@ import time
 
 import numpy as np
 
+from remat.errors import SolverError
 from remat.graph import Graph, NodeKind
-from remat.schedule import order_memory
+from remat.schedule import order_frees, order_memory, order_peak_and_cost
 from remat.solvers.base import SolveResult, register
 from remat.solvers.baselines import BaselinePlan, chen_plan, considers, pick_cheapest, remembered
 
@@ -81,6 +82,107 @@ def lower_peak(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limi
     path = Descent(graph, plan)
     path.extend(budget_bytes, time_limit_s=time_limit_s, max_moves=max_moves)
     return path.plan(len(path.moves))
+
+
+def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: float = 5.0) -> BaselinePlan:
+    """``plan`` without the recomputations it does not need to fit ``budget_bytes``.
+
+    A recomputation is dropped when the plan still fits without it: its readers then read the
+    value's previous instance, which lives on until them. The recomputations are tried the
+    dearest first, in passes, until a pass drops none or the time is up; each trial is
+    measured with ``order_memory``. Plans reached by adding recomputations one greedy move at
+    a time (``lower_peak``, the baselines' fixed recursions) carry many a later move made
+    unnecessary: on a 12-layer GPT-2 at its smallest budget this removes 5% of the step's
+    compute. Returns ``plan`` itself when it is over the budget or nothing can go.
+
+    >>> import numpy as np
+    >>> from remat.builders import chain_graph
+    >>> from remat.solvers.baselines import measure_order
+    >>> g = chain_graph(4, bytes_per_node=1)
+    >>> nodes = [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8]     # recomputes 0..2 though nothing forces it
+    >>> start = measure_order(g, [0, 1, 2, 3, 4, 5, 5, 5, 5, 6, 7, 8], nodes, "wasteful")
+    >>> pruned = prune(g, start, budget_bytes=100)
+    >>> pruned.cost < start.cost, pruned.peak_bytes <= 100, pruned.nodes.tolist()
+    (True, True, [0, 1, 2, 3, 4, 5, 6, 7, 8])
+    """
+    deadline = time.perf_counter() + time_limit_s
+    sizes, _kept, _temp, costs = graph.node_arrays
+    nodes = np.asarray(plan.nodes, dtype=np.int64)
+    stages = np.asarray(plan.stages, dtype=np.int64)
+    if int(order_memory(graph, nodes).max()) > budget_bytes:
+        return plan
+    outputs = np.zeros(graph.n, dtype=bool)
+    outputs[list(graph.outputs)] = True
+    gone = np.iinfo(np.int64).min // 2
+    dropped = 0
+    while time.perf_counter() < deadline:
+        # a pass, on the exact memory of the plan as it stands
+        m = nodes.size
+        mem = order_memory(graph, nodes).astype(np.int64)
+        free = order_frees(graph, nodes)  # last read of the instance computed at each position
+        by_node = np.lexsort((np.arange(m), nodes))
+        prev = np.full(m, -1, dtype=np.int64)  # the same node's previous instance
+        same = nodes[by_node[1:]] == nodes[by_node[:-1]]
+        prev[by_node[1:][same]] = by_node[:-1][same]
+        tries = np.flatnonzero((prev >= 0) & (costs[nodes] > 0) & ~outputs[nodes])
+        tries = tries[np.argsort(-costs[nodes[tries]], kind="stable")]
+        keep = np.ones(m, dtype=bool)
+        last_reads = _last_reads(graph, nodes, free)
+        for k in tries.tolist():
+            if time.perf_counter() >= deadline:
+                break
+            j = int(prev[k])
+            while not keep[j]:  # dropped this pass: its own previous instance reads on
+                j = int(prev[j])
+            # without position k, instance j lives on to k's last read: it now also counts
+            # between its own last read and k
+            low = int(free[j]) + 1
+            size = int(sizes[nodes[k]])
+            over = (int(mem[low:k].max()) + size if low < k else 0) - budget_bytes
+            if over > 0:
+                # inputs read last at k free earlier, which that count leaves out: measure
+                # exactly when what they hold could make up the difference
+                if int(sizes[nodes[last_reads.get(k, ())]].sum()) < over:
+                    continue
+                keep[k] = False
+                kept_at = np.flatnonzero(keep)
+                exact = order_memory(graph, nodes[kept_at])
+                if int(exact.max()) > budget_bytes:
+                    keep[k] = True
+                    continue
+                mem[:] = gone
+                mem[kept_at] = exact
+                frees = order_frees(graph, nodes[kept_at])
+                free[kept_at] = np.where(frees >= 0, kept_at[np.maximum(frees, 0)], -1)
+                last_reads = _last_reads(graph, nodes, free, keep)
+                continue
+            keep[k] = False
+            mem[low:k] += size
+            mem[k] = gone
+            free[j] = max(int(free[j]), int(free[k]))
+        if keep.all():
+            break
+        dropped += int((~keep).sum())
+        nodes, stages = nodes[keep], stages[keep]
+    if not dropped:
+        return plan
+    peak, cost = order_peak_and_cost(graph, nodes.tolist())
+    if peak > budget_bytes:  # the count above is never below the plan's memory: a bug
+        raise SolverError(f"pruning raised the plan's peak to {peak} B over the budget of {budget_bytes} B; "
+                          "please report this")
+    return BaselinePlan(f"{plan.label}, {dropped} recomputation(s) dropped", stages.astype(np.int32),
+                        nodes.astype(np.int32), peak, cost)
+
+
+def _last_reads(graph: Graph, nodes: np.ndarray, free: np.ndarray, keep: np.ndarray | None = None) -> dict[int, list[int]]:
+    """Per position, the positions of the instances it reads last (``free``: each instance's
+    last read, by position), over the positions ``keep`` marks (all by default)."""
+    at = np.flatnonzero(free >= 0) if keep is None else np.flatnonzero((free >= 0) & keep)
+    at = at[free[at] != at]
+    out: dict[int, list[int]] = {}
+    for instance, reader in zip(at.tolist(), free[at].tolist()):
+        out.setdefault(reader, []).append(instance)
+    return out
 
 
 def descend(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: float = 10.0,
