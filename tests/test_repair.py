@@ -207,3 +207,35 @@ def test_pruning_keeps_what_the_budget_needs():
     lowered = lower_peak(g, checkpoint_all(g), budget_bytes=budget)
     plan = prune(g, lowered, budget_bytes=budget)
     assert plan.peak_bytes <= budget and plan.cost > checkpoint_all(g).cost
+
+
+def test_milp_lowers_further_plans_of_the_baselines_while_time_is_left(monkeypatch):
+    # at its smallest budget (51 B), each method's cheapest or least-peak plan, lowered and
+    # pruned, costs 261 at best; chen_sqrtn's plan without checkpoints lowers to 260, the bound
+    g = random_training_graph(14, seed=0)
+    budget = minimum_budget(g, exact_max_nodes=0).budget_bytes
+    assert budget == 51
+    clear()
+    monkeypatch.setattr("remat.solvers.milp._more_starts", lambda *args: [])
+    main_only = solve(g, budget, method="milp", exact_max_nodes=0)
+    assert main_only.cost == 261.0 and main_only.status.value == "feasible"
+    monkeypatch.undo()
+    clear()
+    r = solve(g, budget, method="milp", exact_max_nodes=0)
+    assert r.cost == 260.0 == r.lower_bound and r.status.value == "optimal"
+    assert r.stats.plan_from.startswith("chen_sqrtn (") and r.stats.plan_from.endswith("with its peak lowered")
+    assert r.peak_bytes <= budget and simulate(g, r.schedule.lower(g)).ok
+
+
+@pytest.mark.parametrize("graph", [random_training_graph(18, seed=8), transformer_like(4), unet_graph(3)],
+                         ids=["random18", "transformer", "unet"])
+def test_further_starts_are_plans_over_the_budget_cheapest_first(graph):
+    from remat.solvers.milp import MORE_STARTS, MORE_STARTS_PEAK, NOT_LOWERED, _more_starts
+
+    budget = minimum_budget(graph, exact_max_nodes=0).budget_bytes
+    starts = _more_starts(graph, budget)
+    assert 0 < len(starts) <= MORE_STARTS
+    assert all(budget < p.peak_bytes <= MORE_STARTS_PEAK * budget for _, p in starts)
+    assert all(method not in NOT_LOWERED for method, _ in starts)
+    costs = [p.cost for _, p in starts]
+    assert costs == sorted(costs)
