@@ -387,3 +387,36 @@ def test_highs_banner_never_reaches_stdout():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() in ("optimal", "feasible"), run.stdout
+
+
+def test_the_exact_model_as_a_rescue_gets_a_few_seconds_and_still_proves_a_chain_s_floor(monkeypatch) -> None:
+    import time
+
+    import remat.solvers.milp as milp_module
+    from remat.solvers.prepared import clear
+
+    seen = []
+    real = milp_module._exact
+
+    def spy(*args):
+        seen.append((args[-1], time.perf_counter()))  # the deadline handed over, and when
+        return real(*args)
+
+    monkeypatch.setattr(milp_module, "_exact", spy)
+    # 121 nodes, above EXACT_ALWAYS_NODES: the exact model is a rescue of a plan in hand
+    g = chain_graph(60)
+    floor = minimum_budget(g).budget_bytes
+    clear()
+    r = solve(g, floor, method="milp", time_limit_s=60)
+    (deadline, at), = seen
+    assert deadline <= at + milp_module.EXACT_RESCUE_MAX_S + 1e-6
+    # what it is still there for: at a chain's floor everything is recomputed from the input,
+    # which the instant bound does not see (it proves 295) and the exact model proves
+    assert r.status is SolveStatus.OPTIMAL and r.cost == r.lower_bound == 1891.0
+    # on small graphs it has the whole time limit
+    seen.clear()
+    clear()
+    small = chain_graph(12)
+    started = time.perf_counter()
+    solve(small, minimum_budget(small).budget_bytes, method="milp", time_limit_s=60, early_proof=False)
+    assert seen and seen[0][0] >= started + 59

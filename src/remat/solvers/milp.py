@@ -68,11 +68,18 @@ __all__ = ["MilpBackend", "MinimumBudget", "milp", "minimum_budget"]
 #: Graphs of at most this many nodes also get Checkmate's exact MILP (O(n^2) binaries): always up
 #: to ``EXACT_ALWAYS_NODES`` nodes, above that only when the retention model found no plan or one
 #: more than ``EXACT_RESCUE_GAP`` above the bound. The exact model's plans may compute a value
-#: three times or more, which the retention model's cannot: near the smallest budgets of the
-#: paper's segmentation networks (117-147 folded nodes) only they fit at a sane cost.
+#: three times or more, which the retention model's cannot; its bound can prove what the
+#: instant bound cannot (a chain's floor, where everything is recomputed from the input).
 EXACT_MAX_NODES = 160
 EXACT_ALWAYS_NODES = 60
 EXACT_RESCUE_GAP = 0.01
+#: Above ``EXACT_ALWAYS_NODES`` nodes, with a plan in hand, the exact model gets at most this
+#: long. Since plans over the budget are lowered and pruned, it has not found a cheaper plan on
+#: any graph measured (chains and random graphs of 81-121 nodes, the paper's segmentation
+#: networks of 117-147 nodes near their smallest budgets, 20-60 s each): it proves optima at
+#: the floors of chains (1-4 s of its own), and elsewhere it used up the whole time limit for
+#: nothing.
+EXACT_RESCUE_MAX_S = 5.0
 
 #: The least time handed to a solver after earlier steps used up the rest of the limit.
 MIN_SOLVER_TIME_S = 1.0
@@ -212,7 +219,10 @@ def milp(
     if exact and graph.n > EXACT_ALWAYS_NODES and best is not None:
         exact = best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP))
     if exact and (best is None or best.cost > target) and not timed_out:
-        result = _exact(graph, budget_bytes, settings, backend, dominance, warm_start, best, deadline)
+        until = deadline
+        if graph.n > EXACT_ALWAYS_NODES and best is not None:  # a rescue: see EXACT_RESCUE_MAX_S
+            until = min(deadline, time.perf_counter() + EXACT_RESCUE_MAX_S)
+        result = _exact(graph, budget_bytes, settings, backend, dominance, warm_start, best, until)
         if result is not None:
             schedule, claimed, model_bound, status, stats = result
             if best is None or claimed < best.cost - 1e-9 * max(1.0, best.cost):
