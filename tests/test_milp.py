@@ -413,6 +413,12 @@ def test_the_exact_model_as_a_rescue_gets_a_few_seconds_and_still_proves_a_chain
     # what it is still there for: at a chain's floor everything is recomputed from the input,
     # which the instant bound does not see (it proves 295) and the exact model proves
     assert r.status is SolveStatus.OPTIMAL and r.cost == r.lower_bound == 1891.0
+    # where the rescue's seconds run out, the call's time limit did not: FEASIBLE, not TIME_LIMIT
+    seen.clear()
+    monkeypatch.setattr(milp_module, "EXACT_RESCUE_MAX_S", 0.5)
+    clear()
+    middle = solve(g, floor * 3, method="milp", time_limit_s=60)
+    assert seen and middle.gap > 0.01 and middle.status is SolveStatus.FEASIBLE
     # on small graphs it has the whole time limit
     seen.clear()
     clear()

@@ -11,12 +11,13 @@ Every call returns the cheapest plan it found among:
 * the best of these without the recomputations it does not need under the budget
   (``repair.prune``; greedy lowering and fixed recursions leave such work behind);
 * on graphs of at most ``exact_max_nodes`` nodes, Checkmate's exact MILP (``milp_model``),
-  started from the best of the above.
+  started from the best of the above (above ``EXACT_ALWAYS_NODES`` nodes, a rescue of at
+  most ``EXACT_RESCUE_MAX_S``).
 
 and reports the instant bound (``bounds``), a lower bound on the cost of *every* plan of the
 graph, as ``lower_bound``, with the gap to it. The search stops as soon as the gap is within
-``mip_gap``, when the models are solved, or at the time limit (status TIME_LIMIT, the best
-plan found so far). A budget no plan meets raises ``InfeasibleBudgetError`` with the smallest
+``mip_gap``, when the models are solved (or the rescue's seconds are up: FEASIBLE), or at
+the time limit (status TIME_LIMIT, the best plan found so far). A budget no plan meets raises ``InfeasibleBudgetError`` with the smallest
 budget found (``minimum_budget``), which plans: asking for it returns a plan.
 """
 
@@ -230,7 +231,8 @@ def milp(
                 best = Candidate.known("milp", schedule, sim.peak_bytes, sim.total_cost)
             if model_bound is not None:
                 lower = max(lower, model_bound)
-            timed_out = status is BackendStatus.FEASIBLE or status is BackendStatus.NO_SOLUTION
+            # stopped by the call's time limit, not by the rescue's own few seconds
+            timed_out = (status is BackendStatus.FEASIBLE or status is BackendStatus.NO_SOLUTION) and until >= deadline
     if best is None:
         found = minimum_budget(graph, backend=backend, time_limit_s=max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S),
                                threads=threads)
