@@ -37,6 +37,14 @@ def checkpoint_all(graph):
     return chen_plan(graph, graph.ids_of_kind(NodeKind.FORWARD), "checkpoint-all")
 
 
+def lowered_at_a_drawn_budget(graph, data):
+    """A budget drawn between the descent's smallest and checkpoint-all's peak, and
+    checkpoint-all with its peak lowered to it."""
+    start = checkpoint_all(graph)
+    budget = data.draw(st.integers(min_budget(graph, "descent"), start.peak_bytes), label="budget")
+    return budget, lower_peak(graph, start, budget_bytes=budget)
+
+
 @PROPERTY
 @given(graph=graphs())
 def test_every_plan_of_the_descent_is_what_the_simulator_measures(graph):
@@ -59,10 +67,7 @@ def test_every_plan_of_the_descent_is_what_the_simulator_measures(graph):
 @PROPERTY
 @given(graph=graphs(), data=st.data())
 def test_lower_peak_fits_when_the_descent_gets_there(graph, data):
-    start = checkpoint_all(graph)
-    lowest = min_budget(graph, "descent")
-    budget = data.draw(st.integers(lowest, start.peak_bytes), label="budget")
-    plan = lower_peak(graph, start, budget_bytes=budget)
+    budget, plan = lowered_at_a_drawn_budget(graph, data)
     assert plan.peak_bytes <= budget
     assert solve(graph, budget, method="descent").cost == plan.cost  # the first plan of the path that fits
 
@@ -157,10 +162,7 @@ def droppable(graph, plan, budget):
 @PROPERTY
 @given(graph=graphs(), data=st.data())
 def test_pruning_keeps_the_plan_within_the_budget_and_leaves_nothing_to_drop(graph, data):
-    start = checkpoint_all(graph)
-    lowest = min_budget(graph, "descent")
-    budget = data.draw(st.integers(lowest, start.peak_bytes), label="budget")
-    lowered = lower_peak(graph, start, budget_bytes=budget)
+    budget, lowered = lowered_at_a_drawn_budget(graph, data)
     plan = prune(graph, lowered, budget_bytes=budget, time_limit_s=60)
     sim = simulate(graph, plan.schedule(graph).lower(graph))
     assert sim.ok, sim.violations[:3]
