@@ -241,3 +241,13 @@ def test_further_starts_are_plans_over_the_budget_cheapest_first(graph):
     assert all(method not in NOT_LOWERED for method, _ in starts)
     costs = [p.cost for _, p in starts]
     assert costs == sorted(costs)
+
+
+def test_pruning_drops_a_recomputation_nothing_reads():
+    # checkpoint-all lowered to 24 B leaves a recomputation no later node reads: it goes
+    # without the previous instance living any longer (a drawn case that once stayed)
+    g = random_training_graph(8, seed=0)
+    lowered = lower_peak(g, checkpoint_all(g), budget_bytes=24)
+    plan = prune(g, lowered, budget_bytes=24)
+    assert plan.peak_bytes <= 24 and plan.cost < lowered.cost
+    assert droppable(g, plan, 24) == []

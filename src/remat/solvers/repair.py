@@ -138,6 +138,10 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
             # between its own last read and k
             low = int(free[j]) + 1
             size = int(sizes[nodes[k]])
+            if free[k] == k:  # read by nothing: it goes, and instance j lives no longer
+                keep[k] = False
+                mem[k] = gone
+                continue
             over = (int(mem[low:k].max()) + size if low < k else 0) - budget_bytes
             if over > 0:
                 # inputs read last at k free earlier, which that count leaves out: measure
