@@ -89,11 +89,16 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
 
     A recomputation is dropped when the plan still fits without it: its readers then read the
     value's previous instance, which lives on until them. The recomputations are tried the
-    dearest first, in passes, until a pass drops none or the time is up; each trial is
-    measured with ``order_memory``. Plans reached by adding recomputations one greedy move at
-    a time (``lower_peak``, the baselines' fixed recursions) carry many a later move made
-    unnecessary: on a 12-layer GPT-2 at its smallest budget this removes 5% of the step's
-    compute. Returns ``plan`` itself when it is over the budget or nothing can go.
+    dearest first, in passes, until a pass drops none or the time is up. A trial is checked
+    on the pass's memory profile (the previous instance now also counts between its last read
+    and the dropped position; a recomputation nothing reads always goes), and measured with
+    ``order_memory`` only when the inputs read last at the dropped position, freed earlier
+    without it, could make up the difference. Each pass starts from the exact profile, so one
+    that drops nothing leaves no recomputation that could go on its own. Plans reached by
+    adding recomputations one greedy move at a time (``lower_peak``) or by fixed recursions
+    carry many a later move made unnecessary: on a 12-layer GPT-2 at its smallest budget this
+    removes 5% of the step's compute. Returns ``plan`` itself when it is over the budget or
+    nothing can go.
 
     >>> import numpy as np
     >>> from remat.builders import chain_graph
