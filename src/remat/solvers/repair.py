@@ -151,7 +151,7 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
             if over > 0:
                 # inputs read last at k free earlier, which that count leaves out: measure
                 # exactly when what they hold could make up the difference
-                if int(sizes[nodes[last_reads.get(k, ())]].sum()) < over:
+                if int(sizes[nodes[last_reads.get(k, [])]].sum()) < over:
                     continue
                 keep[k] = False
                 kept_at = np.flatnonzero(keep)
