@@ -17,8 +17,9 @@ Every call returns the cheapest plan it found among:
 and reports the instant bound (``bounds``), a lower bound on the cost of *every* plan of the
 graph, as ``lower_bound``, with the gap to it. The search stops as soon as the gap is within
 ``mip_gap``, when the models are solved (or the rescue's seconds are up: FEASIBLE), or at
-the time limit (status TIME_LIMIT, the best plan found so far). A budget no plan meets raises ``InfeasibleBudgetError`` with the smallest
-budget found (``minimum_budget``), which plans: asking for it returns a plan.
+the time limit (status TIME_LIMIT, the best plan found so far). A budget no plan meets
+raises ``InfeasibleBudgetError`` with the smallest budget found (``minimum_budget``), which
+plans: asking for it returns a plan.
 """
 
 from __future__ import annotations
@@ -304,16 +305,14 @@ def _repair(graph: Graph, budget_bytes: int, time_limit_s: float) -> Candidate |
     found = _lowered(graph, over, budget_bytes, time_limit_s)
     tried = {(round(c.cost, 6), c.peak_bytes) for c in over}
     for method, start in _more_starts(graph, budget_bytes):
-        left = deadline - time.perf_counter()
-        if left <= 0:
+        if time.perf_counter() >= deadline:
             break
-        if (round(start.cost, 6), start.peak_bytes) in tried:
+        key = (round(start.cost, 6), start.peak_bytes)
+        if key in tried:
             continue
-        tried.add((round(start.cost, 6), start.peak_bytes))
-        plan = lower_peak(graph, start, budget_bytes=budget_bytes, time_limit_s=left)
+        tried.add(key)
+        plan = _lowered_and_pruned(graph, start, budget_bytes, deadline)
         if plan.peak_bytes <= budget_bytes:
-            plan = prune(graph, plan, budget_bytes=budget_bytes,
-                         time_limit_s=min(PRUNE_MAX_S, max(deadline - time.perf_counter(), 0.0)))
             found.append(Candidate(f"{method} ({start.label}) with its peak lowered", plan.peak_bytes, plan.cost,
                                    functools.partial(plan.schedule, graph)))
     fitting = [c for c in found if c.peak_bytes <= budget_bytes]
@@ -345,24 +344,34 @@ NOT_LOWERED = ("checkpoint_all", "descent", "recompute_all")
 
 
 def _lowered(graph: Graph, starts: list[Candidate], budget_bytes: int, time_limit_s: float) -> list[Candidate]:
-    """Each of ``starts`` with its peak lowered towards ``budget_bytes`` (``repair``), the time
-    split evenly over those not yet lowered; a start no move lowers is left out."""
+    """Each of ``starts`` with its peak lowered towards ``budget_bytes`` and pruned once it fits
+    (``_lowered_and_pruned``), the time split evenly over those not yet lowered; a start no
+    move lowers is left out."""
     deadline = time.perf_counter() + time_limit_s
     found = []
     for k, known in enumerate(starts):
-        left = deadline - time.perf_counter()
-        if left <= 0:
+        if time.perf_counter() >= deadline:
             break
         stages, nodes = stage_order(known.schedule.R)
         start = measure_order(graph, stages, nodes, known.name)
-        plan = lower_peak(graph, start, budget_bytes=budget_bytes, time_limit_s=left / (len(starts) - k))
-        if plan.peak_bytes <= budget_bytes:  # the descent's greedy moves leave work behind
-            plan = prune(graph, plan, budget_bytes=budget_bytes,
-                         time_limit_s=min(PRUNE_MAX_S, max(deadline - time.perf_counter(), 0.0) / (len(starts) - k)))
+        plan = _lowered_and_pruned(graph, start, budget_bytes, deadline, share=len(starts) - k)
         if plan.peak_bytes < known.peak_bytes:
             found.append(Candidate(f"{known.name} with its peak lowered", plan.peak_bytes, plan.cost,
                                    functools.partial(plan.schedule, graph)))
     return found
+
+
+def _lowered_and_pruned(graph: Graph, start: BaselinePlan, budget_bytes: int, deadline: float, *,
+                        share: int = 1) -> BaselinePlan:
+    """``start`` with its peak lowered towards the budget (``repair.lower_peak``) and, once it
+    fits, pruned (``repair.prune``: the descent's greedy moves leave work behind), each step
+    taking ``1/share`` of the time left before ``deadline`` (pruning at most ``PRUNE_MAX_S``)."""
+    plan = lower_peak(graph, start, budget_bytes=budget_bytes,
+                      time_limit_s=max(deadline - time.perf_counter(), 0.0) / share)
+    if plan.peak_bytes <= budget_bytes:
+        plan = prune(graph, plan, budget_bytes=budget_bytes,
+                     time_limit_s=min(PRUNE_MAX_S, max(deadline - time.perf_counter(), 0.0) / share))
+    return plan
 
 
 def _pruned(graph: Graph, known: Candidate, budget_bytes: int, time_limit_s: float) -> Candidate | None:
