@@ -7,7 +7,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from remat import Graph, InfeasibleBudgetError, SolveStatus, solve
@@ -135,6 +135,34 @@ def test_two_instants_see_a_value_recomputed_twice() -> None:
     assert graph.total_cost + single < graph.total_cost + pair <= optimum
     bound = bounds.cost_bound(3)
     assert bound.value == graph.total_cost + pair and bound.instants == (4, 5)
+
+
+def test_the_lp_of_two_instants_is_not_weaker_than_either_alone() -> None:
+    # Without the rows of s (recomputed at any time after an instant), a fractionally live
+    # input served the recomputations of both windows and this pair's LP was 12.5, below the
+    # first instant's own 14.67; with them it is at least each instant's own LP.
+    graph = random_training_graph(7, seed=6)
+    bounds = InstantBounds(graph)
+    lp = {ts: _solve_program(bounds.program(ts, 27), relax=True, time_limit_s=5.0, threads=1)
+          for ts in ((11,), (12,), (11, 12))}
+    assert lp[(11,)] == pytest.approx(44 / 3)
+    assert lp[(11, 12)] >= max(lp[(11,)], lp[(12,)]) - 1e-9
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(3, 9), seed=st.integers(0, 10_000), where=st.floats(0.0, 0.6))
+def test_the_lp_of_several_instants_is_at_least_each_one_s(n_forward: int, seed: int, where: float) -> None:
+    graph = random_training_graph(n_forward, seed)
+    bounds = InstantBounds(graph)
+    budget = budget_between(graph, bounds.min_budget_bytes, where)
+    over = [t for t in range(graph.n) if bounds.checkpoint_all_instants[t] > budget]
+    assume(len(over) >= 2)
+    alone = {t: _solve_program(bounds.program((t,), budget), relax=True, time_limit_s=5.0, threads=1) for t in over}
+    sets = [*itertools.combinations(over, 2)][:40] + [*itertools.combinations(over, 3)][:10]
+    for instants in sets:
+        together = _solve_program(bounds.program(instants, budget), relax=True, time_limit_s=5.0, threads=1)
+        best = max(alone[t] for t in instants)
+        assert together >= best - 1e-6 * max(1.0, best), instants
 
 
 def test_an_instant_set_no_plan_fits_proves_the_budget_infeasible() -> None:
