@@ -399,7 +399,7 @@ def test_the_exact_model_as_a_rescue_gets_a_few_seconds_and_still_proves_a_chain
     real = milp_module._exact
 
     def spy(*args):
-        seen.append((args[-1], time.perf_counter()))  # the deadline handed over, and when
+        seen.append((args[7], time.perf_counter()))  # the deadline handed over, and when
         return real(*args)
 
     monkeypatch.setattr(milp_module, "_exact", spy)
@@ -411,7 +411,8 @@ def test_the_exact_model_as_a_rescue_gets_a_few_seconds_and_still_proves_a_chain
     (deadline, at), = seen
     assert deadline <= at + milp_module.EXACT_RESCUE_MAX_S + 1e-6
     # what it is still there for: at a chain's floor everything is recomputed from the input,
-    # which the instant bound does not see (it proves 295) and the exact model proves
+    # which the instant bound does not see (it proves 565) and the exact model's relaxation
+    # proves by itself
     assert r.status is SolveStatus.OPTIMAL and r.cost == r.lower_bound == 1891.0
     # where the rescue's seconds run out, the call's time limit did not: FEASIBLE, not TIME_LIMIT
     seen.clear()
@@ -426,3 +427,32 @@ def test_the_exact_model_as_a_rescue_gets_a_few_seconds_and_still_proves_a_chain
     started = time.perf_counter()
     solve(small, minimum_budget(small).budget_bytes, method="milp", time_limit_s=60, early_proof=False)
     assert seen and seen[0][0] >= started + 59
+
+
+def test_a_rescue_searches_only_past_a_relaxation_above_the_bound_in_hand(monkeypatch) -> None:
+    import remat.solvers.milp as milp_module
+    from remat.solvers.prepared import clear
+
+    rescues, searches = [], []
+    real_exact, real_search = milp_module._exact, milp_module.run_backend
+
+    def exact(*args):
+        rescues.append(args[8])  # the bound the rescue must beat
+        return real_exact(*args)
+
+    def search(*args, **kwargs):
+        searches.append(args)
+        return real_search(*args, **kwargs)
+
+    monkeypatch.setattr(milp_module, "_exact", exact)
+    monkeypatch.setattr(milp_module, "run_backend", search)
+    g = random_training_graph(35, seed=1)  # 71 nodes: a rescue
+    floor = 90  # its smallest budget (minimum_budget, which takes a while to find it)
+    clear()
+    r = solve(g, floor, method="milp", time_limit_s=30)
+    (beat,) = rescues
+    assert beat is not None and r.lower_bound == pytest.approx(beat) and r.gap > 0.01
+    # the exact model's relaxation is below the instant bound: no branching could close the gap
+    # in a rescue's seconds, so none is started, and the call is not reported as timed out
+    assert solve_relaxation(g, floor).lower_bound < beat
+    assert searches == [] and r.status is SolveStatus.FEASIBLE
