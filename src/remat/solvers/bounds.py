@@ -58,9 +58,10 @@ free.) With these rows the greedy growth below finds instants that help: U-Net b
 1.125x -> 1.177x (five instants), ResNet50 b32 at its smallest budget 1.220x -> 1.302x.
 
 ``cost_bound`` grows the set from the best single instant, adding the instant whose LP raises
-the value most, up to ``MAX_INSTANTS``, then solves the set as a MIP for a short time. On the 12-layer GPT-2 at the budget below which no plan fits
-(``min_budget_bytes``) the two instants named above give 1.58x against one instant's 1.35x;
-ResNet50 b32 there, three give 1.35x against 1.23x.
+the value most, up to ``MAX_INSTANTS``, then solves the set as a MIP for a short time. On the
+12-layer GPT-2 at the budget below which no plan fits (``min_budget_bytes``) the two instants
+named above give 1.58x against one instant's 1.35x; ResNet50 b32 there, three give 1.35x
+against 1.23x.
 
 **The smallest budget.** At the instant t is first computed, no plan holds less than
 ``fixed_bytes``, the kept bytes so far, t with its scratch and inputs, the outputs so far and
