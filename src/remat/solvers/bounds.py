@@ -272,7 +272,7 @@ class InstantBounds:
         n = self.graph.n
         ts = tuple(sorted(set(int(t) for t in instants)))
         caps = [budget_bytes - int(self.forced_bytes[t]) for t in ts]
-        decide, x_col, r_col = [], [], []
+        decide, x_col, r_col, s_col = [], [], [], []
         col = 0
         for t in ts:
             d = np.zeros(n, dtype=bool)
@@ -289,18 +289,11 @@ class InstantBounds:
             decide.append(d)
             x_col.append(xs)
             r_col.append(rs)
-        # s[k, v] for every instant but the last (where it is r[k, v] itself): v computed
-        # again at any time after instant k (see the module: the LP of several instants)
-        s_col = []
-        for k in range(len(ts)):
-            if k == len(ts) - 1:
-                s_col.append(r_col[k])
-                continue
-            rec = np.flatnonzero(r_col[k] >= 0)
-            ss = np.full(n, -1, dtype=np.int64)
-            ss[rec] = col + np.arange(rec.size)
-            col += rec.size
-            s_col.append(ss)
+            if t != ts[-1]:  # s[k, v]: v computed again at any time after instant k (the module)
+                ss = np.full(n, -1, dtype=np.int64)
+                ss[rec] = col + np.arange(rec.size)
+                col += rec.size
+                s_col.append(ss)
         col_cost = np.zeros(col)
         for rs in r_col:
             mine = np.flatnonzero(rs >= 0)
