@@ -22,7 +22,7 @@ from remat.schedule import Schedule
 from remat.simulate import simulate
 from remat.solvers.base import SolveResult, SolverStats, SolveStatus, finish, register
 from remat.solvers.milp_backends import BackendStatus, MilpBackend, RelaxationTimeout, SolverSettings, run_backend
-from remat.solvers.milp_model import ModelObjective, build_model
+from remat.solvers.milp_model import MilpModel, ModelObjective, build_model
 from remat.solvers.milp_start import Candidate, baseline_candidates, best_fitting
 
 #: Graphs of at most this many nodes get Checkmate's relaxation (O(n^2) columns); larger ones the
@@ -46,10 +46,11 @@ class Relaxation:
     exact_units: bool  # False: sizes were rounded up, the LP is stricter than the graph (no bound)
 
 
-def solve_relaxation(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0) -> Relaxation | None:
+def solve_relaxation(graph: Graph, budget_bytes: int, *, time_limit_s: float = 60.0,
+                     model: MilpModel | None = None) -> Relaxation | None:
     """The LP relaxation under ``budget_bytes``, or None when even the LP is infeasible
-    (then no plan fits)."""
-    model = build_model(graph, budget_bytes, ModelObjective.COST)
+    (then no plan fits). ``model``: the COST model of that budget when the caller has built it."""
+    model = model or build_model(graph, budget_bytes, ModelObjective.COST)
     if model.infeasible_reason is not None:
         return None
     settings = SolverSettings(time_limit_s=time_limit_s, relax=True, label="lp")

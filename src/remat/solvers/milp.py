@@ -414,27 +414,28 @@ def _exact(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: M
     model = build_model(graph, budget_bytes, ModelObjective.COST, dominance=dominance)
     if model.infeasible_reason is not None:
         return None
-    candidates = [best] if best is not None and warm_start else []
+    rounded: list[Candidate] = []  # the rounded relaxation's plans
     relaxed = None  # the LP relaxation's value, where it bounds the graph's plans
     share = 1.0 if beat is not None else LP_TIME_SHARE  # a rescue searches only past a strong relaxation
     if warm_start:
         try:
             relaxation = lp_round.solve_relaxation(
-                graph, budget_bytes, time_limit_s=max(share * (deadline - time.perf_counter()), 0.1))
+                graph, budget_bytes, time_limit_s=max(share * (deadline - time.perf_counter()), 0.1),
+                model=model if dominance else None)  # (the relaxation's own model has the dominance rows)
         except RelaxationTimeout as exc:  # (a rescue's few seconds often end it: no news there)
             (log.info if beat is not None else log.warning)("milp: %s; warm-starting from the known plans only", exc)
         else:
             if relaxation is not None:
-                candidates += lp_round.rounded_candidates(graph, relaxation.S)
+                rounded = lp_round.rounded_candidates(graph, relaxation.S)
                 relaxed = relaxation.lower_bound if relaxation.exact_units else None
+    candidates = ([best] if best is not None and warm_start else []) + rounded
     stats = SolverStats(backend=backend.value, n_variables=model.n_cols, n_constraints=model.n_rows)
     if best is not None and relaxed is not None and relative_gap(best.cost, relaxed) <= settings.mip_gap:
         # the relaxation alone proves the plan in hand (a chain's floor): no search to run
         return best.schedule, best.cost, relaxed, BackendStatus.OPTIMAL, stats
-    if beat is not None and (relaxed is None or relaxed <= beat * (1 + 1e-9)):
-        rounded = [c for c in candidates[1:] if c.peak_bytes <= budget_bytes]
-        cheaper = min(rounded, key=lambda c: (c.cost, c.peak_bytes), default=None)
-        if cheaper is None or best is None or cheaper.cost >= best.cost - 1e-9 * max(1.0, best.cost):
+    if best is not None and beat is not None and (relaxed is None or relaxed <= beat * (1 + 1e-9)):
+        cheaper = best_fitting(rounded, budget_bytes)
+        if cheaper is None or cheaper.cost >= best.cost - 1e-9 * max(1.0, best.cost):
             log.info("milp: the exact model's relaxation (%s) does not rise above the bound %.6g: no rescue search",
                      "timed out" if relaxed is None else f"{relaxed:.6g}", beat)
             return None
