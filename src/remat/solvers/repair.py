@@ -114,16 +114,15 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
     sizes, _kept, _temp, costs = graph.node_arrays
     nodes = np.asarray(plan.nodes, dtype=np.int64)
     stages = np.asarray(plan.stages, dtype=np.int64)
-    if int(order_memory(graph, nodes).max()) > budget_bytes:
+    mem = order_memory(graph, nodes).astype(np.int64)  # a pass works on the plan's exact memory
+    if int(mem.max()) > budget_bytes:
         return plan
     outputs = np.zeros(graph.n, dtype=bool)
     outputs[list(graph.outputs)] = True
     gone = np.iinfo(np.int64).min // 2
     dropped = 0
     while time.perf_counter() < deadline:
-        # a pass, on the exact memory of the plan as it stands
         m = nodes.size
-        mem = order_memory(graph, nodes).astype(np.int64)
         free = order_frees(graph, nodes)  # last read of the instance computed at each position
         by_node = np.lexsort((np.arange(m), nodes))
         prev = np.full(m, -1, dtype=np.int64)  # the same node's previous instance
@@ -173,6 +172,7 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
             break
         dropped += int((~keep).sum())
         nodes, stages = nodes[keep], stages[keep]
+        mem = order_memory(graph, nodes).astype(np.int64)
     if not dropped:
         return plan
     peak, cost = order_peak_and_cost(graph, nodes.tolist())
