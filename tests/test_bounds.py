@@ -171,3 +171,22 @@ def test_an_instant_set_no_plan_fits_proves_the_budget_infeasible() -> None:
     below = bounds.min_budget_bytes - 1
     program = bounds.program((bounds.graph.n - 3, bounds.graph.n - 2), below)
     assert not program.feasible and math.isinf(_solve_program(program, relax=True, time_limit_s=1.0, threads=1))
+
+
+def test_the_growth_tries_the_tightest_instants_even_far_from_the_best_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # At the smallest budget the best single instant is where the forward pass meets the
+    # backward; the instants that force a third computation come much later (MobileNet: the
+    # first layers' gradients) and have low LP values of their own, so neither the best single
+    # instants nor the neighbours find them: the growth must also try those where the least
+    # room is left (here, with the other pools cut to one instant each, only they help).
+    monkeypatch.setattr("remat.solvers.bounds.MULTI_TOP", 1)
+    monkeypatch.setattr("remat.solvers.bounds.NEIGHBOURS", 1)
+    monkeypatch.setattr("remat.solvers.bounds.MULTI_SPREAD", 1)
+    graph = random_training_graph(7, seed=2)
+    bounds = InstantBounds(graph)
+    budget = bounds.min_budget_bytes
+    alone = bounds.cost_bound(budget, multi=False)
+    bound = bounds.cost_bound(budget)
+    assert alone.value == 131 and bound.value == 145 and bound.instants == (8, 11, 12)
+    optimum = solve(graph, budget, method="milp")
+    assert optimum.status is SolveStatus.OPTIMAL and bound.value <= optimum.objective + 1e-6
