@@ -190,3 +190,19 @@ def test_the_growth_tries_the_tightest_instants_even_far_from_the_best_one(monke
     assert alone.value == 131 and bound.value == 145 and bound.instants == (8, 11, 12)
     optimum = solve(graph, budget, method="milp")
     assert optimum.status is SolveStatus.OPTIMAL and bound.value <= optimum.objective + 1e-6
+
+
+def test_a_mip_on_the_tightest_instants_proves_what_the_lp_growth_misses() -> None:
+    # The LP of instants 7, 8 and 9 together is no higher than instant 7's, so the growth by LP
+    # stops at one instant (72); the MIP of the set joined by the tightest instants after it
+    # proves 78, still below the optimum.
+    graph = random_training_graph(6, seed=14)
+    bounds = InstantBounds(graph)
+    budget = bounds.min_budget_bytes
+    lp = {ts: _solve_program(bounds.program(ts, budget), relax=True, time_limit_s=5.0, threads=1)
+          for ts in ((7,), (7, 8, 9))}
+    assert lp[(7, 8, 9)] <= lp[(7,)] + 1e-9
+    bound = bounds.cost_bound(budget)
+    assert bound.value == 78 and bound.instants == (7, 8, 9)
+    optimum = solve(graph, budget, method="milp")
+    assert optimum.status is SolveStatus.OPTIMAL and bound.value <= optimum.objective + 1e-6

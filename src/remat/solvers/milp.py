@@ -12,7 +12,8 @@ Every call returns the cheapest plan it found among:
   (``repair.prune``; greedy lowering and fixed recursions leave such work behind);
 * on graphs of at most ``exact_max_nodes`` nodes, Checkmate's exact MILP (``milp_model``),
   started from the best of the above (above ``EXACT_ALWAYS_NODES`` nodes, a rescue of at
-  most ``EXACT_RESCUE_MAX_S`` that branches only if its LP relaxation rises above the bound).
+  most ``EXACT_RESCUE_MAX_S`` that branches only if its LP relaxation rises above the bound,
+  on graphs of at most ``EXACT_RESCUE_MAX_NODES``).
 
 and reports the instant bound (``bounds``), a lower bound on the cost of *every* plan of the
 graph, as ``lower_bound`` (raised by the exact model's relaxation or search where it proves
@@ -86,6 +87,10 @@ EXACT_RESCUE_GAP = 0.01
 #: bound (U-Net b32 at 40%: 1.045x against 1.177x, 4.4 s) and a search used up the whole time
 #: limit for nothing.
 EXACT_RESCUE_MAX_S = 2.5
+#: ... and only on graphs of at most this many nodes: above, its relaxation alone takes longer
+#: than the rescue's seconds (U-Net b32, 147 nodes, at 40%: 4.4 s), and those seconds give the
+#: several-instant bound's MIP what it needs to be strong there (``bounds.MULTI_EXTRA``).
+EXACT_RESCUE_MAX_NODES = 128
 
 #: The least time handed to a solver after earlier steps used up the rest of the limit.
 MIN_SOLVER_TIME_S = 1.0
@@ -223,8 +228,8 @@ def milp(
     timed_out = time.perf_counter() >= deadline - 1e-3
     lower = bound.value
     stats = SolverStats(backend="highs", n_variables=prep.retention.n_cols)
-    if exact and graph.n > EXACT_ALWAYS_NODES and best is not None:
-        exact = best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP))
+    if exact and graph.n > EXACT_ALWAYS_NODES and best is not None:  # a rescue
+        exact = graph.n <= EXACT_RESCUE_MAX_NODES and best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP))
     if exact and (best is None or best.cost > target) and not timed_out:
         until, beat = deadline, None
         if graph.n > EXACT_ALWAYS_NODES and best is not None:  # a rescue: see EXACT_RESCUE_MAX_S
