@@ -192,7 +192,7 @@ def test_the_growth_tries_the_tightest_instants_even_far_from_the_best_one(monke
     assert optimum.status is SolveStatus.OPTIMAL and bound.value <= optimum.objective + 1e-6
 
 
-def test_a_mip_on_the_tightest_instants_proves_what_the_lp_growth_misses() -> None:
+def test_a_mip_on_the_tightest_instants_proves_what_the_lp_growth_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     # The LP of instants 7, 8 and 9 together is no higher than instant 7's, so the growth by LP
     # stops at one instant (72); the MIP of the set joined by the tightest instants after it
     # proves 78, still below the optimum.
@@ -204,5 +204,10 @@ def test_a_mip_on_the_tightest_instants_proves_what_the_lp_growth_misses() -> No
     assert lp[(7, 8, 9)] <= lp[(7,)] + 1e-9
     bound = bounds.cost_bound(budget)
     assert bound.value == 78 and bound.instants == (7, 8, 9)
+    # one tight instant at a time: the MIP of (7, 8) is solved with time to spare, so the set
+    # grows again, and the third instant proves more
+    monkeypatch.setattr("remat.solvers.bounds.MULTI_EXTRA", 1)
+    one_more = InstantBounds(graph).cost_bound(budget)
+    assert one_more.value == 78 and one_more.instants == (7, 8, 9)
     optimum = solve(graph, budget, method="milp")
     assert optimum.status is SolveStatus.OPTIMAL and bound.value <= optimum.objective + 1e-6
