@@ -60,10 +60,9 @@ free.) With these rows the greedy growth below finds instants that help: U-Net b
 ``cost_bound`` grows the set from the best single instant, adding the instant whose LP raises
 the value most, up to ``MAX_INSTANTS``, then solves the set as a MIP for a short time, and the
 set joined by the tightest instants after the best one (``MULTI_EXTRA``), whose LP is too weak
-for the growth to pick them but whose MIP often proves more. On the
-12-layer GPT-2 at the budget below which no plan fits (``min_budget_bytes``) the two instants
-named above give 1.58x against one instant's 1.35x; ResNet50 b32 there, three give 1.35x
-against 1.23x.
+for the growth to pick them but whose MIP often proves more. On the 12-layer GPT-2 at the
+budget below which no plan fits (``min_budget_bytes``) the two instants named above give 1.58x
+against one instant's 1.35x; ResNet50 b32 there, three give 1.35x against 1.23x.
 
 **The smallest budget.** At the instant t is first computed, no plan holds less than
 ``fixed_bytes``, the kept bytes so far, t with its scratch and inputs, the outputs so far and
@@ -267,6 +266,10 @@ class InstantBounds:
                 memory -= node.out_bytes
         return out
 
+    def _tightest(self, instants: np.ndarray) -> np.ndarray:
+        """``instants`` by the least room they leave: the most bytes every plan holds there first."""
+        return instants[np.argsort(-self.forced_bytes[instants], kind="stable")]
+
     def forced_mask(self, t: int) -> np.ndarray:
         """The values every plan holds at instant t (its inputs, the outputs, the values that
         cannot be recomputed but are read later) and those that cost nothing to hold."""
@@ -411,7 +414,7 @@ class InstantBounds:
         top = ranked.size if ranked.size <= SCREEN_ALL else SCREEN_TOP
         # the most crowded instants, and those whose own working set (what no plan can drop)
         # is largest: a large node with large inputs makes a sharp peak of the bound
-        heavy = over[np.argsort(-self.forced_bytes[over], kind="stable")][:SCREEN_TOP]
+        heavy = self._tightest(over)[:SCREEN_TOP]
         chosen = list(dict.fromkeys([*ranked[:top].tolist(), *heavy.tolist()]))
         rest = np.sort(np.setdiff1d(ranked, chosen))
         if rest.size:
@@ -456,19 +459,22 @@ class InstantBounds:
         """The bound of several instants together, grown from the best single one: add the
         instant whose LP raises the value most (among the best single instants, the close
         neighbours of those chosen, the tightest instants and a spread over the rest), up to
-        ``MAX_INSTANTS``; then a short MIP on the set. The tightest are there because an
-        instant that forces a value to be computed a third time is often one with little of
-        its own to recompute, far from the best single one: MobileNet b256 at its smallest
-        budget binds alone where the backward pass starts (1.186x) and, with the first layers'
-        gradients at the end of the step, reaches 1.288x (seven instants). Returns (recomputation bound, instants); ``best`` and
-        ``(best_t,)`` if nothing helps."""
+        ``MAX_INSTANTS``; then short MIPs on the set and on the set joined by the tightest
+        instants after the best one (``MULTI_EXTRA`` more each time one is solved with time to
+        spare). The tightest are there because an instant that forces a value to be computed a
+        third time is often one with little of its own to recompute, far from the best single
+        one: MobileNet b256 at its smallest budget binds alone where the backward pass starts
+        (1.186x) and, with the first layers' gradients at the end of the step, reaches 1.288x
+        (seven instants). Returns (recomputation bound, instants); ``best`` and ``(best_t,)``
+        if nothing helps."""
         n = self.graph.n
         searching = min(deadline, time.perf_counter() + MULTI_TIME_S - MULTI_MIP_TIME_S)
         chosen = (best_t,)
         lp = best  # the LP value of the chosen set (of one instant: the single bound)
         over = np.flatnonzero(excess > 0)
         spread = over[np.unique(np.linspace(0, over.size - 1, min(MULTI_SPREAD, over.size)).astype(int))].tolist()
-        tight = over[np.argsort(-self.forced_bytes[over], kind="stable")][:MULTI_TOP].tolist()
+        by_room = self._tightest(over).tolist()
+        tight = by_room[:MULTI_TOP]
         for _ in range(MAX_INSTANTS - 1):
             near = {c + d for c in chosen for d in range(-NEIGHBOURS, NEIGHBOURS + 1)}
             ranked = sorted((t for t in single if t not in chosen), key=single.get, reverse=True)[:MULTI_TOP]
@@ -489,20 +495,19 @@ class InstantBounds:
         # the MIPs: of the chosen set (half the time, the rest if it finishes), then of the set
         # joined by the tightest instants after the best single one, which the LP cannot rank
         until = min(deadline, time.perf_counter() + MULTI_MIP_TIME_S)
-        value, together = (lp, chosen) if len(chosen) > 1 else (best, chosen)
+        value, together = lp, chosen  # (lp is best while the set is one instant)
         if len(chosen) > 1 and until - time.perf_counter() > 0.05:
             value = max(value, _solve_program(self.program(chosen, budget_bytes), relax=False, threads=threads,
                                               time_limit_s=(until - time.perf_counter()) / 2))
-        later = [t for t in over[np.argsort(-self.forced_bytes[over], kind="stable")].tolist()
-                 if t > best_t and t not in chosen]
+        later = [t for t in by_room if t > best_t and t not in chosen]
         extra = MULTI_EXTRA
         while later and until - time.perf_counter() > 0.05:
             joined = tuple(sorted((*chosen, *later[:extra])))
-            left = until - time.perf_counter()
+            started, left = time.perf_counter(), until - time.perf_counter()
             v = _solve_program(self.program(joined, budget_bytes), relax=False, threads=threads, time_limit_s=left)
             if v > value:
                 value, together = v, joined
-            if extra >= len(later) or time.perf_counter() - (until - left) > 0.9 * left:
+            if extra >= len(later) or time.perf_counter() - started > 0.9 * left:
                 break  # every tight instant is in, or the MIP used its time (it was not solved)
             extra += MULTI_EXTRA  # solved with time to spare: a larger set may prove more
         return value, together
