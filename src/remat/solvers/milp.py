@@ -8,6 +8,8 @@ Every call returns the cheapest plan it found among:
 * when the best of these is more than ``EXACT_RESCUE_GAP`` above the bound, the cheapest
   known plans over the budget, then (while time is left) more of the plans the baselines
   considered, with their peaks lowered to it (``repair.lower_peak``);
+* where the retention model has no plan, its plan of the graph restarted at the bound's
+  instant (``restart``): values computed up to three times;
 * the best of these without the recomputations it does not need under the budget
   (``repair.prune``; greedy lowering and fixed recursions leave such work behind);
 * on graphs of at most ``exact_max_nodes`` nodes, Checkmate's exact MILP (``milp_model``),
@@ -63,6 +65,7 @@ from remat.solvers.milp_start import (
 )
 from remat.solvers.prepared import prepared
 from remat.solvers.repair import lower_peak, prune
+from remat.solvers.restart import restart_plan
 from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
 
 log = logging.getLogger("remat.solve")
@@ -115,6 +118,10 @@ REPAIR_TIME_SHARE = 0.1
 #: considered, of peaks at most ``MORE_STARTS_PEAK`` times the budget.
 MORE_STARTS = 32
 MORE_STARTS_PEAK = 2.0
+
+#: Where the retention model has no plan, the restarted graph's (``restart``) gets at most this
+#: long (12-layer GPT-2 at its smallest budget: 1 s).
+RESTART_MAX_S = 5.0
 
 #: A plan left above the bound loses the recomputations it does not need (``repair.prune``)
 #: for at most ``PRUNE_MAX_S`` (and ``PRUNE_TIME_SHARE`` of the time limit).
@@ -208,6 +215,13 @@ def milp(
         repaired = _repair(graph, budget_bytes, min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s, left))
         if repaired is not None and (best is None or repaired.cost < best.cost - 1e-9 * max(1.0, best.cost)):
             best = repaired
+        if solved is None and bound.instant is not None:
+            # the retention model has no plan: values may need a third computation, which it
+            # gets in the graph restarted where the bound binds
+            restarted = _restarted(graph, budget_bytes, bound.instant,
+                                   min(RESTART_MAX_S, deadline - time.perf_counter()), threads)
+            if restarted is not None and (best is None or restarted.cost < best.cost - 1e-9 * max(1.0, best.cost)):
+                best = restarted
     if best is not None and best.cost > target:
         # drop what the plan recomputes without needing to (greedy descents and fixed
         # recursions leave such work behind; the retention model's memory is conservative)
@@ -216,9 +230,9 @@ def milp(
             pruned = _pruned(graph, best, budget_bytes, min(PRUNE_MAX_S, PRUNE_TIME_SHARE * time_limit_s, left))
             if pruned is not None:
                 best = pruned
-    if best is not None and best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP)):
-        # a gap is left: several instants together may explain it (they cost a few seconds,
-        # so only here)
+    if best is None or best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP)):
+        # a gap is left (or only the least-peak plan fits, below): several instants together
+        # may explain it (they cost a few seconds, so only here)
         left = deadline - time.perf_counter()
         if left > 0:
             together = prep.bounds.cost_bound(budget_bytes, threads=threads,
@@ -327,6 +341,17 @@ def _repair(graph: Graph, budget_bytes: int, time_limit_s: float) -> Candidate |
                                    functools.partial(plan.schedule, graph)))
     fitting = [c for c in found if c.peak_bytes <= budget_bytes]
     return min(fitting, key=lambda c: (c.cost, c.peak_bytes), default=None)
+
+
+def _restarted(graph: Graph, budget_bytes: int, instant: int, time_limit_s: float, threads: int) -> Candidate | None:
+    """The restarted graph's plan (``restart.restart_plan``) as a candidate, if it fits."""
+    if time_limit_s <= 0:
+        return None
+    plan = restart_plan(graph, instant, budget_bytes, time_limit_s=time_limit_s, threads=threads,
+                        bounds=prepared(graph).bounds)
+    if plan is None or plan.peak_bytes > budget_bytes:
+        return None
+    return Candidate(plan.label, plan.peak_bytes, plan.cost, functools.partial(plan.schedule, graph))
 
 
 def _more_starts(graph: Graph, budget_bytes: int) -> list[tuple[str, BaselinePlan]]:
@@ -531,6 +556,14 @@ def minimum_budget(
         lowered = _lowered(graph, starts, lower, min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s))
         best = min([best, *lowered], key=lambda c: (c.peak_bytes, c.cost))
         proven = best.peak_bytes <= lower
+    if not proven:  # the lowest of them lowered again by moves of any size (see repair.MAX_MOVE_NODES)
+        stages, nodes = stage_order(best.schedule.R)
+        deeper = lower_peak(graph, measure_order(graph, stages, nodes, best.name), budget_bytes=lower,
+                            time_limit_s=min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s), max_move_nodes=graph.n)
+        if deeper.peak_bytes < best.peak_bytes:
+            best = Candidate(f"{best.name}, lowered further", deeper.peak_bytes, deeper.cost,
+                             functools.partial(deeper.schedule, graph))
+            proven = best.peak_bytes <= lower
     if not proven:
         result = solve_retention(prep.retention, best.peak_bytes, time_limit_s=0.5 * time_limit_s, threads=threads,
                                  minimize_peak=True, rows=tuple(prep.retention_rows))

@@ -42,7 +42,11 @@ from remat.solvers.baselines import BaselinePlan, chen_plan, considers, pick_che
 #: Values considered per move: those held across the peak, largest first; they are measured
 #: in order of their least possible compute per byte saved, until none can beat the best.
 CANDIDATES_PER_MOVE = 128
-#: A move recomputes at most this many values (the value and the inputs it needs again).
+#: A move recomputes at most this many values (the value and the inputs it needs again); the
+#: smallest-budget search allows any number (``lower_peak(..., max_move_nodes=...)``): at the
+#: floor of a deep GPT-2 the last value held at the loss gradient is a hidden state whose
+#: recomputation runs the forward pass again from the input (12 layers: 249.2 MB -> 247.1 MB,
+#: the floor no plan can go below).
 MAX_MOVE_NODES = 256
 #: The most time one call spends extending a graph's descent (method ``descent``).
 DESCENT_TIME_S = 10.0
@@ -75,12 +79,13 @@ def _from_checkpoint_all(graph: Graph) -> Descent:
 
 
 def lower_peak(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: float = 10.0,
-               max_moves: int = 10_000) -> BaselinePlan:
+               max_moves: int = 10_000, max_move_nodes: int = MAX_MOVE_NODES) -> BaselinePlan:
     """``plan`` with its peak brought down towards ``budget_bytes`` by recomputing held values
-    (see the module). Returns the last plan reached: within the budget if the search got
-    there, else the lowest peak it found (``plan`` itself if no move helped)."""
+    (see the module), each move recomputing at most ``max_move_nodes`` values. Returns the
+    last plan reached: within the budget if the search got there, else the lowest peak it
+    found (``plan`` itself if no move helped)."""
     path = Descent(graph, plan)
-    path.extend(budget_bytes, time_limit_s=time_limit_s, max_moves=max_moves)
+    path.extend(budget_bytes, time_limit_s=time_limit_s, max_moves=max_moves, max_move_nodes=max_move_nodes)
     return path.plan(len(path.moves))
 
 
@@ -228,11 +233,13 @@ class Descent:
                             stages[by_stage].astype(np.int32), nodes[by_stage].astype(np.int32),
                             self.peaks[k], self.costs[k])
 
-    def extend(self, budget_bytes: int, *, time_limit_s: float, max_moves: int = 10**9) -> None:
-        """Go on moving until the last plan fits ``budget_bytes``, no move helps (``stuck``),
-        ``max_moves`` more were made or the time is up."""
+    def extend(self, budget_bytes: int, *, time_limit_s: float, max_moves: int = 10**9,
+               max_move_nodes: int = MAX_MOVE_NODES) -> None:
+        """Go on moving until the last plan fits ``budget_bytes``, no move helps (``stuck``,
+        among moves of at most ``max_move_nodes`` values), ``max_moves`` more were made or the
+        time is up."""
         deadline = time.perf_counter() + time_limit_s
-        search = _Search(self.graph)
+        search = _Search(self.graph, max_move_nodes)
         stages, nodes = self._last
         mem = order_memory(self.graph, nodes)
         costs = self.graph.node_arrays[3]
@@ -252,8 +259,9 @@ class Descent:
 
 
 class _Search:
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, max_move_nodes: int = MAX_MOVE_NODES) -> None:
         self.graph = graph
+        self.max_move_nodes = max_move_nodes
         self.sizes, kept, _temp, self.costs = graph.node_arrays
         self.indptr, self.indices = graph.deps_csr
         # a node that allocates step outputs for good runs once
@@ -353,7 +361,7 @@ class _Search:
             if w in in_stage:
                 return None
             added.append(w)
-            if len(added) > MAX_MOVE_NODES:
+            if len(added) > self.max_move_nodes:
                 return None
             for u in self.deps(w).tolist():
                 if u in seen:
