@@ -29,7 +29,6 @@ asking for it returns a plan.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -39,12 +38,12 @@ import numpy as np
 
 from remat.errors import InfeasibleBudgetError, RematError, SolverError
 from remat.graph import Graph
-from remat.schedule import Schedule, stage_order
+from remat.schedule import Schedule
 from remat.simulate import simulate
 from remat.solvers import lp_round
 from remat.solvers.base import SolveResult, SolverStats, SolveStatus, finish, register, relative_gap
 from remat.solvers.base import methods as registered_methods
-from remat.solvers.baselines import BaselinePlan, measure_order, plans_of
+from remat.solvers.baselines import BaselinePlan, plans_of
 from remat.solvers.bounds import CostBound
 from remat.solvers.milp_backends import (
     BackendResult,
@@ -206,21 +205,21 @@ def milp(
                        SolverStats(backend=backend.value, nodes_explored=0), "a known plan meets the bound: no search needed")
     # the retention model on the whole graph
     solved = _retention(graph, budget_bytes, bound, target, deadline, mip_gap, threads)
-    if solved is not None and (best is None or solved.cost < best.cost - 1e-9 * max(1.0, best.cost)):
+    if solved is not None and _cheaper(solved.cost, best):
         best = solved
     if best is None or best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP)):
         # within the time limit, but with a second at least when nothing fits yet; the exact
         # model, if it runs, starts from the plan
         left = max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S if best is None else 0.0)
         repaired = _repair(graph, budget_bytes, min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s, left))
-        if repaired is not None and (best is None or repaired.cost < best.cost - 1e-9 * max(1.0, best.cost)):
+        if repaired is not None and _cheaper(repaired.cost, best):
             best = repaired
         if solved is None and bound.instant is not None:
             # the retention model has no plan: values may need a third computation, which it
             # gets in the graph restarted where the bound binds
             restarted = _restarted(graph, budget_bytes, bound.instant,
                                    min(RESTART_MAX_S, deadline - time.perf_counter()), threads)
-            if restarted is not None and (best is None or restarted.cost < best.cost - 1e-9 * max(1.0, best.cost)):
+            if restarted is not None and _cheaper(restarted.cost, best):
                 best = restarted
     if best is not None and best.cost > target:
         # drop what the plan recomputes without needing to (greedy descents and fixed
@@ -251,7 +250,7 @@ def milp(
         result = _exact(graph, budget_bytes, settings, backend, dominance, warm_start, best, until, beat)
         if result is not None:
             schedule, claimed, model_bound, status, stats = result
-            if best is None or claimed < best.cost - 1e-9 * max(1.0, best.cost):
+            if _cheaper(claimed, best):
                 sim = simulate(graph, schedule.lower(graph))
                 best = Candidate.known("milp", schedule, sim.peak_bytes, sim.total_cost)
             if model_bound is not None:
@@ -337,10 +336,14 @@ def _repair(graph: Graph, budget_bytes: int, time_limit_s: float) -> Candidate |
         tried.add(key)
         plan = _lowered_and_pruned(graph, start, budget_bytes, deadline)
         if plan.peak_bytes <= budget_bytes:
-            found.append(Candidate(f"{method} ({start.label}) with its peak lowered", plan.peak_bytes, plan.cost,
-                                   functools.partial(plan.schedule, graph)))
+            found.append(Candidate.of_plan(f"{method} ({start.label}) with its peak lowered", graph, plan))
     fitting = [c for c in found if c.peak_bytes <= budget_bytes]
     return min(fitting, key=lambda c: (c.cost, c.peak_bytes), default=None)
+
+
+def _cheaper(cost: float, best: Candidate | None) -> bool:
+    """Whether a plan of ``cost`` beats ``best`` (None: nothing yet) by more than rounding."""
+    return best is None or cost < best.cost - 1e-9 * max(1.0, best.cost)
 
 
 def _restarted(graph: Graph, budget_bytes: int, instant: int, time_limit_s: float, threads: int) -> Candidate | None:
@@ -351,7 +354,7 @@ def _restarted(graph: Graph, budget_bytes: int, instant: int, time_limit_s: floa
                         bounds=prepared(graph).bounds)
     if plan is None or plan.peak_bytes > budget_bytes:
         return None
-    return Candidate(plan.label, plan.peak_bytes, plan.cost, functools.partial(plan.schedule, graph))
+    return Candidate.of_plan(plan.label, graph, plan)
 
 
 def _more_starts(graph: Graph, budget_bytes: int) -> list[tuple[str, BaselinePlan]]:
@@ -387,12 +390,9 @@ def _lowered(graph: Graph, starts: list[Candidate], budget_bytes: int, time_limi
     for k, known in enumerate(starts):
         if time.perf_counter() >= deadline:
             break
-        stages, nodes = stage_order(known.schedule.R)
-        start = measure_order(graph, stages, nodes, known.name)
-        plan = _lowered_and_pruned(graph, start, budget_bytes, deadline, share=len(starts) - k)
+        plan = _lowered_and_pruned(graph, known.as_plan(graph), budget_bytes, deadline, share=len(starts) - k)
         if plan.peak_bytes < known.peak_bytes:
-            found.append(Candidate(f"{known.name} with its peak lowered", plan.peak_bytes, plan.cost,
-                                   functools.partial(plan.schedule, graph)))
+            found.append(Candidate.of_plan(f"{known.name} with its peak lowered", graph, plan))
     return found
 
 
@@ -412,12 +412,10 @@ def _lowered_and_pruned(graph: Graph, start: BaselinePlan, budget_bytes: int, de
 def _pruned(graph: Graph, known: Candidate, budget_bytes: int, time_limit_s: float) -> Candidate | None:
     """``known`` without the recomputations it does not need under the budget (``repair.prune``),
     or None when it has none to drop."""
-    stages, nodes = stage_order(known.schedule.R)
-    plan = prune(graph, measure_order(graph, stages, nodes, known.name), budget_bytes=budget_bytes,
-                 time_limit_s=time_limit_s)
-    if plan.cost >= known.cost - 1e-9 * max(1.0, known.cost):
+    plan = prune(graph, known.as_plan(graph), budget_bytes=budget_bytes, time_limit_s=time_limit_s)
+    if not _cheaper(plan.cost, known):
         return None
-    return Candidate(f"{known.name}, pruned", plan.peak_bytes, plan.cost, functools.partial(plan.schedule, graph))
+    return Candidate.of_plan(f"{known.name}, pruned", graph, plan)
 
 
 def _finish(graph: Graph, budget_bytes: int, best: Candidate, claimed: float | None, lower: float,
@@ -465,7 +463,7 @@ def _exact(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: M
         return best.schedule, best.cost, relaxed, BackendStatus.OPTIMAL, stats
     if best is not None and beat is not None and (relaxed is None or relaxed <= beat * (1 + 1e-9)):
         cheaper = best_fitting(rounded, budget_bytes)
-        if cheaper is None or cheaper.cost >= best.cost - 1e-9 * max(1.0, best.cost):
+        if cheaper is None or not _cheaper(cheaper.cost, best):
             log.info("milp: the exact model's relaxation (%s) does not rise above the bound %.6g: no rescue search",
                      "timed out" if relaxed is None else f"{relaxed:.6g}", beat)
             return None
@@ -557,12 +555,10 @@ def minimum_budget(
         best = min([best, *lowered], key=lambda c: (c.peak_bytes, c.cost))
         proven = best.peak_bytes <= lower
     if not proven:  # the lowest of them lowered again by moves of any size (see repair.MAX_MOVE_NODES)
-        stages, nodes = stage_order(best.schedule.R)
-        deeper = lower_peak(graph, measure_order(graph, stages, nodes, best.name), budget_bytes=lower,
+        deeper = lower_peak(graph, best.as_plan(graph), budget_bytes=lower,
                             time_limit_s=min(REPAIR_MAX_S, REPAIR_TIME_SHARE * time_limit_s), max_move_nodes=graph.n)
         if deeper.peak_bytes < best.peak_bytes:
-            best = Candidate(f"{best.name}, lowered further", deeper.peak_bytes, deeper.cost,
-                             functools.partial(deeper.schedule, graph))
+            best = Candidate.of_plan(f"{best.name}, lowered further", graph, deeper)
             proven = best.peak_bytes <= lower
     if not proven:
         result = solve_retention(prep.retention, best.peak_bytes, time_limit_s=0.5 * time_limit_s, threads=threads,

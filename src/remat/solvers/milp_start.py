@@ -18,9 +18,9 @@ import numpy as np
 
 from remat.errors import RematError, UnsupportedGraphError
 from remat.graph import Graph
-from remat.schedule import Schedule
+from remat.schedule import Schedule, stage_order
 from remat.solvers.base import methods as registered_methods
-from remat.solvers.baselines import plans_of
+from remat.solvers.baselines import BaselinePlan, measure_order, plans_of
 
 log = logging.getLogger("remat.solve")
 
@@ -53,6 +53,16 @@ class Candidate:
     def known(cls, name: str, schedule: Schedule, peak_bytes: int, cost: float) -> Candidate:
         """A candidate whose schedule exists already."""
         return cls(name, peak_bytes, cost, lambda: schedule)
+
+    @classmethod
+    def of_plan(cls, name: str, graph: Graph, plan: BaselinePlan) -> Candidate:
+        """A measured plan as a candidate (its schedule built when asked for)."""
+        return cls(name, plan.peak_bytes, plan.cost, functools.partial(plan.schedule, graph))
+
+    def as_plan(self, graph: Graph) -> BaselinePlan:
+        """The candidate as a measured compute order (what lowering and pruning work on)."""
+        stages, nodes = stage_order(self.schedule.R)
+        return measure_order(graph, stages, nodes, self.name)
 
 
 def best_fitting(candidates: Iterable[Candidate], budget_bytes: int) -> Candidate | None:
@@ -119,5 +129,5 @@ def baseline_candidates(graph: Graph, budget_bytes: int, *, lowest_peak: bool = 
                        key=lambda p: (p.cost, p.peak_bytes))
         else:
             continue
-        out.append(Candidate(method, best.peak_bytes, best.cost, functools.partial(best.schedule, graph)))
+        out.append(Candidate.of_plan(method, graph, best))
     return out

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.graph import Graph, Node, NodeKind
-from remat.solvers.baselines import BaselinePlan, measure_order
+from remat.solvers.baselines import BaselinePlan, measure_by_stage
 from remat.solvers.bounds import InstantBounds
 from remat.solvers.retention import RetentionStructure, solve_retention
 
@@ -74,10 +74,9 @@ def restart_graph(graph: Graph, instant: int, bounds: InstantBounds | None = Non
     bounds = bounds if bounds is not None else InstantBounds(graph)
     live = bounds.forced_mask(instant)  # t's inputs, outputs, values that cannot be recomputed
     live[instant] = True
-    recomputable = bounds.recomputable & ~bounds.is_output
 
-    def copied(v: int) -> bool:
-        return bool(recomputable[v] and not live[v] and graph.nodes[v].out_bytes > 0)
+    def copied(v: int) -> bool:  # (outputs are live: kept from their computation on)
+        return bool(bounds.recomputable[v] and not live[v] and graph.nodes[v].out_bytes > 0)
 
     todo = [v for v in range(instant) if bounds.last_user[v] > instant and copied(v)]
     chosen: set[int] = set()
@@ -135,9 +134,7 @@ def restart_plan(graph: Graph, instant: int, budget_bytes: int, *, time_limit_s:
     nodes = np.array([r.origin[v] for _, v in order], dtype=np.int64)
     if np.unique(stages * graph.n + nodes).size < nodes.size:
         return None  # a value computed twice in one stage: not a schedule (never seen)
-    by_stage = np.lexsort((nodes, stages))  # as the plan runs: each stage in id order
-    stages, nodes = stages[by_stage], nodes[by_stage]
-    plan = measure_order(graph, stages, nodes, f"restart at {graph.nodes[instant].name}")
+    plan = measure_by_stage(graph, stages, nodes, f"restart at {graph.nodes[instant].name}")
     log.info("restart: %s at %s under %d B: %.4fx, peak %d B (%d copies, %.2f s)", graph.name,
              graph.describe(instant), budget_bytes, plan.cost / graph.total_cost if graph.total_cost else 1.0,
              plan.peak_bytes, r.copies, time.perf_counter() - started)
