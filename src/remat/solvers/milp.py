@@ -119,7 +119,7 @@ MORE_STARTS = 32
 MORE_STARTS_PEAK = 2.0
 
 #: Where the retention model has no plan, the restarted graph's (``restart``) gets at most this
-#: long (12-layer GPT-2 at its smallest budget: 1 s).
+#: long (12-layer GPT-2 at its smallest budget: 0.2 s).
 RESTART_MAX_S = 5.0
 
 #: A plan left above the bound loses the recomputations it does not need (``repair.prune``)

@@ -24,7 +24,7 @@ simulator measures it like any other.
 The plan space is narrower where something could stay across ``t``: every copy is computed
 right after ``t``, so nothing but what must is kept there. It is offered where the retention
 model has no plan at all, near the smallest budgets (12-layer GPT-2 at its smallest budget,
-247.1 MB: 1.64x against 1.79x for the best lowered plan).
+247.1 MB: 1.61x against 1.79x for the best lowered plan).
 """
 
 from __future__ import annotations
