@@ -16,7 +16,7 @@ from remat.solvers.baselines import measure_order
 from remat.solvers.bounds import InstantBounds
 from remat.solvers.prepared import clear, prepared
 from remat.solvers.repair import lower_peak
-from remat.solvers.restart import COPY_SUFFIX, restart_graph, restart_plan
+from remat.solvers.restart import COPY_SUFFIX, restart_graph, restart_instants, restart_plan
 
 
 def head_heavy(layers: int) -> Graph:
@@ -79,6 +79,36 @@ def test_restart_plans_are_plans_of_the_graph_measured_as_the_simulator_measures
     assert plan.cost >= g.total_cost
 
 
+@settings(max_examples=40, deadline=None)
+@given(n_forward=st.integers(3, 12), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0),
+       most=st.integers(1, 5))
+def test_restart_instants_wait_for_the_first_reader_of_a_copy(n_forward: int, seed: int, where: float,
+                                                              most: int) -> None:
+    g = random_training_graph(n_forward, seed)
+    bounds = InstantBounds(g)
+    instant = min(int(where * (g.n - 1)), g.n - 2)
+    instants = restart_instants(g, instant, bounds, most=most)
+    assert instants[-1] == instant and len(instants) <= most
+    assert instants == sorted(set(instants), reverse=True)  # the latest first, each once
+    r = restart_graph(g, instant, bounds)
+    copied = set(int(v) for v in r.origin[instant + 1:instant + 1 + r.copies])
+    latest = instants[0]
+    # no node up to the latest instant reads a copied value: the copies could wait for it
+    assert all(not copied.intersection(g.nodes[i].deps) for i in range(instant + 1, latest + 1))
+    if len(instants) < most and latest + 1 < g.n and copied:
+        assert copied.intersection(g.nodes[latest + 1].deps)  # ... and no longer
+
+
+def test_restart_instants_check_their_count_and_instant() -> None:
+    g = chain_graph(3, bytes_per_node=1)
+    with pytest.raises(ValueError, match="most=0 must be at least 1"):
+        restart_instants(g, 3, most=0)
+    with pytest.raises(ValueError, match=r"instant 9 is not a node of graph 'chain3' \(0\.\.6\)"):
+        restart_instants(g, 9)
+    with pytest.raises(ValueError, match="instant -1 is not a node"):
+        restart_graph(g, -1)
+
+
 def test_milp_asks_the_restarted_graph_where_the_retention_model_has_no_plan(monkeypatch) -> None:
     clear()
     g = head_heavy(8)
@@ -93,10 +123,12 @@ def test_milp_asks_the_restarted_graph_where_the_retention_model_has_no_plan(mon
     monkeypatch.setattr(milp_module, "restart_plan", spy)
     result = milp_module.milp(g, floor, exact_max_nodes=0, time_limit_s=10)
     assert asked, "the retention model has no plan at the floor: the restarted graph must be asked"
-    instant, plan = asked[0]
-    assert instant == prepared(g).bounds.cost_bound(floor, multi=False).instant
-    assert plan is not None and plan.peak_bytes <= floor
-    assert result.peak_bytes <= floor and result.objective <= plan.cost + 1e-9
+    instant = prepared(g).bounds.cost_bound(floor, multi=False).instant
+    assert [at for at, _ in asked] == restart_instants(g, instant, most=milp_module.RESTART_INSTANTS)
+    assert asked[-1][0] == instant  # the bound's instant, after those the copies can wait for
+    plans = [plan for _, plan in asked if plan is not None]
+    assert plans and all(plan.peak_bytes <= floor for plan in plans)
+    assert result.peak_bytes <= floor and result.objective <= min(plan.cost for plan in plans) + 1e-9
     exact = milp_module.milp(g, floor, time_limit_s=30)
     assert result.objective >= exact.objective - 1e-9  # never below the optimum
 

@@ -8,8 +8,8 @@ Every call returns the cheapest plan it found among:
 * when the best of these is more than ``EXACT_RESCUE_GAP`` above the bound, the cheapest
   known plans over the budget, then (while time is left) more of the plans the baselines
   considered, with their peaks lowered to it (``repair.lower_peak``);
-* where the retention model has no plan, its plan of the graph restarted at the bound's
-  instant (``restart``): values computed up to three times;
+* where the retention model has no plan, its plans of the graph restarted at or just after
+  the bound's instant (``restart``): values computed up to three times;
 * the best of these without the recomputations it does not need under the budget
   (``repair.prune``; greedy lowering and fixed recursions leave such work behind);
 * on graphs of at most ``exact_max_nodes`` nodes, Checkmate's exact MILP (``milp_model``),
@@ -64,7 +64,7 @@ from remat.solvers.milp_start import (
 )
 from remat.solvers.prepared import prepared
 from remat.solvers.repair import lower_peak, prune
-from remat.solvers.restart import restart_plan
+from remat.solvers.restart import restart_instants, restart_plan
 from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
 
 log = logging.getLogger("remat.solve")
@@ -118,9 +118,11 @@ REPAIR_TIME_SHARE = 0.1
 MORE_STARTS = 32
 MORE_STARTS_PEAK = 2.0
 
-#: Where the retention model has no plan, the restarted graph's (``restart``) gets at most this
-#: long (12-layer GPT-2 at its smallest budget: 0.2 s).
-RESTART_MAX_S = 5.0
+#: Where the retention model has no plan, the graphs restarted at up to ``RESTART_INSTANTS``
+#: instants (``restart.restart_instants``) get at most ``RESTART_MAX_S`` in all (12-layer
+#: GPT-2 at its smallest budget: 4.4 s for three instants).
+RESTART_INSTANTS = 4
+RESTART_MAX_S = 10.0
 
 #: A plan left above the bound loses the recomputations it does not need (``repair.prune``)
 #: for at most ``PRUNE_MAX_S`` (and ``PRUNE_TIME_SHARE`` of the time limit).
@@ -347,14 +349,22 @@ def _cheaper(cost: float, best: Candidate | None) -> bool:
 
 
 def _restarted(graph: Graph, budget_bytes: int, instant: int, time_limit_s: float, threads: int) -> Candidate | None:
-    """The restarted graph's plan (``restart.restart_plan``) as a candidate, if it fits."""
-    if time_limit_s <= 0:
-        return None
-    plan = restart_plan(graph, instant, budget_bytes, time_limit_s=time_limit_s, threads=threads,
-                        bounds=prepared(graph).bounds)
-    if plan is None or plan.peak_bytes > budget_bytes:
-        return None
-    return Candidate.of_plan(plan.label, graph, plan)
+    """The cheapest plan of the graphs restarted for the bound's ``instant``
+    (``restart.restart_instants``, at most ``RESTART_INSTANTS``; ``restart.restart_plan``)
+    that fits, as a candidate, or None; the time is split evenly over the instants not yet
+    tried."""
+    deadline = time.perf_counter() + time_limit_s
+    bounds = prepared(graph).bounds
+    instants = restart_instants(graph, instant, bounds, most=RESTART_INSTANTS)
+    best = None
+    for k, at in enumerate(instants):
+        left = (deadline - time.perf_counter()) / (len(instants) - k)
+        if left <= 0:
+            break
+        plan = restart_plan(graph, at, budget_bytes, time_limit_s=left, threads=threads, bounds=bounds)
+        if plan is not None and plan.peak_bytes <= budget_bytes and _cheaper(plan.cost, best):
+            best = Candidate.of_plan(plan.label, graph, plan)
+    return best
 
 
 def _more_starts(graph: Graph, budget_bytes: int) -> list[tuple[str, BaselinePlan]]:
