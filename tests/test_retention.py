@@ -280,6 +280,32 @@ def test_the_lp_guided_search_fits_and_never_beats_the_model_optimum(n_forward: 
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(4, 16), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0),
+       least=st.booleans())
+def test_the_relaxation_grown_row_by_row_is_the_one_solved_whole(n_forward: int, seed: int, where: float,
+                                                                  least: bool) -> None:
+    import time
+
+    from remat.solvers.retention import _solve, relax_retention
+
+    _, structure, budget = _random_case(n_forward, seed, where)
+    rows: list[int] = []
+    grown = relax_retention(structure, budget, rows, deadline=time.perf_counter() + 30, minimize_peak=least)
+    whole = _solve(structure, budget, rows, relax=True, threads=1, time_limit_s=30, minimize_peak=least)
+    assert grown.infeasible == whole.infeasible
+    if grown.x is None:
+        return
+    assert len(set(rows)) == len(rows)
+    assert structure.violation(grown.x) <= 1e-6  # the structural rows hold
+    if least:  # no stage's memory over the least peak of the LP solved whole with the same rows
+        assert grown.x.size == structure.n_cols
+        assert np.all(structure.memory(grown.x) <= whole.peak * (1 + 2e-6) + 1)
+    else:
+        assert np.all(structure.memory(grown.x) <= budget * (1 + 1e-6) + 1)  # it fills no stage over the budget
+        assert grown.value == pytest.approx(float(structure.costs @ whole.x), rel=1e-6, abs=1e-6)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_forward=st.integers(4, 16), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0))
 def test_a_plan_over_the_models_count_is_taken_only_when_accepted(n_forward: int, seed: int, where: float) -> None:
     _, structure, budget = _random_case(n_forward, seed, where)

@@ -119,10 +119,12 @@ MORE_STARTS = 32
 MORE_STARTS_PEAK = 2.0
 
 #: Where the retention model has no plan, the graphs restarted at up to ``RESTART_INSTANTS``
-#: instants (``restart.restart_instants``) get at most ``RESTART_MAX_S`` in all (12-layer
-#: GPT-2 at its smallest budget: 4.4 s for three instants).
+#: instants (``restart.restart_instants``) get at most ``RESTART_MAX_S`` in all, and
+#: ``RESTART_TIME_SHARE`` of the time limit (12-layer GPT-2 at its smallest budget: 4.4 s for
+#: three instants; the 24-layer one needs 6-10 s for its first plan).
 RESTART_INSTANTS = 4
-RESTART_MAX_S = 10.0
+RESTART_MAX_S = 25.0
+RESTART_TIME_SHARE = 0.4
 
 #: A plan left above the bound loses the recomputations it does not need (``repair.prune``)
 #: for at most ``PRUNE_MAX_S`` (and ``PRUNE_TIME_SHARE`` of the time limit).
@@ -219,8 +221,8 @@ def milp(
         if solved is None and bound.instant is not None:
             # the retention model has no plan: values may need a third computation, which it
             # gets in the graph restarted where the bound binds
-            restarted = _restarted(graph, budget_bytes, bound.instant,
-                                   min(RESTART_MAX_S, deadline - time.perf_counter()), threads)
+            restarted = _restarted(graph, budget_bytes, bound.instant, target, min(
+                RESTART_MAX_S, RESTART_TIME_SHARE * time_limit_s, deadline - time.perf_counter()), threads)
             if restarted is not None and _cheaper(restarted.cost, best):
                 best = restarted
     if best is not None and best.cost > target:
@@ -348,7 +350,8 @@ def _cheaper(cost: float, best: Candidate | None) -> bool:
     return best is None or cost < best.cost - 1e-9 * max(1.0, best.cost)
 
 
-def _restarted(graph: Graph, budget_bytes: int, instant: int, time_limit_s: float, threads: int) -> Candidate | None:
+def _restarted(graph: Graph, budget_bytes: int, instant: int, target: float, time_limit_s: float,
+               threads: int) -> Candidate | None:
     """The cheapest plan of the graphs restarted for the bound's ``instant``
     (``restart.restart_instants``, at most ``RESTART_INSTANTS``; ``restart.restart_plan``)
     that fits, as a candidate, or None; the time is split evenly over the instants not yet
@@ -361,9 +364,12 @@ def _restarted(graph: Graph, budget_bytes: int, instant: int, time_limit_s: floa
         left = (deadline - time.perf_counter()) / (len(instants) - k)
         if left <= 0:
             break
-        plan = restart_plan(graph, at, budget_bytes, time_limit_s=left, threads=threads, bounds=bounds)
+        plan = restart_plan(graph, at, budget_bytes, time_limit_s=left, threads=threads, bounds=bounds,
+                            stop_at=target)
         if plan is not None and plan.peak_bytes <= budget_bytes and _cheaper(plan.cost, best):
             best = Candidate.of_plan(plan.label, graph, plan)
+            if best.cost <= target:
+                break
     return best
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from remat.graph import Graph, Node, NodeKind
 from remat.solvers.baselines import BaselinePlan, measure_by_stage
 from remat.solvers.bounds import InstantBounds
-from remat.solvers.retention import RetentionStructure, solve_retention
+from remat.solvers.retention import RetentionSolution, RetentionStructure, solve_retention
 
 log = logging.getLogger("remat.solve")
 
@@ -143,10 +143,12 @@ def restart_instants(graph: Graph, instant: int, bounds: InstantBounds | None = 
 
 
 def restart_plan(graph: Graph, instant: int, budget_bytes: int, *, time_limit_s: float, threads: int = 2,
-                 mip_gap: float = 1e-3, bounds: InstantBounds | None = None) -> BaselinePlan | None:
+                 mip_gap: float = 1e-3, bounds: InstantBounds | None = None,
+                 stop_at: float | None = None) -> BaselinePlan | None:
     """The retention model's plan of the restarted graph at ``instant`` under ``budget_bytes``,
     as a plan of ``graph`` (measured, not yet simulated), or None if the model has none or
-    the instant is the last node (nothing to restart)."""
+    the instant is the last node (nothing to restart). The search ends at a plan costing at
+    most ``stop_at`` (a cost of ``graph``'s plans, e.g. its lower bound)."""
     started = time.perf_counter()
     if instant >= graph.n - 1:
         return None
@@ -154,18 +156,40 @@ def restart_plan(graph: Graph, instant: int, budget_bytes: int, *, time_limit_s:
     if r.copies == 0:
         return None
     structure = RetentionStructure(r.restarted)
-    result = solve_retention(structure, budget_bytes, time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads)
-    if result.solution is None:
+    label = f"restart at {graph.nodes[instant].name}"
+    last: list = [None, None]  # the last solution mapped, and its plan
+
+    def plan_of(solution: RetentionSolution) -> BaselinePlan | None:
+        if last[0] is not solution:
+            last[:] = [solution, _mapped(r, structure, solution, label)]
+        return last[1]
+
+    def fits(solution: RetentionSolution) -> bool:  # over the model's count, within the simulator's?
+        plan = plan_of(solution)
+        return plan is not None and plan.peak_bytes <= budget_bytes
+
+    # the model counts recomputations beyond computing every node of the restarted graph once
+    enough = None if stop_at is None else stop_at - r.restarted.total_cost
+    result = solve_retention(structure, budget_bytes, time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads,
+                             accept=fits, stop_at=enough)
+    plan = None if result.solution is None else plan_of(result.solution)
+    if plan is None:
         log.info("restart: %s at %s under %d B: no plan (%d copies, %.2f s)", graph.name, graph.describe(instant),
                  budget_bytes, r.copies, time.perf_counter() - started)
         return None
-    order = result.solution.order(structure)
-    stages = np.array([r.stage[s] for s, _ in order], dtype=np.int64)
-    nodes = np.array([r.origin[v] for _, v in order], dtype=np.int64)
-    if np.unique(stages * graph.n + nodes).size < nodes.size:
-        return None  # a value computed twice in one stage: not a schedule (never seen)
-    plan = measure_by_stage(graph, stages, nodes, f"restart at {graph.nodes[instant].name}")
     log.info("restart: %s at %s under %d B: %.4fx, peak %d B (%d copies, %.2f s)", graph.name,
              graph.describe(instant), budget_bytes, plan.cost / graph.total_cost if graph.total_cost else 1.0,
              plan.peak_bytes, r.copies, time.perf_counter() - started)
     return plan
+
+
+def _mapped(r: Restarted, structure: RetentionStructure, solution: RetentionSolution, label: str) -> BaselinePlan | None:
+    """The plan of the restarted graph ``solution`` as a plan of the traced graph (measured), or
+    None if it computes a value twice in one stage (not a schedule; never seen)."""
+    graph = r.graph
+    order = solution.order(structure)
+    stages = np.array([r.stage[s] for s, _ in order], dtype=np.int64)
+    nodes = np.array([r.origin[v] for _, v in order], dtype=np.int64)
+    if np.unique(stages * graph.n + nodes).size < nodes.size:
+        return None
+    return measure_by_stage(graph, stages, nodes, label)

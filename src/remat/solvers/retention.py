@@ -542,10 +542,12 @@ def relax_retention(structure: RetentionStructure, budget_bytes: int, rows: list
     """Solve the LP relaxation, adding the memory rows its solution overfills (to ``rows``, in
     place) until it fills no stage over the budget."""
     rounds, x, value = 0, None, None
+    # one model, its rows added as found: each round starts from the last one's basis
+    model = _model(structure, budget_bytes, rows, relax=True, threads=threads, minimize_peak=minimize_peak)
     while rounds < MAX_ROUNDS and time.perf_counter() < deadline:
         rounds += 1
-        lp = _solve(structure, budget_bytes, rows, relax=True, threads=threads,
-                    time_limit_s=max(deadline - time.perf_counter(), 0.1), minimize_peak=minimize_peak)
+        lp = _run(model, structure, budget_bytes, rows, relax=True, threads=threads,
+                  time_limit_s=max(deadline - time.perf_counter(), 0.1), minimize_peak=minimize_peak)
         if lp.infeasible:
             return Relaxed(None, True, None, rounds)
         if lp.x is None:
@@ -561,6 +563,7 @@ def relax_retention(structure: RetentionStructure, budget_bytes: int, rows: list
             x, value = lp.x, float(structure.costs @ lp.x)
             break
         rows += added
+        _add_memory_rows(model, structure, budget_bytes, added, minimize_peak)
     return Relaxed(x, False, value, rounds)
 
 
@@ -661,38 +664,32 @@ class _Run:
     peak: float | None  # the peak variable's value (minimize_peak), in bytes
 
 
-def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], *, relax: bool, threads: int,
-           time_limit_s: float, mip_gap: float = 1e-4, start: np.ndarray | None = None,
-           stop_at: float | None = None, minimize_peak: bool = False,
-           fixed: np.ndarray | None = None) -> _Run:
+@dataclass
+class _Model:
+    """A HiGHS model of the retention structure with some stages' memory rows."""
+
+    h: object
+    scale: float  # objective scale (recomputation cost times it is the objective)
+    mem_unit: float  # memory rows are in units of this many bytes
+    col_cost: np.ndarray
+    n_cols: int
+    peak_col: int  # the peak column (minimize_peak), else n_cols
+
+
+def _model(structure: RetentionStructure, budget_bytes: int, stages: list[int], *, relax: bool, threads: int,
+           mip_gap: float = 1e-4, minimize_peak: bool = False, fixed: np.ndarray | None = None) -> _Model:
+    """The model with the structure's rows and the memory rows of ``stages``, options set but
+    the time limit."""
     import highspy
 
-    from remat.solvers.milp_backends import objective_scale, quiet_highs, run_highs
+    from remat.solvers.milp_backends import objective_scale, quiet_highs
 
     starts, index, value, lower, upper = structure.structure_rows
     n_cols = structure.n_cols + (1 if minimize_peak else 0)
-    constant = structure.constant_memory
     mem_unit = float(max(structure.graph.out_bytes, default=1) or 1)  # memory rows in units of the largest value
-    row_starts, row_index, row_value = [starts], [index], [value]
-    row_lower, row_upper = [lower], [upper]
-    offset = int(starts[-1])
     peak_col = structure.n_cols
-    for t in stages:
-        cols, coef = structure.memory_row(t)
-        coef = coef / mem_unit
-        if minimize_peak:
-            cols = np.concatenate([cols, [peak_col]])
-            coef = np.concatenate([coef, [-1.0]])
-            lo, hi = -math.inf, -float(constant[t]) / mem_unit
-        else:
-            lo, hi = -math.inf, float(budget_bytes - constant[t]) / mem_unit
-        row_index.append(cols)
-        row_value.append(coef)
-        offset += cols.size
-        row_starts.append(np.array([offset]))
-        row_lower.append(np.array([lo]))
-        row_upper.append(np.array([hi]))
-    all_starts = np.concatenate(row_starts)
+    rows = _memory_rows(structure, budget_bytes, stages, mem_unit, minimize_peak)
+    row_starts = np.concatenate([starts, rows[0][1:] + int(starts[-1])])
     scale = objective_scale(structure.costs)
     col_upper = np.ones(n_cols)
     if minimize_peak:  # the peak column alone is the objective
@@ -702,7 +699,6 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
         col_cost = structure.costs * scale
     h = quiet_highs()
     h.setOptionValue("threads", int(threads))
-    h.setOptionValue("time_limit", float(max(time_limit_s, 0.05)))
     if minimize_peak:
         h.setOptionValue("mip_rel_gap", PEAK_GAP)
     else:  # the objective is the recomputation cost alone; the gap meant is on the whole step's cost
@@ -711,7 +707,7 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
     h.setOptionValue("mip_feasibility_tolerance", 1e-7)
     lp = highspy.HighsLp()
     lp.num_col_ = n_cols
-    lp.num_row_ = all_starts.size - 1
+    lp.num_row_ = row_starts.size - 1
     lp.col_cost_ = col_cost
     col_lower = np.zeros(n_cols)
     if fixed is not None:  # columns fixed at 0 or 1 (NaN: free)
@@ -719,13 +715,13 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
         col_lower[pinned] = col_upper[pinned] = fixed[pinned]
     lp.col_lower_ = col_lower
     lp.col_upper_ = col_upper
-    rl, ru = np.concatenate(row_lower), np.concatenate(row_upper)
+    rl, ru = np.concatenate([lower, rows[3]]), np.concatenate([upper, rows[4]])
     lp.row_lower_ = np.where(np.isinf(rl), -highspy.kHighsInf, rl)
     lp.row_upper_ = np.where(np.isinf(ru), highspy.kHighsInf, ru)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = all_starts.astype(np.int32)
-    lp.a_matrix_.index_ = np.concatenate(row_index).astype(np.int32)
-    lp.a_matrix_.value_ = np.concatenate(row_value).astype(float)
+    lp.a_matrix_.start_ = row_starts.astype(np.int32)
+    lp.a_matrix_.index_ = np.concatenate([index, rows[1]]).astype(np.int32)
+    lp.a_matrix_.value_ = np.concatenate([value, rows[2]]).astype(float)
     lp.a_matrix_.num_col_ = n_cols
     lp.a_matrix_.num_row_ = lp.num_row_
     if not relax:
@@ -734,6 +730,64 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
             kinds.append(highspy.HighsVarType.kContinuous)
         lp.integrality_ = kinds
     h.passModel(lp)
+    return _Model(h, scale, mem_unit, col_cost, n_cols, peak_col)
+
+
+def _memory_rows(structure: RetentionStructure, budget_bytes: int, stages: list[int], mem_unit: float,
+                 minimize_peak: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The memory rows of ``stages`` in CSR form: starts (from 0), columns, coefficients, lower
+    and upper bounds (in ``mem_unit``; minimizing the peak, each row less the peak column)."""
+    constant = structure.constant_memory
+    starts, cols_all, coef_all, upper = [0], [], [], []
+    for t in stages:
+        cols, coef = structure.memory_row(t)
+        coef = coef / mem_unit
+        if minimize_peak:
+            cols = np.concatenate([cols, [structure.n_cols]])
+            coef = np.concatenate([coef, [-1.0]])
+            upper.append(-float(constant[t]) / mem_unit)
+        else:
+            upper.append(float(budget_bytes - constant[t]) / mem_unit)
+        cols_all.append(cols)
+        coef_all.append(coef)
+        starts.append(starts[-1] + cols.size)
+    empty = np.zeros(0)
+    return (np.asarray(starts, dtype=np.int64), np.concatenate(cols_all) if cols_all else empty.astype(np.int64),
+            np.concatenate(coef_all) if coef_all else empty, np.full(len(stages), -math.inf), np.asarray(upper))
+
+
+def _add_memory_rows(model: _Model, structure: RetentionStructure, budget_bytes: int, stages: list[int],
+                     minimize_peak: bool) -> None:
+    """Add the memory rows of ``stages`` to ``model`` (a solved LP keeps its basis: the next
+    run starts from it)."""
+    import highspy
+
+    starts, cols, coef, lower, upper = _memory_rows(structure, budget_bytes, stages, model.mem_unit, minimize_peak)
+    model.h.addRows(len(stages), np.full(len(stages), -highspy.kHighsInf), upper, int(cols.size),
+                    starts[:-1].astype(np.int32), cols.astype(np.int32), coef.astype(float))
+
+
+def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], *, relax: bool, threads: int,
+           time_limit_s: float, mip_gap: float = 1e-4, start: np.ndarray | None = None,
+           stop_at: float | None = None, minimize_peak: bool = False,
+           fixed: np.ndarray | None = None) -> _Run:
+    model = _model(structure, budget_bytes, stages, relax=relax, threads=threads, mip_gap=mip_gap,
+                   minimize_peak=minimize_peak, fixed=fixed)
+    return _run(model, structure, budget_bytes, stages, relax=relax, threads=threads, time_limit_s=time_limit_s,
+                mip_gap=mip_gap, start=start, stop_at=stop_at, minimize_peak=minimize_peak)
+
+
+def _run(model: _Model, structure: RetentionStructure, budget_bytes: int, stages: list[int], *, relax: bool,
+         threads: int, time_limit_s: float, mip_gap: float = 1e-4, start: np.ndarray | None = None,
+         stop_at: float | None = None, minimize_peak: bool = False) -> _Run:
+    """Run ``model`` (built by ``_model`` with these arguments) for at most ``time_limit_s``."""
+    import highspy
+
+    from remat.solvers.milp_backends import run_highs
+
+    h, scale, mem_unit, col_cost = model.h, model.scale, model.mem_unit, model.col_cost
+    n_cols, peak_col = model.n_cols, model.peak_col
+    h.setOptionValue("time_limit", float(max(time_limit_s, 0.05)))
     if start is not None and not relax:
         x0 = start
         if minimize_peak:
