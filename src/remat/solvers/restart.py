@@ -25,7 +25,15 @@ The plan space is narrower where something could stay across ``t``: every copy i
 right after ``t``, so nothing but what must is kept there. It is offered where the retention
 model has no plan at all, near the smallest budgets, at the bound's instant and the few
 after it that the copies can wait for (``restart_instants``; 12-layer GPT-2 at its smallest
-budget, 247.1 MB: 1.578x against 1.79x for the best lowered plan).
+budget, 247.1 MB: 1.578x against 1.79x for the best lowered plan; 24-layer, 285.0 MB: 1.742x
+against 1.914x). A plan the model overfills only in its own count is taken when the
+simulator, run on the plan mapped back, fits it within the budget.
+
+Its limit is the retention model's: one forward pass and one backward pass, so a value is
+computed at most three times. The 48-layer GPT-2 at its smallest budget (364.4 MB) needs
+more: the least model peak of the graph restarted there is 462 MB. Restarting the restarted
+graph a second time does not help as it stands (the first restart's backward nodes become
+the second graph's forward pass, where the model recomputes nothing).
 """
 
 from __future__ import annotations
