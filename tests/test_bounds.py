@@ -211,3 +211,39 @@ def test_a_mip_on_the_tightest_instants_proves_what_the_lp_growth_misses(monkeyp
     assert one_more.value == 78 and one_more.instants == (7, 8, 9)
     optimum = solve(graph, budget, method="milp")
     assert optimum.status is SolveStatus.OPTIMAL and bound.value <= optimum.objective + 1e-6
+
+
+def test_a_large_gap_with_time_left_gets_a_longer_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    import remat.solvers.milp as milp_module
+    from remat.solvers.prepared import clear
+
+    graph = random_training_graph(20, seed=0)  # its best plan is over 5% above the bound of 8 s
+    floor = InstantBounds(graph).min_budget_bytes
+    budget = int(floor + 0.1 * (checkpoint_all_peak(graph) - floor))
+    calls: list[tuple[dict, float]] = []
+    original = InstantBounds.cost_bound
+
+    def spy(self, budget_bytes, **kwargs):
+        found = original(self, budget_bytes, **kwargs)
+        calls.append((kwargs, found.value))
+        return found
+
+    monkeypatch.setattr(InstantBounds, "cost_bound", spy)
+    clear()
+    result = milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=24)
+    assert result.gap > milp_module.BOUND_MORE_GAP
+    longer = [(kw, v) for kw, v in calls if "multi_time_s" in kw]
+    assert len(longer) == 1, "a gap with time left gets one longer bound"
+    assert longer[0][0]["multi_time_s"] == pytest.approx(longer[0][0]["time_limit_s"])
+    assert longer[0][0]["multi_time_s"] > milp_module.BOUND_MORE_MIN_S * milp_module.BOUND_MORE_SHARE
+    assert result.lower_bound == pytest.approx(max(v for _, v in calls))
+    exact = milp_module.milp(graph, budget, time_limit_s=60)
+    assert exact.status is SolveStatus.OPTIMAL
+    assert result.lower_bound <= exact.objective + 1e-6  # still a bound
+    # within the gap, or without the time, no longer bound
+    for gap, time_limit in ((10.0, 24), (milp_module.BOUND_MORE_GAP, 8)):
+        calls.clear()
+        monkeypatch.setattr(milp_module, "BOUND_MORE_GAP", gap)
+        clear()
+        milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=time_limit)
+        assert calls and not any("multi_time_s" in kw for kw, _ in calls)
