@@ -140,12 +140,14 @@ def test_two_instants_see_a_value_recomputed_twice() -> None:
 def test_the_lp_of_two_instants_is_not_weaker_than_either_alone() -> None:
     # Without the rows of s (recomputed at any time after an instant), a fractionally live
     # input served the recomputations of both windows and this pair's LP was 12.5, below the
-    # first instant's own 14.67; with them it is at least each instant's own LP.
+    # first instant's own 14.67; with them it is at least each instant's own LP. (Instant 11's
+    # LP is 18 since values larger than the room an instant leaves are fixed not live there:
+    # the LP held part of one, 44/3.)
     graph = random_training_graph(7, seed=6)
     bounds = InstantBounds(graph)
     lp = {ts: _solve_program(bounds.program(ts, 27), relax=True, time_limit_s=5.0, threads=1)
           for ts in ((11,), (12,), (11, 12))}
-    assert lp[(11,)] == pytest.approx(44 / 3)
+    assert lp[(11,)] == pytest.approx(18)
     assert lp[(11, 12)] >= max(lp[(11,)], lp[(12,)]) - 1e-9
 
 
@@ -193,16 +195,18 @@ def test_the_growth_tries_the_tightest_instants_even_far_from_the_best_one(monke
 
 
 def test_a_mip_on_the_tightest_instants_proves_what_the_lp_growth_misses(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The LP of instants 7, 8 and 9 together is no higher than instant 7's, so the growth by LP
-    # stops at one instant (72); the MIP of the set joined by the tightest instants after it
-    # proves 78, still below the optimum.
+    # No set's LP rises above instant 7's own MIP value (72), so the growth by LP stops at one
+    # instant; the MIP of the set joined by the tightest instants after it proves 78, still
+    # below the optimum.
     graph = random_training_graph(6, seed=14)
     bounds = InstantBounds(graph)
     budget = bounds.min_budget_bytes
-    lp = {ts: _solve_program(bounds.program(ts, budget), relax=True, time_limit_s=5.0, threads=1)
-          for ts in ((7,), (7, 8, 9))}
-    assert lp[(7, 8, 9)] <= lp[(7,)] + 1e-9
+    alone = bounds.cost_bound(budget, multi=False)
+    assert alone.value == 72 and alone.instant == 7
+    lp = _solve_program(bounds.program((7, 8, 9), budget), relax=True, time_limit_s=5.0, threads=1)
+    assert graph.total_cost + lp < alone.value
     bound = bounds.cost_bound(budget)
+    assert bounds._grown[budget, 7][0] == (7,)
     assert bound.value == 78 and bound.instants == (7, 8, 9)
     # one tight instant at a time: the MIP of (7, 8) is solved with time to spare, so the set
     # grows again, and the third instant proves more
@@ -247,3 +251,36 @@ def test_a_large_gap_with_time_left_gets_a_longer_bound(monkeypatch: pytest.Monk
         clear()
         milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=time_limit)
         assert calls and not any("multi_time_s" in kw for kw, _ in calls)
+
+
+def test_a_second_call_goes_on_from_the_set_the_first_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The longer bound of ``milp`` is a second call at the same budget: its growth starts from
+    # the set the first call chose (so the set it returns contains it), and a MIP the first call
+    # solved is not solved again.
+    graph = random_training_graph(7, seed=2)
+    bounds = InstantBounds(graph)
+    budget = bounds.min_budget_bytes
+    first = bounds.cost_bound(budget)
+    grown = bounds._grown[budget, first.instant]
+    assert len(grown[0]) > 1 and set(grown[0]) <= set(first.instants)
+    solved = [ts for (b, ts), (_, ok) in bounds._mips.items() if b == budget and ok]
+    assert solved
+    programs: list[tuple[int, ...]] = []
+    real = bounds.program
+    monkeypatch.setattr(bounds, "program", lambda ts, b: programs.append(tuple(sorted(ts))) or real(ts, b))
+    second = bounds.cost_bound(budget, multi_time_s=4.0)
+    assert set(grown[0]) <= set(second.instants) and second.value >= first.value - 1e-9
+    mips_again = [ts for ts in programs if ts in solved and ts not in {(first.instant,)}]
+    growth_sets = {tuple(sorted((*grown[0], t))) for t in range(graph.n)}
+    assert not [ts for ts in mips_again if ts not in growth_sets]  # (the growth's LPs may meet a set again)
+    optimum = solve(graph, budget, method="milp")
+    assert second.value <= optimum.objective + 1e-6
+
+
+def test_the_mip_of_a_set_reports_whether_it_was_solved() -> None:
+    graph = random_training_graph(6, seed=14)
+    bounds = InstantBounds(graph)
+    budget = bounds.min_budget_bytes
+    value, solved = bounds._mip((7, 8, 9), budget, 5.0, 1)
+    assert solved and graph.total_cost + value == 78
+    assert bounds._mip((7, 8, 9), budget, 0.0, 1) == (value, True)  # solved once: not again
