@@ -19,7 +19,7 @@ from remat.solvers.milp import minimum_budget
 from remat.solvers.milp_start import baseline_candidates, best_fitting
 from remat.solvers.prepared import clear
 from remat.solvers.baselines import measure_order
-from remat.solvers.repair import descend, lower_peak, prune
+from remat.solvers.repair import descend, lower_peak, prune, reshuffle
 from reference import min_budget, transformer_like
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -251,3 +251,68 @@ def test_pruning_drops_a_recomputation_nothing_reads():
     plan = prune(g, lowered, budget_bytes=24)
     assert plan.peak_bytes <= 24 and plan.cost < lowered.cost
     assert droppable(g, plan, 24) == []
+
+
+@PROPERTY
+@given(graph=graphs(), data=st.data())
+def test_reshuffling_keeps_the_plan_within_the_budget_and_never_makes_it_dearer(graph, data):
+    budget, lowered = lowered_at_a_drawn_budget(graph, data)
+    start = prune(graph, lowered, budget_bytes=budget, time_limit_s=60)
+    plan = reshuffle(graph, start, budget_bytes=budget, time_limit_s=0.2, seed=data.draw(st.integers(0, 99)))
+    sim = simulate(graph, plan.schedule(graph).lower(graph))
+    assert sim.ok, sim.violations[:3]
+    assert (sim.peak_bytes, sim.total_cost) == (plan.peak_bytes, plan.cost)
+    assert plan.peak_bytes <= budget and plan.cost <= start.cost
+    assert all(sim.compute_counts[i] == 1 for i in graph.outputs)
+    if plan is not start:
+        assert plan.cost < start.cost and "reshuffled" in plan.label
+
+
+def test_reshuffling_finds_a_cheaper_plan_than_greedy_lowering_and_pruning():
+    # checkpoint-all lowered to the budget and pruned costs 183; taking back windows of its
+    # recomputations and lowering again finds cheaper plans, never below the exact optimum
+    graph = random_training_graph(12, seed=14)
+    budget = 51
+    every = measure_order(graph, list(range(graph.n)), list(range(graph.n)), "checkpoint-all")
+    start = prune(graph, lower_peak(graph, every, budget_bytes=budget), budget_bytes=budget)
+    assert start.peak_bytes <= budget and start.cost == 183
+    plan = reshuffle(graph, start, budget_bytes=budget, time_limit_s=5.0)
+    assert plan.peak_bytes <= budget and plan.cost < start.cost
+    exact = solve(graph, budget, method="milp", time_limit_s=60)
+    assert exact.objective <= plan.cost + 1e-9
+    # it stops at the cost asked for, and does nothing over the budget or without time
+    assert reshuffle(graph, start, budget_bytes=budget, time_limit_s=5.0, stop_at=start.cost) is start
+    assert reshuffle(graph, start, budget_bytes=start.peak_bytes - 1, time_limit_s=5.0) is start
+    assert reshuffle(graph, start, budget_bytes=budget, time_limit_s=0.0) is start
+
+
+def test_milp_reshuffles_a_plan_far_from_the_bound_with_time_left(monkeypatch):
+    import remat.solvers.milp as milp_module
+    from remat.solvers.bounds import InstantBounds
+
+    graph = random_training_graph(20, seed=0)  # its best plan is over 5% above the bound
+    floor = InstantBounds(graph).min_budget_bytes
+    budget = int(floor + 0.1 * (order_peak_and_cost(graph, list(range(graph.n)))[0] - floor))
+    calls = []
+    original = milp_module.reshuffle
+
+    def spy(g, plan, **kwargs):
+        found = original(g, plan, **kwargs)
+        calls.append((plan.cost, found.cost, kwargs))
+        return found
+
+    monkeypatch.setattr(milp_module, "reshuffle", spy)
+    clear()
+    result = milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=24)
+    assert len(calls) == 1
+    before, after, kwargs = calls[0]
+    assert kwargs["time_limit_s"] <= milp_module.RESHUFFLE_MAX_S
+    assert result.objective == pytest.approx(min(before, after))
+    assert result.peak_bytes <= budget
+    # within the gap, or without the time, no reshuffle
+    for gap, time_limit in ((10.0, 24), (milp_module.BOUND_MORE_GAP, 8)):
+        calls.clear()
+        monkeypatch.setattr(milp_module, "BOUND_MORE_GAP", gap)
+        clear()
+        milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=time_limit)
+        assert not calls

@@ -63,7 +63,7 @@ from remat.solvers.milp_start import (
     without_unread,
 )
 from remat.solvers.prepared import prepared
-from remat.solvers.repair import lower_peak, prune
+from remat.solvers.repair import lower_peak, prune, reshuffle
 from remat.solvers.restart import restart_instants, restart_plan
 from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
 
@@ -142,6 +142,13 @@ RESTART_TIME_SHARE = 0.4
 #: for at most ``PRUNE_MAX_S`` (and ``PRUNE_TIME_SHARE`` of the time limit).
 PRUNE_MAX_S = 5.0
 PRUNE_TIME_SHARE = 0.1
+
+#: A plan more than ``BOUND_MORE_GAP`` above the bound with more than ``BOUND_MORE_MIN_S``
+#: left is first reshuffled (``repair.reshuffle``: windows of its recomputations taken back and
+#: the peak lowered again) for at most ``RESHUFFLE_MAX_S`` and ``RESHUFFLE_SHARE`` of the time
+#: left, before the longer bound: ResNet50 b32 at its smallest budget 1.481x -> 1.440x in 9 s.
+RESHUFFLE_MAX_S = 10.0
+RESHUFFLE_SHARE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -286,7 +293,13 @@ def milp(
             best = pruned
     left = deadline - time.perf_counter()
     if best.cost > lower * (1 + BOUND_MORE_GAP) and left > BOUND_MORE_MIN_S:
-        # still far from the bound with time to spare: the bound gets more of it
+        # still far from the bound with time to spare: the plan is reshuffled, then the bound
+        # gets the rest
+        shuffled = _reshuffled(graph, best, budget_bytes, min(RESHUFFLE_MAX_S, RESHUFFLE_SHARE * left),
+                               stop_at=lower * (1 + mip_gap))
+        if shuffled is not None:
+            best = shuffled
+        left = deadline - time.perf_counter()
         more_s = BOUND_MORE_SHARE * left
         longer = prep.bounds.cost_bound(budget_bytes, threads=threads, time_limit_s=more_s, multi_time_s=more_s)
         if longer.feasible and longer.value > lower:
@@ -451,6 +464,16 @@ def _pruned(graph: Graph, known: Candidate, budget_bytes: int, time_limit_s: flo
     if not _cheaper(plan.cost, known):
         return None
     return Candidate.of_plan(f"{known.name}, pruned", graph, plan)
+
+
+def _reshuffled(graph: Graph, known: Candidate, budget_bytes: int, time_limit_s: float,
+                stop_at: float) -> Candidate | None:
+    """``known`` reshuffled (``repair.reshuffle``), or None when nothing cheaper was found."""
+    plan = reshuffle(graph, known.as_plan(graph), budget_bytes=budget_bytes, time_limit_s=time_limit_s,
+                     stop_at=stop_at)
+    if not _cheaper(plan.cost, known):
+        return None
+    return Candidate.of_plan(f"{known.name}, reshuffled", graph, plan)
 
 
 def _finish(graph: Graph, budget_bytes: int, best: Candidate, claimed: float | None, lower: float,

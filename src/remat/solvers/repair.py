@@ -188,6 +188,63 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
                         nodes.astype(np.int32), peak, cost)
 
 
+def reshuffle(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: float = 10.0,
+              stop_at: float | None = None, seed: int = 0) -> BaselinePlan:
+    """``plan`` improved by perturbing it and lowering it again (an iterated local search):
+    the recomputations of a random window of stages (2 to 29 stages from a random one) are
+    dropped, so their values' previous instances live on and the peak rises; ``lower_peak``
+    brings it back to the budget with moves of its own, ``prune`` drops what those made
+    unnecessary, and the result is kept when it fits and costs less. Greedy lowering commits
+    to its first moves; taking back a window of them lets it choose again with the rest of
+    the plan in place. Runs until ``time_limit_s`` is up or the cost reaches ``stop_at``;
+    ``seed`` makes it repeatable (for a given number of rounds). Returns ``plan`` itself when
+    it is over the budget or nothing better was found.
+
+    ResNet50 b32 at its smallest budget: the best plan of the other searches, 1.481x, becomes
+    1.440x in 9 s (1.439x at 13 s, nothing more in 240 s); the 48-layer GPT-2 at its floor,
+    where one round takes 3 s, 1.846x -> 1.814x in 90 s.
+
+    >>> import numpy as np
+    >>> from remat.builders import chain_graph
+    >>> from remat.schedule import stage_order
+    >>> from remat.solvers.baselines import measure_order
+    >>> g = chain_graph(12, bytes_per_node=1)
+    >>> stages, nodes = stage_order(np.eye(g.n, dtype=bool))     # checkpoint-all
+    >>> start = lower_peak(g, measure_order(g, stages, nodes, "checkpoint-all"), budget_bytes=8)
+    >>> better = reshuffle(g, start, budget_bytes=8, time_limit_s=0.5)
+    >>> better.peak_bytes <= 8, better.cost <= start.cost
+    (True, True)
+    """
+    deadline = time.perf_counter() + time_limit_s
+    if plan.peak_bytes > budget_bytes:
+        return plan
+    rng = np.random.default_rng(seed)
+    best, rounds, better = plan, 0, 0
+    while time.perf_counter() < deadline and (stop_at is None or best.cost > stop_at):
+        stages, nodes = np.asarray(best.stages), np.asarray(best.nodes)
+        recomputed = np.flatnonzero(nodes != stages)
+        if recomputed.size == 0:
+            break
+        rounds += 1
+        first = int(stages[rng.choice(recomputed)])
+        drop = recomputed[(stages[recomputed] >= first) & (stages[recomputed] < first + int(rng.integers(2, 30)))]
+        keep = np.ones(nodes.size, dtype=bool)
+        keep[drop] = False
+        peak, cost = order_peak_and_cost(graph, nodes[keep].tolist())
+        perturbed = BaselinePlan(best.label, stages[keep].astype(np.int32), nodes[keep].astype(np.int32), peak, cost)
+        left = deadline - time.perf_counter()
+        lowered = lower_peak(graph, perturbed, budget_bytes=budget_bytes, time_limit_s=max(left, 0.0))
+        if lowered.peak_bytes > budget_bytes:
+            continue
+        lowered = prune(graph, lowered, budget_bytes=budget_bytes, time_limit_s=max(deadline - time.perf_counter(), 0.0))
+        if lowered.cost < best.cost - 1e-9 * max(1.0, best.cost):
+            best, better = lowered, better + 1
+    if best is plan:
+        return plan
+    return BaselinePlan(f"{plan.label}, reshuffled ({better} of {rounds} rounds better)", best.stages, best.nodes,
+                        best.peak_bytes, best.cost)
+
+
 def _last_reads(graph: Graph, nodes: np.ndarray, free: np.ndarray, keep: np.ndarray | None = None) -> dict[int, list[int]]:
     """Per position, the positions of the instances it reads last (``free``: each instance's
     last read, by position), over the positions ``keep`` marks (all by default)."""
