@@ -118,6 +118,10 @@ def test_several_instants_together_never_exceed_the_exhaustive_optimum(graph: Gr
                 for relax in (True, False):
                     value = _solve_program(program, relax=relax, time_limit_s=5.0, threads=1)
                     assert 0.0 <= value <= extra + 1e-9, (instants, budget, relax)
+                # the program without s, which the MIPs of ``cost_bound`` solve: a relaxation
+                lighter = _solve_program(bounds.program(instants, budget, since=False), relax=False,
+                                         time_limit_s=5.0, threads=1)
+                assert 0.0 <= lighter <= value + 1e-9, (instants, budget)
 
 
 def test_two_instants_see_a_value_recomputed_twice() -> None:

@@ -289,8 +289,10 @@ class InstantBounds:
         forced[self.sizes == 0] = True  # a zero-byte value is kept for free
         return forced
 
-    def program(self, instants: tuple[int, ...], budget_bytes: int) -> _Program:
-        """The 0/1 program of ``instants`` (see the module) under ``budget_bytes``."""
+    def program(self, instants: tuple[int, ...], budget_bytes: int, since: bool = True) -> _Program:
+        """The 0/1 program of ``instants`` (see the module) under ``budget_bytes``; without the
+        columns and rows of s (``since=False``) it is a relaxation of it (fewer rows, every
+        plan still satisfies them), whose LP is weak and whose MIP is solved much faster."""
         n = self.graph.n
         ts = tuple(sorted(set(int(t) for t in instants)))
         caps = [budget_bytes - int(self.forced_bytes[t]) for t in ts]
@@ -311,7 +313,7 @@ class InstantBounds:
             decide.append(d)
             x_col.append(xs)
             r_col.append(rs)
-            if t != ts[-1]:  # s[k, v]: v computed again at any time after instant k (the module)
+            if since and t != ts[-1]:  # s[k, v]: v computed again at any time after instant k (the module)
                 ss = np.full(n, -1, dtype=np.int64)
                 ss[rec] = col + np.arange(rec.size)
                 col += rec.size
@@ -340,7 +342,7 @@ class InstantBounds:
             # a recomputation finds its inputs live here or recomputed since
             closure = d[src] & d[dst] & (rs[dst] >= 0)
             rows.add_closure(xs[src[closure]], rs[src[closure]], rs[dst[closure]])
-            if k + 1 < len(ts):
+            if since and k + 1 < len(ts):
                 self._add_since(rows, k, ts, d, xs, closure, s_col[k], r_col)
             # memory, in units of the largest value so the row is well scaled
             ids = np.flatnonzero(d)
@@ -546,8 +548,11 @@ class InstantBounds:
         key = (budget_bytes, instants)
         if key in self._mips and self._mips[key][1]:
             return self._mips[key]
-        value, solved = _run_program(self.program(instants, budget_bytes), relax=False, threads=threads,
-                                     time_limit_s=time_limit_s)
+        # without the rows of s: they make the LP strong enough to grow the set by, but the
+        # MIP, which finds its own cuts, is solved 3-4x faster without them (ResNet50 b32 at its
+        # smallest budget, twelve instants: 9.5 s against 34 s, the same optimum)
+        value, solved = _run_program(self.program(instants, budget_bytes, since=False), relax=False,
+                                     threads=threads, time_limit_s=time_limit_s)
         if len(self._mips) >= 256:
             self._mips.clear()
         known = self._mips.get(key, (0.0, False))[0]
