@@ -461,9 +461,7 @@ def _pruned(graph: Graph, known: Candidate, budget_bytes: int, time_limit_s: flo
     """``known`` without the recomputations it does not need under the budget (``repair.prune``),
     or None when it has none to drop."""
     plan = prune(graph, known.as_plan(graph), budget_bytes=budget_bytes, time_limit_s=time_limit_s)
-    if not _cheaper(plan.cost, known):
-        return None
-    return Candidate.of_plan(f"{known.name}, pruned", graph, plan)
+    return _if_cheaper(graph, known, plan, "pruned")
 
 
 def _reshuffled(graph: Graph, known: Candidate, budget_bytes: int, time_limit_s: float,
@@ -471,9 +469,14 @@ def _reshuffled(graph: Graph, known: Candidate, budget_bytes: int, time_limit_s:
     """``known`` reshuffled (``repair.reshuffle``), or None when nothing cheaper was found."""
     plan = reshuffle(graph, known.as_plan(graph), budget_bytes=budget_bytes, time_limit_s=time_limit_s,
                      stop_at=stop_at)
+    return _if_cheaper(graph, known, plan, "reshuffled")
+
+
+def _if_cheaper(graph: Graph, known: Candidate, plan: BaselinePlan, how: str) -> Candidate | None:
+    """``plan``, ``known`` improved ``how``, as a candidate, or None when it costs no less."""
     if not _cheaper(plan.cost, known):
         return None
-    return Candidate.of_plan(f"{known.name}, reshuffled", graph, plan)
+    return Candidate.of_plan(f"{known.name}, {how}", graph, plan)
 
 
 def _finish(graph: Graph, budget_bytes: int, best: Candidate, claimed: float | None, lower: float,

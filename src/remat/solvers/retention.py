@@ -763,7 +763,7 @@ def _add_memory_rows(model: _Model, structure: RetentionStructure, budget_bytes:
     import highspy
 
     starts, cols, coef, lower, upper = _memory_rows(structure, budget_bytes, stages, model.mem_unit, minimize_peak)
-    model.h.addRows(len(stages), np.full(len(stages), -highspy.kHighsInf), upper, int(cols.size),
+    model.h.addRows(len(stages), np.where(np.isinf(lower), -highspy.kHighsInf, lower), upper, int(cols.size),
                     starts[:-1].astype(np.int32), cols.astype(np.int32), coef.astype(float))
 
 
