@@ -289,3 +289,73 @@ def test_the_mip_of_a_set_reports_whether_it_was_solved() -> None:
     value, solved = bounds._mip((7, 8, 9), budget, 5.0, 1)
     assert solved and graph.total_cost + value == 78
     assert bounds._mip((7, 8, 9), budget, 0.0, 1) == (value, True)  # solved once: not again
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(3, 14), seed=st.integers(0, 10**6), where=st.floats(0.0, 1.0),
+       size=st.integers(1, 4), pick=st.integers(0, 10**6), since=st.booleans())
+def test_presolve_finds_the_same_optimum_as_without_it(n_forward: int, seed: int, where: float, size: int,
+                                                       pick: int, since: bool) -> None:
+    # the MIPs are solved with HiGHS' presolve (then checked): their optimum is the one found
+    # without it, on random programs of one to four instants
+    from remat.solvers.bounds import _highs
+
+    graph = random_training_graph(n_forward, seed=seed, max_bytes=1000, max_cost=100)
+    bounds = InstantBounds(graph)
+    budget = bounds.min_budget_bytes + int(where * (checkpoint_all_peak(graph) - bounds.min_budget_bytes))
+    over = [t for t in range(graph.n) if bounds.checkpoint_all_instants[t] > budget]
+    assume(over)
+    instants = tuple(sorted(over[(pick + 7 * k) % len(over)] for k in range(min(size, len(over)))))
+    program = bounds.program(instants, budget, since=since)
+    assume(program.feasible and not program.empty)
+    on, solved_on, x = _highs(program, relax=False, presolve=True, time_limit_s=10.0, threads=1)
+    off, solved_off, _ = _highs(program, relax=False, presolve=False, time_limit_s=10.0, threads=1)
+    assert solved_on and solved_off
+    assert on == pytest.approx(off, rel=1e-6, abs=1e-9)
+    if math.isfinite(on):
+        from remat.solvers.bounds import _checked
+
+        assert _checked(program, on, x)
+
+
+def test_a_presolved_solution_outside_its_program_is_solved_again_without_presolve(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import remat.solvers.bounds as bounds_module
+
+    graph = random_training_graph(6, seed=14)
+    bounds = InstantBounds(graph)
+    program = bounds.program((7, 8, 9), bounds.min_budget_bytes, since=False)
+    real = bounds_module._highs
+    calls = []
+
+    def wrong_once(p, *, relax, presolve, time_limit_s, threads):
+        calls.append(presolve)
+        value, solved, x = real(p, relax=relax, presolve=presolve, time_limit_s=time_limit_s, threads=threads)
+        if presolve:  # as a wrong reduction would: a higher "optimum", a point outside the program
+            return value + 5.0, solved, 1.0 - x
+        return value, solved, x
+
+    monkeypatch.setattr(bounds_module, "_highs", wrong_once)
+    with caplog.at_level("WARNING", logger="remat.solve"):
+        value, solved = bounds_module._run_program(program, relax=False, time_limit_s=5.0, threads=1)
+    assert calls == [True, False]
+    assert solved and graph.total_cost + value == 78
+    assert "does not accept" in caplog.text
+
+
+def test_the_check_rejects_what_is_not_a_solution_of_the_program() -> None:
+    from remat.solvers.bounds import _checked, _highs
+
+    graph = random_training_graph(6, seed=14)
+    bounds = InstantBounds(graph)
+    program = bounds.program((7, 8, 9), bounds.min_budget_bytes, since=False)
+    value, solved, x = _highs(program, relax=False, presolve=False, time_limit_s=5.0, threads=1)
+    assert solved and _checked(program, value, x)
+    assert not _checked(program, value + 1.0, x)  # not what it costs
+    assert not _checked(program, value, None)
+    assert not _checked(program, value, x[:-1])
+    assert not _checked(program, value, x * 0.5 + 0.25)  # not 0/1
+    assert not _checked(program, value, x * 0.0)  # needed values neither live nor recomputed
+    live = x.copy()
+    live[(program.col_cost == 0) & (program.col_upper == 1)] = 1.0  # all that may be live is: over the memory row
+    assert not _checked(program, float(program.col_cost @ live), live)
