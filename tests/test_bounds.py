@@ -359,3 +359,32 @@ def test_the_check_rejects_what_is_not_a_solution_of_the_program() -> None:
     live = x.copy()
     live[(program.col_cost == 0) & (program.col_upper == 1)] = 1.0  # all that may be live is: over the memory row
     assert not _checked(program, float(program.col_cost @ live), live)
+
+
+def test_a_mip_cut_short_counts_only_with_a_solution_its_program_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a presolved MIP cut short: its dual bound counts if its best solution is a point of the
+    # program costing at least that much; else it is solved again without presolve, and with
+    # no time left it counts as nothing
+    import remat.solvers.bounds as bounds_module
+
+    graph = random_training_graph(6, seed=14)
+    bounds = InstantBounds(graph)
+    program = bounds.program((7, 8, 9), bounds.min_budget_bytes, since=False)
+    value, solved, x = bounds_module._highs(program, relax=False, presolve=False, time_limit_s=5.0, threads=1)
+    assert solved and value > 1.0
+    for answer, expected in (((value - 1.0, False, x), (value - 1.0, False)),  # a bound below a known point
+                             ((value + 1.0, False, x), (0.0, False)),  # above the point it found: wrong
+                             ((value - 1.0, False, 1.0 - x), (0.0, False)),  # a point outside the program
+                             ((value - 1.0, False, None), (0.0, False))):  # no point to check it by
+        monkeypatch.setattr(bounds_module, "_highs", lambda *a, **k: answer)
+        assert bounds_module._run_program(program, relax=False, time_limit_s=0.0, threads=1) == expected
+    # with time left, a failed check is solved again without presolve
+    calls = []
+
+    def once_wrong(p, *, relax, presolve, time_limit_s, threads):
+        calls.append(presolve)
+        return (value + 1.0, False, x) if presolve else (value, True, x)
+
+    monkeypatch.setattr(bounds_module, "_highs", once_wrong)
+    assert bounds_module._run_program(program, relax=False, time_limit_s=5.0, threads=1) == (value, True)
+    assert calls == [True, False]
