@@ -93,3 +93,34 @@ def test_how_the_plan_was_found_is_taken_from_the_file_but_checked(saved, tmp_pa
     (tmp_path / "status.json").write_text(json.dumps(record))
     with pytest.raises(PlanFileError, match="unreadable report"):
         _load(w, tmp_path / "status.json")
+
+
+def test_the_report_states_the_lower_bound_and_a_saved_one_is_checked(tmp_path):
+    w = workload("cnn", 4)
+    step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, "90%", method="milp", cost_model=CostModel.ESTIMATE,
+                    time_limit_s=20)
+    report = step.report
+    assert report.lower_bound_us is not None and report.lower_bound_us <= report.cost_us
+    assert report.gap == pytest.approx((report.cost_us - report.lower_bound_us) / report.cost_us)
+    bound = report.lower_bound_us / report.checkpoint_all_cost_us
+    assert f"no plan costs less than {bound:.3f}x (gap {report.gap:.1%})" in str(report)
+    step.save(tmp_path / "plan.json")
+    assert _load(w, tmp_path / "plan.json").report == report
+    record = json.loads((tmp_path / "plan.json").read_text())
+    for value, match in ((report.cost_us * 1.01, "its lower bound .* is above the cost its plan simulates to"),
+                         ("low", "unreadable report .*lower_bound_us 'low' is not a cost"),
+                         (-1.0, "unreadable report .*lower_bound_us -1.0 is not a cost")):
+        record["report"]["lower_bound_us"] = value
+        (tmp_path / "bad.json").write_text(json.dumps(record))
+        with pytest.raises(PlanFileError, match=match):
+            _load(w, tmp_path / "bad.json")
+    del record["report"]["lower_bound_us"]  # a file saved before reports had the bound
+    (tmp_path / "older.json").write_text(json.dumps(record))
+    older = _load(w, tmp_path / "older.json").report
+    assert older.lower_bound_us is None and older.gap is None and "no plan costs less" not in str(older)
+
+
+def test_a_method_without_a_bound_reports_none(saved):
+    w, step, path = saved  # chen_greedy proves nothing about other plans
+    assert step.report.lower_bound_us is None and step.report.gap is None
+    assert "no plan costs less" not in str(step.report)

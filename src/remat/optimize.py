@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -42,6 +43,7 @@ from remat.planning import plan_graph
 from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
 from remat.solvers import SolveStatus
+from remat.solvers.base import relative_gap
 from remat.trace import LossFn, TracedStep, batch_index, trace
 from remat.units import BudgetError, check_budget, format_bytes, parse_budget
 
@@ -76,6 +78,15 @@ class StepReport:
     solve_s: float
     fingerprint: str
     note: str = ""  # how the plan was found when the solver saw a grouped graph
+    #: a lower bound on the cost of every plan of this step under the budget, in ``cost_us``'s
+    #: unit (None when the method proves none)
+    lower_bound_us: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """How far the plan's cost may be above the best possible, relative to its cost
+        (``(cost_us - lower_bound_us) / cost_us``); None without a bound."""
+        return relative_gap(self.cost_us, self.lower_bound_us)
 
     def to_json(self) -> dict[str, object]:
         record = asdict(self)
@@ -94,6 +105,8 @@ class StepReport:
             f"of budget {format_bytes(self.budget_bytes)} (checkpoint-all "
             f"{format_bytes(self.checkpoint_all_peak_bytes)}), overhead {self.overhead:.3f}x, "
             f"{self.recomputed_nodes} of {self.n_nodes} nodes recomputed"
+            + (f"; no plan costs less than {self.lower_bound_us / self.checkpoint_all_cost_us:.3f}x (gap {self.gap:.1%})"
+               if self.gap is not None and self.checkpoint_all_cost_us > 0 else "")
         )
 
 
@@ -220,9 +233,15 @@ class TrainingStep:
         try:
             stated = record["report"]
             report = StepReport(method=stated["method"], status=SolveStatus(stated["status"]), budget_bytes=record["budget_bytes"],
-                                solve_s=float(stated["solve_s"]), note=str(stated.get("note", "")), **dataclasses.asdict(facts))
+                                solve_s=float(stated["solve_s"]), note=str(stated.get("note", "")),
+                                lower_bound_us=_stated_bound(stated.get("lower_bound_us")), **dataclasses.asdict(facts))
         except (TypeError, ValueError, KeyError) as exc:
             raise PlanFileError(f"saved plan {os.fspath(path)!r}: unreadable report ({exc})") from exc
+        if report.lower_bound_us is not None and report.lower_bound_us > report.cost_us * (1 + 1e-9):
+            raise PlanFileError(
+                f"saved plan {os.fspath(path)!r}: its lower bound ({report.lower_bound_us!r}) is above the cost its "
+                f"plan simulates to ({report.cost_us!r}); the file is corrupt: run optimize() again"
+            )
         return cls(model, traced, plan, planned, report)
 
 
@@ -314,9 +333,21 @@ def optimize(
     planned_graph = plan_graph(graph, budget, method=method, **solver_options)
     result = planned_graph.result
     planned = build_module(traced, planned_graph.plan)
+    facts = PlanFacts.of(planned)
+    bound = result.lower_bound
     report = StepReport(method=method, status=result.status, budget_bytes=budget, solve_s=result.solve_s,
-                        note=planned_graph.note, **dataclasses.asdict(PlanFacts.of(planned)))
+                        note=planned_graph.note, **dataclasses.asdict(facts),
+                        lower_bound_us=min(float(bound), facts.cost_us) if bound is not None and math.isfinite(bound) else None)
     return TrainingStep(model, traced, planned_graph.plan, planned, report)
+
+
+def _stated_bound(value: object) -> float | None:
+    """A saved report's lower bound: None (older files, or none proven) or a number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"lower_bound_us {value!r} is not a cost")
+    return float(value)
 
 
 def _budget_argument(budget: object, budget_bytes: object, solver_options: dict[str, object]) -> int | float:
