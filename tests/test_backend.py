@@ -102,6 +102,8 @@ def test_mlp_under_memory_pressure_matches_eager_bitwise():
     report = be.reports[0]
     assert report.predicted_peak_bytes <= report.budget_bytes == int(0.8 * report.unoptimized_peak_bytes)
     assert report.backward_recomputes > 0 and report.overhead > 1.0
+    assert report.lower_bound is not None and 1.0 <= report.lower_bound <= report.overhead
+    assert f"overhead {report.overhead:.3f}x (no plan costs less than {report.lower_bound:.3f}x)" in str(report)
 
 
 def test_cnn_with_batch_norm_matches_eager_including_running_statistics():
@@ -278,6 +280,18 @@ def test_recompile_and_restart_reuse_the_plan_without_solving(tmp_path, monkeypa
         no_fallback(again)
         assert again.reports[0].from_cache, label
         assert again.reports[0].predicted_peak_bytes == first.reports[0].predicted_peak_bytes
+        assert again.reports[0].lower_bound == first.reports[0].lower_bound, label
+    # a plan cached before records had the bound is used as it is, without one
+    (path,) = tmp_path.glob("*.json")
+    record = json.loads(path.read_text())
+    del record["lower_bound"]
+    path.write_text(json.dumps(record))
+    backend_cache.clear_memory()
+    torch._dynamo.reset()
+    older = make_backend(0.9, method="chen_greedy", cache_dir=tmp_path)
+    assert_bitwise(run_step(w.model, w.batch, w.loss_fn, older), want, "older record")
+    assert older.reports[0].from_cache and older.reports[0].lower_bound is None
+    assert "no plan costs less" not in str(older.reports[0])
 
 
 def test_a_corrupt_cache_file_is_solved_again(tmp_path, caplog):
@@ -306,6 +320,8 @@ def test_a_corrupt_cache_file_is_solved_again(tmp_path, caplog):
         (lambda r: r.update(status="great"), "field 'status' is 'great', not one of optimal"),
         (lambda r: r.update(method="magic"), "field 'method' is 'magic', not a remat method"),
         (lambda r: r.update(solve_s=float("nan")), "field 'solve_s' is nan, not a finite number"),
+        (lambda r: r.update(lower_bound="low"), "field 'lower_bound' is 'low', not a float or int or null"),
+        (lambda r: r.update(lower_bound=r["overhead"] + 0.5), "field 'lower_bound' ("),
     ],
 )
 def test_a_cached_record_with_a_missing_or_bad_field_is_discarded_naming_the_file(tmp_path, caplog, corrupt, problem):

@@ -179,7 +179,8 @@ class PartitionReport:
     ``eager_peak_bytes``: the region's eager peak as measured at compile time (None where it
     could not run); ``reference`` what a fractional budget was a fraction of (``"eager"`` or
     ``"unoptimized"``, None for a budget in bytes); ``overhead``: the plan's compute cost over
-    computing every node once. Under torch.distributed, ``agreed_ranks`` ranks use the plan
+    computing every node once, ``lower_bound``: the least any plan can cost in that unit (None
+    where the method proves nothing, or a plan cached before reports had it). Under torch.distributed, ``agreed_ranks`` ranks use the plan
     that rank ``source_rank`` loaded or solved (``from_cache``, ``status`` and ``solve_s`` are
     that rank's)."""
 
@@ -204,6 +205,7 @@ class PartitionReport:
     captured: bool = True  # False: code dynamo left eager (``fallback`` says which), no graph
     source_rank: int | None = None
     agreed_ranks: int | None = None
+    lower_bound: float | None = None  # no plan costs less (a multiple like ``overhead``), if proven
 
     def __str__(self) -> str:
         if not self.captured:
@@ -223,7 +225,8 @@ class PartitionReport:
         return (
             f"{self.graph_name}: {self.method} {source}; predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} of budget {format_bytes(self.budget_bytes)}{of} "
-            f"({eager}unoptimized {format_bytes(self.unoptimized_peak_bytes)}), overhead {self.overhead:.3f}x, "
+            f"({eager}unoptimized {format_bytes(self.unoptimized_peak_bytes)}), overhead {self.overhead:.3f}x"
+            f"{'' if self.lower_bound is None else f' (no plan costs less than {self.lower_bound:.3f}x)'}, "
             f"{self.saved_values} values saved, {self.backward_recomputes} forward ops recomputed in the "
             f"backward, {self.replayed_random_ops} random ops replayed"
         )
@@ -384,6 +387,7 @@ class RematBackend:
             note=record.get("note"),
             source_rank=agreement.source_rank if agreement else None,
             agreed_ranks=agreement.ranks if agreement else None,
+            lower_bound=record.get("lower_bound"),
         )
         return parts.forward, parts.backward, report
 
@@ -465,8 +469,18 @@ class RematBackend:
             "overhead": planned.overhead,
             "status": status or planned.result.status.value,
             "solve_s": planned.result.solve_s,
+            "lower_bound": _bound_overhead(planned),
         }
         return planned, record
+
+
+def _bound_overhead(planned: GraphPlan) -> float | None:
+    """The plan's lower bound as a multiple of computing every node once (at most its own
+    overhead), or None when the method proves none."""
+    bound, total = planned.result.lower_bound, planned.graph.total_cost
+    if bound is None or not math.isfinite(bound) or total <= 0:
+        return None
+    return min(max(bound / total, 1.0), planned.overhead)
 
 
 def _infeasible(budget_bytes: int, least: int | None, method: str, unoptimized: int) -> _NotPlanned:

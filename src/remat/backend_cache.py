@@ -43,6 +43,10 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "status": (str,),
     "solve_s": (float, int),
 }
+#: Fields a record may lack (those stored before they existed), with their JSON types.
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {
+    "lower_bound": (float, int, type(None)),  # as a multiple of computing every node once
+}
 
 
 def record_problem(record: object) -> str | None:
@@ -51,8 +55,10 @@ def record_problem(record: object) -> str | None:
 
     if not isinstance(record, dict) or record.get("format") != CACHE_FORMAT or record.get("version") != CACHE_VERSION:
         return f"not a version-{CACHE_VERSION} remat backend plan"
-    for key, kinds in FIELDS.items():
+    for key, kinds in [*FIELDS.items(), *OPTIONAL_FIELDS.items()]:
         if key not in record:
+            if key in OPTIONAL_FIELDS:
+                continue
             return f"field {key!r} is missing"
         value = record[key]
         if isinstance(value, bool) or not isinstance(value, kinds):
@@ -66,6 +72,9 @@ def record_problem(record: object) -> str | None:
         return f"field 'method' is {record['method']!r}, not a remat method"
     if record["overhead"] < 1 - 1e-9 or record["solve_s"] < 0:
         return f"field 'overhead' ({record['overhead']!r}) or 'solve_s' ({record['solve_s']!r}) is out of range"
+    bound = record.get("lower_bound")
+    if bound is not None and not 1 - 1e-9 <= bound <= record["overhead"] * (1 + 1e-9):
+        return f"field 'lower_bound' ({bound!r}) is out of range: below 1 or above the plan's overhead"
     return None
 
 
