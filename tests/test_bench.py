@@ -505,12 +505,15 @@ def test_scaling_checks_name_every_goal_missed():
             "bound": 1.1, "gap": 1 - 1.1 / 1.2, "peak_bytes": 9, "wall_s": 75.0, "baseline": "segments",
             "baseline_overhead": 1.15}
     further = dict(cell, level="60%", wall_s=9.0, gap=0.01, overhead=1.1, bound=1.089, baseline_overhead=None)
-    results = {"workloads": {"resnet50": {"cells": [cell, further]}}}
+    smallest = dict(further, level="min", wall_s=70.0)
+    results = {"workloads": {"resnet50": {"cells": [cell, further, smallest]}}}
     lines = "\n".join(scaling_mod.checks(results))
     assert "not met** at resnet50 80% (8.3%)" in lines
     assert "Never worse than the best baseline: **not met** at resnet50 80%" in lines
     assert "First budget within 60 s, tracing included: **not met** for resnet50 (75 s)" in lines
-    assert "Each further budget within 5 s: **not met** at resnet50 60% (9.0 s)" in lines
+    assert "Each further budget within 5 s: **not met** at resnet50 60% (9.0 s) of 80/60/40%." in lines
+    # the smallest budget's cell (its search included) is stated, not counted against that goal
+    assert "min (70.0 s)" not in lines and "Their wall times: resnet50 70.0 s." in lines
 
 
 def test_scaling_cli_refuses_unknown_workloads(capsys):
