@@ -311,7 +311,7 @@ def test_presolve_finds_the_same_optimum_as_without_it(n_forward: int, seed: int
     on, solved_on, x = _highs(program, relax=False, presolve=True, time_limit_s=10.0, threads=1)
     off, solved_off, _ = _highs(program, relax=False, presolve=False, time_limit_s=10.0, threads=1)
     assert solved_on and solved_off
-    assert on == pytest.approx(off, rel=1e-6, abs=1e-9)
+    assert on == pytest.approx(off, rel=1e-5, abs=1e-9)  # (each stops within a relative gap of 1e-6)
     if math.isfinite(on):
         from remat.solvers.bounds import _checked
 
