@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from remat.errors import InfeasibleBudgetError, SolverError
 from remat.graph import Graph
 from remat.schedule import Plan, Schedule
@@ -102,6 +104,21 @@ class SolveResult:
             "recomputed_nodes": int(sum(c > 1 for c in self.sim.compute_counts)),
             "backend": self.stats.backend,
         }
+
+
+def row_activity(starts: np.ndarray, index: np.ndarray, value: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``A @ x`` for the sparse matrix ``A`` in CSR form (row ``i`` holds ``value[k] * x[index[k]]``
+    for ``k`` in ``starts[i]:starts[i + 1]``); 0 for an empty row.
+
+    >>> import numpy as np
+    >>> row_activity(np.array([0, 2, 2, 3]), np.array([0, 1, 1]), np.array([1.0, 2.0, 3.0]), np.array([1.0, 1.0]))
+    array([3., 0., 3.])
+    """
+    out = np.zeros(len(starts) - 1)
+    filled = np.diff(starts) > 0
+    if filled.any():  # (reduceat would give an empty row the next row's first term)
+        out[filled] = np.add.reduceat(value * x[index], starts[:-1][filled])
+    return out
 
 
 def relative_gap(objective: float, bound: float | None) -> float | None:

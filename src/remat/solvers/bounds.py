@@ -82,6 +82,7 @@ import numpy as np
 
 from remat.graph import Graph
 from remat.schedule import StepKind, plan_from_order
+from remat.solvers.base import row_activity
 from remat.solvers.milp_backends import quiet_highs, run_highs
 
 log = logging.getLogger("remat.solve")
@@ -659,10 +660,7 @@ def _checked(p: _Program, value: float, x: np.ndarray | None, *, optimal: bool =
     x = np.round(x)
     if (x < 0).any() or (x > p.col_upper).any():
         return False
-    counts = np.diff(p.starts)
-    rows = np.zeros(counts.size)
-    has = counts > 0
-    rows[has] = np.add.reduceat(p.value * x[p.index], p.starts[:-1][has])
+    rows = row_activity(p.starts, p.index, p.value, x)
     if (rows < p.row_lower - CHECK_TOLERANCE).any() or (rows > p.row_upper + CHECK_TOLERANCE).any():
         return False
     cost = float(p.col_cost @ x)

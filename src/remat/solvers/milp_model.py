@@ -38,6 +38,7 @@ import numpy as np
 
 from remat.graph import Graph
 from remat.schedule import Schedule
+from remat.solvers.base import row_activity
 
 #: Markers in ``MilpModel.r_col`` / ``s_col`` for entries fixed by the formulation.
 FIXED_ZERO = -1
@@ -121,8 +122,7 @@ class MilpModel:
 
     def max_violation(self, x: np.ndarray) -> float:
         """Largest bound or row violation of ``x`` (0.0 for a feasible point)."""
-        activity = np.add.reduceat(self.row_value * x[self.row_index], self.row_start[:-1]) if self.n_rows else np.zeros(0)
-        # reduceat returns the element itself for an empty row; no row is empty by construction
+        activity = row_activity(self.row_start, self.row_index, self.row_value, x)
         worst = 0.0
         if self.n_rows:
             worst = max(worst, float(np.max(self.row_lower - activity, initial=0.0)))

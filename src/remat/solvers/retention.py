@@ -45,6 +45,7 @@ import numpy as np
 
 from remat.cuts import light_cuts
 from remat.graph import Graph, NodeKind
+from remat.solvers.base import row_activity
 
 log = logging.getLogger("remat.solve")
 
@@ -369,7 +370,7 @@ class RetentionStructure:
         starts, index, value, lower, upper = self.structure_rows
         if not lower.size:
             return 0.0
-        activity = np.add.reduceat(value * x[index], starts[:-1])
+        activity = row_activity(starts, index, value, x)
         return float(max(np.max(lower - activity, initial=0.0), np.max(activity - upper, initial=0.0)))
 
 
