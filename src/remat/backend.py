@@ -475,12 +475,10 @@ class RematBackend:
 
 
 def _bound_overhead(planned: GraphPlan) -> float | None:
-    """The plan's lower bound as a multiple of computing every node once (at most its own
-    overhead), or None when the method proves none."""
-    bound, total = planned.result.lower_bound, planned.graph.total_cost
-    if bound is None or not math.isfinite(bound) or total <= 0:
-        return None
-    return min(max(bound / total, 1.0), planned.overhead)
+    """The plan's lower bound as a multiple of computing every node once (as ``overhead``),
+    or None when the method proves none."""
+    bound, total = planned.lower_bound, planned.graph.total_cost
+    return None if bound is None or total <= 0 else bound / total
 
 
 def _infeasible(budget_bytes: int, least: int | None, method: str, unoptimized: int) -> _NotPlanned:

@@ -333,11 +333,9 @@ def optimize(
     planned_graph = plan_graph(graph, budget, method=method, **solver_options)
     result = planned_graph.result
     planned = build_module(traced, planned_graph.plan)
-    facts = PlanFacts.of(planned)
-    bound = result.lower_bound
     report = StepReport(method=method, status=result.status, budget_bytes=budget, solve_s=result.solve_s,
-                        note=planned_graph.note, **dataclasses.asdict(facts),
-                        lower_bound_us=min(float(bound), facts.cost_us) if bound is not None and math.isfinite(bound) else None)
+                        note=planned_graph.note, lower_bound_us=planned_graph.lower_bound,
+                        **dataclasses.asdict(PlanFacts.of(planned)))
     return TrainingStep(model, traced, planned_graph.plan, planned, report)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -49,6 +50,16 @@ class GraphPlan:
     @property
     def overhead(self) -> float:
         return self.sim.total_cost / self.graph.total_cost if self.graph.total_cost > 0 else 1.0
+
+    @property
+    def lower_bound(self) -> float | None:
+        """The least any plan of ``graph`` can cost under the budget, in its cost unit: the
+        solver's bound, between computing every node once and this plan's own cost (None when
+        the method proves none)."""
+        bound = self.result.lower_bound
+        if bound is None or not math.isfinite(bound):
+            return None
+        return min(max(float(bound), self.graph.total_cost), self.sim.total_cost)
 
     @property
     def solved_nodes(self) -> int:
