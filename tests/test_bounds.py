@@ -6,12 +6,13 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from remat import Graph, InfeasibleBudgetError, SolveStatus, solve
-from remat.builders import chain_graph, random_training_graph, unet_graph
+from remat.builders import chain_graph, random_training_graph, training_graph, unet_graph
 from remat.graph import Node, NodeKind
 from remat.solvers.bounds import InstantBounds, _solve_program
 from remat.solvers.milp import minimum_budget
@@ -124,6 +125,87 @@ def test_several_instants_together_never_exceed_the_exhaustive_optimum(graph: Gr
                 assert 0.0 <= lighter <= value + 1e-9, (instants, budget)
 
 
+@pytest.mark.parametrize("graph", SMALL_GRAPHS, ids=lambda g: g.name)
+def test_a_first_instant_with_deadlines_never_exceeds_the_exhaustive_optimum(graph: Graph) -> None:
+    # every first instant with every one or two later deadlines, as an LP and as a MIP
+    bounds = InstantBounds(graph)
+    low = exhaustive_min_peak(graph)
+    for budget in sorted({low, (low + checkpoint_all_peak(graph)) // 2}):
+        extra = exhaustive_min_cost(graph, budget) - graph.total_cost
+        over = [t for t in range(graph.n) if bounds.checkpoint_all_instants[t] > budget]
+        tried = 0
+        for first in over:
+            for size in (1, 2):
+                for deadlines in list(itertools.combinations(range(first + 1, graph.n), size))[:12]:
+                    program = bounds.deadline_program(first, deadlines, budget)
+                    for relax in (True, False):
+                        value = _solve_program(program, relax=relax, time_limit_s=5.0, threads=1)
+                        assert 0.0 <= value <= extra + 1e-9, (first, deadlines, budget, relax)
+                    tried += 1
+        assert tried or not over
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(2, 10), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0),
+       pick=st.randoms(use_true_random=False))
+def test_a_first_instant_with_deadlines_is_below_the_proven_optimum(n_forward: int, seed: int, where: float,
+                                                                    pick) -> None:
+    graph = random_training_graph(n_forward, seed)
+    budget = budget_between(graph, minimum_budget(graph).budget_bytes, where)
+    result = solve(graph, budget, method="milp")
+    assert result.status is SolveStatus.OPTIMAL
+    bounds = InstantBounds(graph)
+    for _ in range(6):
+        first = pick.randrange(graph.n - 1)
+        later = list(range(first + 1, graph.n))
+        deadlines = tuple(sorted(pick.sample(later, pick.randint(1, min(4, len(later))))))
+        program = bounds.deadline_program(first, deadlines, budget)
+        for relax in (True, False):
+            value = _solve_program(program, relax=relax, time_limit_s=5.0, threads=1)
+            assert graph.total_cost + value <= result.objective + 1e-6, (first, deadlines, relax)
+
+
+def _headed_stack(blocks: int) -> Graph:
+    """A residual stack under a large head: block k is ``a = f(h)``, ``b = g(a)``, ``h' = h + b``
+    with residuals of 2 bytes and activations of 8, and the head's output has 24, so that next
+    to the head and its gradient little more than one residual fits."""
+    deps: list[tuple[int, ...]] = [()]
+    sizes = [2]
+    h = 0
+    for _ in range(blocks):
+        a = len(deps)
+        deps += [(h,), (a,), (h, a + 1)]
+        sizes += [8, 8, 2]
+        h = a + 2
+    deps.append((h,))
+    sizes.append(24)
+    return training_graph(deps, sizes, [1.0] * len(deps), name=f"headed{blocks}")
+
+
+def test_deadlines_see_the_residuals_recomputed_for_the_backward_pass() -> None:
+    # Right after the head's gradient only one residual fits, so the stack's activations are
+    # computed again after it to reach the top blocks' gradients -- and, as later instants
+    # cannot hold every block's activations, once more for the lower blocks' gradients. The
+    # instants' LPs see one of these, the deadlines' LP both.
+    graph = _headed_stack(16)
+    bounds = InstantBounds(graph)
+    budget = bounds.min_budget_bytes + 2
+    first = int(np.argmax(bounds.forced_bytes))
+    after = np.arange(first + 1, graph.n)
+    deadlines = tuple(int(t) for t in after[np.linspace(0, after.size - 1, 10)[1:-1].round().astype(int)])
+    chained = _solve_program(bounds.deadline_program(first, deadlines, budget), relax=True, time_limit_s=10.0,
+                             threads=1)
+    single = max(_solve_program(bounds.program((t,), budget), relax=True, time_limit_s=5.0, threads=1)
+                 for t in range(graph.n))
+    pairs = max(_solve_program(bounds.program((first, t), budget), relax=True, time_limit_s=5.0, threads=1)
+                for t in range(first + 1, graph.n))
+    assert chained > max(single, pairs) + 0.03 * graph.total_cost
+    plan = solve(graph, budget, method="milp", time_limit_s=20.0)
+    assert graph.total_cost + chained <= plan.objective
+    bound = bounds.cost_bound(budget)
+    assert bound.value >= graph.total_cost + chained - 1e-6 and bound.instants[0] == first
+
+
 def test_two_instants_see_a_value_recomputed_twice() -> None:
     # chain of 3 layers, 1 byte and cost 1 per node: f0 f1 f2 loss g2 g1 g0 (nodes 0..6).
     # With 3 bytes, right after g2 (node 4) only its inputs fit: f0 and f1 are recomputed after
@@ -188,6 +270,7 @@ def test_the_growth_tries_the_tightest_instants_even_far_from_the_best_one(monke
     monkeypatch.setattr("remat.solvers.bounds.MULTI_TOP", 1)
     monkeypatch.setattr("remat.solvers.bounds.NEIGHBOURS", 1)
     monkeypatch.setattr("remat.solvers.bounds.MULTI_SPREAD", 1)
+    monkeypatch.setattr("remat.solvers.bounds.DEADLINE_COUNTS", ())  # (they prove 137 here)
     graph = random_training_graph(7, seed=2)
     bounds = InstantBounds(graph)
     budget = bounds.min_budget_bytes

@@ -64,6 +64,39 @@ for the growth to pick them but whose MIP often proves more. On the 12-layer GPT
 budget below which no plan fits (``min_budget_bytes``) the two instants named above give 1.58x
 against one instant's 1.35x; ResNet50 b32 there, three give 1.35x against 1.23x.
 
+**A first instant with deadlines.** Several instants chain their windows: a value recomputed
+in window k finds its inputs live at instant k or recomputed in the same window. Where the
+first instant leaves room for little more than one residual (GPT-2 at its smallest budget:
+right after the loss gradient, one of the 2 MiB hidden states), that chain is the LP's
+weakness: a fractionally live hidden state at each instant cuts every window's chain a little,
+and neither the LP nor, in the time it has, the MIP sees what every plan does there -- run the
+forward pass again after the loss gradient to reach the top layers' gradients, and once more,
+layer by layer, for the activations the lower layers' gradients read, since no later instant
+holds them all. So this program anchors every later instant t (a *deadline*) at one first
+instant a. Columns, for the values of a's own program: ``x0[v]`` (live at a), ``s[v]``
+(computed again after a) and ``e[v]`` (computed at least twice after a); per deadline t:
+``sigma[t, v]`` (computed after a and before t), and, for the values a node after t reads and
+what recomputing those reads, ``x[t, v]`` (live at t) and ``rho[t, v]`` (computed after t).
+Any plan satisfies, with its own columns:
+
+- a's program on (x0, s), as for one instant;
+- a value read by a first computation after a and up to t: ``x0 + sigma[t] >= 1`` (live since
+  a, or computed since), and a computation before t finds its inputs the same way:
+  ``sigma[t, w] <= x0[d] + sigma[t, d]``; ``sigma[t, v] <= s[v]``;
+- a value read after t: ``x[t] + rho[t] >= 1``, and ``rho[t, w] <= x[t, d] + rho[t, d]``;
+- live at t: ``x[t, v] <= x0[v] + sigma[t, v]`` (it was live at a, or computed since);
+- ``e[v] >= sigma[t, v] + rho[t, v] - 1``: a computation before t and one after it are two;
+- memory at a and at each t, as for one instant; and at most one of the values larger than
+  half of a's room is live at a.
+
+Each ``s`` is a computation after a, each ``e`` a second one, so ``sum c_v (s[v] + e[v])`` is at
+most what the plan recomputes: the LP value plus ``graph.total_cost`` bounds every plan's cost.
+The deadline rows anchor at a, whose room is small, not at each other, so the LP keeps the
+second computations: GPT-2 48L at its smallest budget, 1.374x with several instants, 1.547x
+with a at the loss gradient and eight deadlines spread over the backward pass (a 32k-column
+LP, 5 s). ``cost_bound`` tries ``DEADLINE_COUNTS`` deadlines spread evenly after the best
+single instant, before the several instants.
+
 **The smallest budget.** At the instant t is first computed, no plan holds less than
 ``fixed_bytes``, the kept bytes so far, t with its scratch and inputs, the outputs so far and
 the values that cannot be recomputed but are read later; the largest over t is a budget
@@ -125,6 +158,20 @@ MULTI_EXTRA = 4
 #: with more time (``cost_bound(multi_time_s=...)``) its MIPs prove more: 1.267x in 8 s, 1.327x
 #: in 16 s, 1.334x in 30 s.
 MULTI_TIME_S = 8.0
+#: The bound of a first instant and deadlines (see the module): the best single instant and
+#: this many deadlines spread evenly over the nodes after it, each count an LP, before the
+#: several instants (which use all the time they are given). The first count gets
+#: DEADLINE_SHARE of the time left; a larger one comes only if the last raised the bound, and
+#: only if DEADLINE_GROWTH times the last one's time fits in DEADLINE_MORE_SHARE of the time
+#: left (an LP cut short proves nothing). GPT-2 48L at its smallest budget: 1.374x with several
+#: instants; 1.502x with four deadlines (1.0 s), 1.547x with eight (4.9 s), 1.581x with sixteen
+#: (29 s). Elsewhere in the benchmark these LPs take under 0.5 s and prove no more than the
+#: several instants, except GPT-2 at its floor (24L, eight deadlines: 1.589x in 0.4 s against
+#: one instant's 1.360x; its several instants' MIPs reach 1.650x).
+DEADLINE_COUNTS = (4, 8, 16)
+DEADLINE_SHARE = 0.5
+DEADLINE_MORE_SHARE = 0.8
+DEADLINE_GROWTH = 5.0
 #: Default time for one bound: LPs first, the MIPs with what is left.
 DEFAULT_TIME_LIMIT_S = 10.0
 
@@ -221,6 +268,8 @@ class InstantBounds:
         # second call goes on from it; per (budget, set): a MIP's value and whether it was solved
         self._grown: dict[tuple[int, int], tuple[tuple[int, ...], float]] = {}
         self._mips: dict[tuple[int, tuple[int, ...]], tuple[float, bool]] = {}
+        # per (budget, first instant, deadlines): the deadline program's LP value and its time
+        self._deadline_values: dict[tuple[int, int, tuple[int, ...]], tuple[float, float]] = {}
 
     # ------------------------------------------------------------------ the smallest budget
     @cached_property
@@ -381,15 +430,99 @@ class InstantBounds:
         rows.add(np.stack([ss[rec], *(r_col[j][rec] for j in range(k, len(ts)))], axis=1),
                  np.array([1.0] + [-1.0] * later), -np.inf, 0.0)
 
+    def deadline_program(self, first: int, deadlines: tuple[int, ...], budget_bytes: int) -> _Program:
+        """The 0/1 program of instant ``first`` with ``deadlines`` (later instants) under
+        ``budget_bytes`` (see the module). Columns: for the values of ``first``'s own program,
+        ``x0`` (live at it), ``s`` (computed again after it) and ``e`` (computed at least twice
+        after it); per deadline t, ``sigma`` (computed after ``first`` and before t), and for the
+        values t's later nodes need (with what recomputing them needs), ``x`` (live at t) and
+        ``rho`` (computed after t)."""
+        n = self.graph.n
+        src, dst = self.edge_src, self.edge_dst
+        ts = tuple(sorted({int(t) for t in deadlines if first < int(t) < n}))
+        decide = np.zeros(n, dtype=bool)
+        decide[:first] = self.reach[:first] > first
+        decide &= ~self.forced_mask(first)
+        ids = np.flatnonzero(decide)
+        rec = ids[self.recomputable[ids]]
+        count = 0
+
+        def columns(members: np.ndarray) -> np.ndarray:
+            nonlocal count
+            out = np.full(n, -1, dtype=np.int64)
+            out[members] = count + np.arange(members.size)
+            count += members.size
+            return out
+
+        x0, s, e = columns(ids), columns(rec), columns(rec)
+        caps = [budget_bytes - int(self.forced_bytes[first])]
+        rows = _Rows()
+        # the program of ``first`` alone, on (x0, s)
+        need = np.flatnonzero(decide & (self.last_user > first))
+        rows.add_any(x0[need], s[need], 1.0, np.inf)
+        closure = decide[src] & decide[dst] & (s[dst] >= 0)
+        rows.add_closure(x0[src[closure]], s[src[closure]], s[dst[closure]])
+        scale = 1.0 / float(self.sizes[ids].max()) if ids.size else 1.0
+        rows.add_row(x0[ids], self.sizes[ids] * scale, -np.inf, max(caps[0], 0) * scale)
+        big = ids[2 * self.sizes[ids] > caps[0]]  # no two of these fit together
+        if big.size > 1:
+            rows.add_row(x0[big], np.ones(big.size), -np.inf, 1.0)
+        uppers: list[tuple[np.ndarray, np.ndarray, int]] = [(x0, ids, caps[0])]
+        for t in ts:
+            # sigma: read by a first computation up to t, so live at ``first`` or computed
+            # since; a recomputation before t finds its inputs the same way
+            sigma = columns(rec)
+            read = np.unique(src[(dst > first) & (dst <= t) & decide[src]])
+            rows.add_any(x0[read], sigma[read], 1.0, np.inf)
+            rows.add_closure(x0[src[closure]], sigma[src[closure]], sigma[dst[closure]])
+            rows.add(np.stack([sigma[rec], s[rec]], axis=1), np.array([1.0, -1.0]), -np.inf, 0.0)
+            # after t: what a later node reads, and what recomputing that reads
+            alive = decide & (self.reach > t) & ~self.forced_mask(t)
+            later = np.flatnonzero(alive & (self.last_user > t))
+            held = np.flatnonzero(self._ancestors(alive, later))
+            x, rho = columns(held), columns(held[self.recomputable[held]])
+            rows.add_any(x[later], rho[later], 1.0, np.inf)
+            linked = alive[src] & (x[dst] >= 0) & (rho[dst] >= 0)
+            rows.add_closure(x[src[linked]], rho[src[linked]], rho[dst[linked]])
+            rows.add_transfer(x[held], x0[held], sigma[held])
+            twice = held[(sigma[held] >= 0) & (rho[held] >= 0)]
+            rows.add(np.stack([e[twice], sigma[twice], rho[twice]], axis=1), np.array([1.0, -1.0, -1.0]), -1.0,
+                     np.inf)
+            caps.append(budget_bytes - int(self.forced_bytes[t]))
+            if held.size:
+                rows.add_row(x[held], self.sizes[held] * scale, -np.inf, max(caps[-1], 0) * scale)
+            uppers.append((x, held, caps[-1]))
+        col_cost = np.zeros(count)
+        col_cost[s[rec]] = self.costs[rec]
+        col_cost[e[rec]] = self.costs[rec]
+        col_upper = np.ones(count)
+        for cols, members, cap in uppers:  # a value larger than the room cannot be live there
+            col_upper[cols[members[self.sizes[members] > max(cap, 0)]]] = 0.0
+        starts, index, value, lower, upper = rows.arrays()
+        return _Program((first, *ts), col_cost, col_upper, starts, index, value, lower, upper,
+                        feasible=min(caps) >= 0, empty=ids.size == 0)
+
+    def _ancestors(self, allowed: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+        """The ``seeds`` and every value of ``allowed`` they depend on through ``allowed``."""
+        marked = np.zeros(self.graph.n, dtype=bool)
+        marked[seeds] = True
+        for v in range(int(seeds.max(initial=-1)), -1, -1):
+            if marked[v]:
+                for d in self.graph.nodes[v].deps:
+                    if allowed[d]:
+                        marked[d] = True
+        return marked
+
     # ------------------------------------------------------------------ the bound
     def cost_bound(self, budget_bytes: int, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
                    instants: tuple[int, ...] = (), threads: int = 2, multi: bool = True,
                    multi_time_s: float = MULTI_TIME_S) -> CostBound:
         """The instant bound under ``budget_bytes``: LP relaxations at screened instants (and
-        at ``instants``), then MIPs at the most promising ones, within ``time_limit_s``; with
-        ``multi``, then several instants together (the module) for at most ``multi_time_s``
-        (a quarter of it for their MIPs). The single instants' results are kept per budget, so
-        asking first without ``multi`` and later with it repeats nothing.
+        at ``instants``), then MIPs at the most promising ones, within ``time_limit_s``; then the
+        best one with deadlines (the module); with ``multi``, then several instants together
+        for at most ``multi_time_s`` (a quarter of it for their MIPs). The single instants'
+        and the deadlines' results are kept per budget, so asking first without ``multi`` and
+        later with it repeats nothing.
 
         Every number it takes is a valid bound, so stopping early only makes it weaker.
         """
@@ -415,9 +548,13 @@ class InstantBounds:
                 self._singles[key] = (lp_values, best_t, best)
         feasible = math.isfinite(best)
         together: tuple[int, ...] = (best_t,)
-        if feasible and multi:  # (no plan fits if the instants together leave none)
-            best, together = self._several(budget_bytes, best_t, best, lp_values, excess, deadline, threads,
-                                           multi_time_s)
+        if feasible:  # a first instant with deadlines; then, with ``multi``, several instants
+            chained = self._deadlines(budget_bytes, best_t, best, deadline, threads)
+            results = [(best, together)]
+            if multi:  # (no plan fits if the instants together leave none)
+                results.append(self._several(budget_bytes, best_t, best, lp_values, excess, deadline, threads,
+                                             multi_time_s))
+            best, together = max([*results, chained], key=lambda pair: pair[0])  # (ties: the instants)
             feasible = math.isfinite(best)
         value = g.total_cost + best if feasible else math.inf
         log.info("bound: %s under %d B: %s at %s (%d instants, %.2f s)", g.name, budget_bytes,
@@ -540,6 +677,45 @@ class InstantBounds:
                 break  # every tight instant is in, or the MIP used its time (it was not solved)
             extra += MULTI_EXTRA  # solved with time to spare: a larger set may prove more
         return value, together
+
+    def _deadlines(self, budget_bytes: int, first: int, single: float, deadline: float,
+                   threads: int) -> tuple[float, tuple[int, ...]]:
+        """The LPs of ``first`` with ``DEADLINE_COUNTS`` deadlines spread evenly over the nodes
+        after it: (the best value, its instants), or (0, (first,)) if none is solved in time.
+        The first count gets ``DEADLINE_SHARE`` of the time left; a larger one is tried only
+        if the last raised the bound above ``single`` (the best single instant's) and, at
+        ``DEADLINE_GROWTH`` times the last one's time, fits in ``DEADLINE_MORE_SHARE`` of the
+        time left. Solved ones are kept per budget."""
+        n = self.graph.n
+        best, chosen = 0.0, (first,)
+        after = np.arange(first + 1, n)
+        share, last_s = DEADLINE_SHARE, 0.0
+        for count in DEADLINE_COUNTS:
+            if after.size == 0:
+                break
+            spots = np.unique(np.linspace(0, after.size - 1, count + 2)[1:-1].round().astype(int))
+            picks = tuple(int(t) for t in after[spots])
+            key = (budget_bytes, first, picks)
+            if key in self._deadline_values:
+                value, last_s = self._deadline_values[key]
+            else:
+                left = share * (deadline - time.perf_counter())
+                if left <= 0.05 or DEADLINE_GROWTH * last_s > left:
+                    break
+                started = time.perf_counter()
+                value, solved = _run_program(self.deadline_program(first, picks, budget_bytes), relax=True,
+                                             time_limit_s=left, threads=threads)
+                last_s = time.perf_counter() - started
+                if solved:
+                    if len(self._deadline_values) >= 256:
+                        self._deadline_values.clear()
+                    self._deadline_values[key] = (value, last_s)
+            if value > best:
+                best, chosen = value, (first, *picks)
+            if not value > single * (1 + 1e-6) + 1e-9:
+                break  # no second computation seen: more deadlines are not worth their time
+            share = DEADLINE_MORE_SHARE
+        return best, chosen
 
     def _mip(self, instants: tuple[int, ...], budget_bytes: int, time_limit_s: float,
              threads: int) -> tuple[float, bool]:
