@@ -100,6 +100,14 @@ def test_milp_reports_the_whole_graph_bound_and_refuses_what_it_proves_infeasibl
     assert result.gap == pytest.approx(max(0.0, 1 - result.lower_bound / result.objective))
 
 
+def _budgets_with_extra(graph: Graph) -> list[tuple[int, float]]:
+    """The smallest budget and one between it and checkpoint-all, each with the least
+    recomputation any plan needs under it (exhaustive search)."""
+    low = exhaustive_min_peak(graph)
+    return [(budget, exhaustive_min_cost(graph, budget) - graph.total_cost)
+            for budget in sorted({low, (low + checkpoint_all_peak(graph)) // 2})]
+
+
 def _instant_sets(graph: Graph, budget: int, size: int) -> list[tuple[int, ...]]:
     over = [t for t in range(graph.n) if InstantBounds(graph).checkpoint_all_instants[t] > budget]
     return list(itertools.combinations(over, size))
@@ -110,9 +118,7 @@ def test_several_instants_together_never_exceed_the_exhaustive_optimum(graph: Gr
     # every pair and triple of instants, as an LP and as a MIP, at the smallest budget and
     # between it and checkpoint-all: the recomputation they prove is never above the optimum's
     bounds = InstantBounds(graph)
-    low = exhaustive_min_peak(graph)
-    for budget in sorted({low, (low + checkpoint_all_peak(graph)) // 2}):
-        extra = exhaustive_min_cost(graph, budget) - graph.total_cost
+    for budget, extra in _budgets_with_extra(graph):
         for size in (2, 3):
             for instants in _instant_sets(graph, budget, size)[:60]:
                 program = bounds.program(instants, budget)
@@ -129,9 +135,7 @@ def test_several_instants_together_never_exceed_the_exhaustive_optimum(graph: Gr
 def test_a_first_instant_with_deadlines_never_exceeds_the_exhaustive_optimum(graph: Graph) -> None:
     # every first instant with every one or two later deadlines, as an LP and as a MIP
     bounds = InstantBounds(graph)
-    low = exhaustive_min_peak(graph)
-    for budget in sorted({low, (low + checkpoint_all_peak(graph)) // 2}):
-        extra = exhaustive_min_cost(graph, budget) - graph.total_cost
+    for budget, extra in _budgets_with_extra(graph):
         over = [t for t in range(graph.n) if bounds.checkpoint_all_instants[t] > budget]
         tried = 0
         for first in over:
