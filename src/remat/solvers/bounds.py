@@ -92,10 +92,10 @@ Any plan satisfies, with its own columns:
 Each ``s`` is a computation after a, each ``e`` a second one, so ``sum c_v (s[v] + e[v])`` is at
 most what the plan recomputes: the LP value plus ``graph.total_cost`` bounds every plan's cost.
 The deadline rows anchor at a, whose room is small, not at each other, so the LP keeps the
-second computations: GPT-2 48L at its smallest budget, 1.374x with several instants, 1.547x
+second computations: GPT-2 48L at its smallest budget, 1.374x with several instants, 1.577x
 with a at the loss gradient and eight deadlines spread over the backward pass (a 32k-column
-LP, 5 s). ``cost_bound`` tries ``DEADLINE_COUNTS`` deadlines spread evenly after the best
-single instant, before the several instants.
+LP, 6 s). ``cost_bound`` tries ``DEADLINE_COUNTS`` deadlines spread evenly over the nodes
+after the best single instant that read its values, before the several instants.
 
 **The smallest budget.** At the instant t is first computed, no plan holds less than
 ``fixed_bytes``, the kept bytes so far, t with its scratch and inputs, the outputs so far and
@@ -159,18 +159,19 @@ MULTI_EXTRA = 4
 #: in 16 s, 1.334x in 30 s.
 MULTI_TIME_S = 8.0
 #: The bound of a first instant and deadlines (see the module): the best single instant and
-#: this many deadlines spread evenly over the nodes after it, each count an LP, before the
-#: several instants (which use all the time they are given). The first count gets
-#: DEADLINE_SHARE of the time left; a larger one comes only if the last raised the bound, and
-#: only if DEADLINE_GROWTH times the last one's time fits in DEADLINE_MORE_SHARE of the time
-#: left (an LP cut short proves nothing). GPT-2 48L at its smallest budget: 1.374x with several
-#: instants; 1.502x with four deadlines (1.0 s), 1.547x with eight (4.9 s), 1.581x with sixteen
-#: (29 s). Elsewhere in the benchmark these LPs take under 0.5 s and prove no more than the
-#: several instants, except GPT-2 at its floor (24L, eight deadlines: 1.589x in 0.4 s against
-#: one instant's 1.360x; its several instants' MIPs reach 1.650x).
+#: this many deadlines spread evenly over the nodes after it that read its values (the first
+#: of them included), each count an LP, before the several instants (which use all the time
+#: they are given). The first count gets DEADLINE_SHARE of the time left; a larger one comes
+#: only if the last raised the bound, and only if DEADLINE_GROWTH times the last one's time
+#: fits in DEADLINE_MORE_SHARE of the time left (an LP cut short proves nothing). GPT-2 48L at
+#: its smallest budget: 1.374x with several instants; 1.550x with four deadlines (1.4 s),
+#: 1.577x with eight (6.3 s), 1.589x with sixteen (25 s); spread over all the nodes after it
+#: instead, eight give 1.547x. Elsewhere in the benchmark these LPs take under 0.5 s and
+#: prove no more than the several instants, except GPT-2 at its floor (24L, eight deadlines:
+#: 1.589x in 0.4 s against one instant's 1.360x; its several instants' MIPs reach 1.650x).
 DEADLINE_COUNTS = (4, 8, 16)
 DEADLINE_SHARE = 0.5
-DEADLINE_MORE_SHARE = 0.8
+DEADLINE_MORE_SHARE = 0.9
 DEADLINE_GROWTH = 5.0
 #: Default time for one bound: LPs first, the MIPs with what is left.
 DEFAULT_TIME_LIMIT_S = 10.0
@@ -339,6 +340,13 @@ class InstantBounds:
         forced[self.sizes == 0] = True  # a zero-byte value is kept for free
         return forced
 
+    def decided(self, t: int) -> np.ndarray:
+        """The values instant t's program decides on: computed before t, read after it (or
+        depended on by what is), and not held there by every plan."""
+        d = np.zeros(self.graph.n, dtype=bool)
+        d[:t] = self.reach[:t] > t
+        return d & ~self.forced_mask(t)
+
     def program(self, instants: tuple[int, ...], budget_bytes: int, since: bool = True) -> _Program:
         """The 0/1 program of ``instants`` (see the module) under ``budget_bytes``; without the
         columns and rows of s (``since=False``) it is a relaxation of it (fewer rows, every
@@ -349,9 +357,7 @@ class InstantBounds:
         decide, x_col, r_col, s_col = [], [], [], []
         col = 0
         for t in ts:
-            d = np.zeros(n, dtype=bool)
-            d[:t] = self.reach[:t] > t
-            d &= ~self.forced_mask(t)
+            d = self.decided(t)
             ids = np.flatnonzero(d)
             xs = np.full(n, -1, dtype=np.int64)
             xs[ids] = col + np.arange(ids.size)
@@ -440,9 +446,7 @@ class InstantBounds:
         n = self.graph.n
         src, dst = self.edge_src, self.edge_dst
         ts = tuple(sorted({int(t) for t in deadlines if first < int(t) < n}))
-        decide = np.zeros(n, dtype=bool)
-        decide[:first] = self.reach[:first] > first
-        decide &= ~self.forced_mask(first)
+        decide = self.decided(first)
         ids = np.flatnonzero(decide)
         rec = ids[self.recomputable[ids]]
         count = 0
@@ -681,20 +685,21 @@ class InstantBounds:
     def _deadlines(self, budget_bytes: int, first: int, single: float, deadline: float,
                    threads: int) -> tuple[float, tuple[int, ...]]:
         """The LPs of ``first`` with ``DEADLINE_COUNTS`` deadlines spread evenly over the nodes
-        after it: (the best value, its instants), or (0, (first,)) if none is solved in time.
+        after it that read its values, from the first of them on: (the best value, its
+        instants), or (0, (first,)) if none is solved in time.
         The first count gets ``DEADLINE_SHARE`` of the time left; a larger one is tried only
         if the last raised the bound above ``single`` (the best single instant's) and, at
         ``DEADLINE_GROWTH`` times the last one's time, fits in ``DEADLINE_MORE_SHARE`` of the
         time left. Solved ones are kept per budget."""
-        n = self.graph.n
         best, chosen = 0.0, (first,)
-        after = np.arange(first + 1, n)
+        # the nodes after ``first`` that read its values, the first of them included
+        readers = np.unique(self.edge_dst[(self.edge_dst > first) & self.decided(first)[self.edge_src]])
         share, last_s = DEADLINE_SHARE, 0.0
         for count in DEADLINE_COUNTS:
-            if after.size == 0:
+            if readers.size == 0:
                 break
-            spots = np.unique(np.linspace(0, after.size - 1, count + 2)[1:-1].round().astype(int))
-            picks = tuple(int(t) for t in after[spots])
+            spots = np.unique(np.linspace(0, readers.size - 1, count + 1)[:-1].round().astype(int))
+            picks = tuple(int(t) for t in readers[spots])
             key = (budget_bytes, first, picks)
             if key in self._deadline_values:
                 value, last_s = self._deadline_values[key]
