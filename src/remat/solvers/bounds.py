@@ -465,7 +465,8 @@ class InstantBounds:
         need = np.flatnonzero(decide & (self.last_user > first))
         rows.add_any(x0[need], s[need], 1.0, np.inf)
         closure = decide[src] & decide[dst] & (s[dst] >= 0)
-        rows.add_closure(x0[src[closure]], s[src[closure]], s[dst[closure]])
+        inputs, users = src[closure], dst[closure]
+        rows.add_closure(x0[inputs], s[inputs], s[users])
         scale = 1.0 / float(self.sizes[ids].max()) if ids.size else 1.0
         rows.add_row(x0[ids], self.sizes[ids] * scale, -np.inf, max(caps[0], 0) * scale)
         big = ids[2 * self.sizes[ids] > caps[0]]  # no two of these fit together
@@ -478,10 +479,10 @@ class InstantBounds:
             sigma = columns(rec)
             read = np.unique(src[(dst > first) & (dst <= t) & decide[src]])
             rows.add_any(x0[read], sigma[read], 1.0, np.inf)
-            rows.add_closure(x0[src[closure]], sigma[src[closure]], sigma[dst[closure]])
+            rows.add_closure(x0[inputs], sigma[inputs], sigma[users])
             rows.add(np.stack([sigma[rec], s[rec]], axis=1), np.array([1.0, -1.0]), -np.inf, 0.0)
             # after t: what a later node reads, and what recomputing that reads
-            alive = decide & (self.reach > t) & ~self.forced_mask(t)
+            alive = decide & self.decided(t)
             later = np.flatnonzero(alive & (self.last_user > t))
             held = np.flatnonzero(self._ancestors(alive, later))
             x, rho = columns(held), columns(held[self.recomputable[held]])
