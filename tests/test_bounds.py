@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from remat import Graph, InfeasibleBudgetError, SolveStatus, solve
 from remat.builders import chain_graph, random_training_graph, training_graph, unet_graph
 from remat.graph import Node, NodeKind
-from remat.solvers.bounds import InstantBounds, _solve_program
+from remat.solvers.bounds import InstantBounds, _dual_bound, _run_program, _solve_program
 from remat.solvers.milp import minimum_budget
 from reference import SMALL_GRAPHS, budget_between, checkpoint_all_peak, exhaustive_min_cost, exhaustive_min_peak
 
@@ -169,6 +170,64 @@ def test_a_first_instant_with_deadlines_is_below_the_proven_optimum(n_forward: i
             assert graph.total_cost + value <= result.objective + 1e-6, (first, deadlines, relax)
 
 
+def test_the_deadline_cases_never_exceed_the_exhaustive_optimum() -> None:
+    # the deadline program split by which large value is live at the first instant, refined
+    # down to single values with their local deadlines
+    split = 0
+    for graph in SMALL_GRAPHS:
+        bounds = InstantBounds(graph)
+        for budget, extra in _budgets_with_extra(graph):
+            over = [t for t in range(graph.n) if bounds.checkpoint_all_instants[t] > budget]
+            for first in over[:6]:
+                later = range(first + 1, graph.n)
+                for deadlines in ((), tuple(later)[::3], tuple(later)[1::2]):
+                    lp = _solve_program(bounds.deadline_program(first, deadlines, budget), relax=True,
+                                        time_limit_s=5.0, threads=1)
+                    bounds._case_trees.clear()  # (kept per budget and first instant otherwise)
+                    value = bounds._cases(budget, first, deadlines, lp, time.perf_counter() + 30.0, 1)
+                    assert lp - 1e-9 <= value <= extra + 1e-9, (graph.name, first, deadlines, budget)
+                    split += bounds._big(first, budget, np.flatnonzero(bounds.decided(first))).size > 1
+    assert split  # the cases were tried somewhere
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(2, 10), seed=st.integers(0, 10_000), where=st.floats(0.0, 0.5),
+       pick=st.randoms(use_true_random=False))
+def test_the_deadline_cases_are_below_the_proven_optimum(n_forward: int, seed: int, where: float, pick) -> None:
+    graph = random_training_graph(n_forward, seed)
+    budget = budget_between(graph, minimum_budget(graph).budget_bytes, where)
+    result = solve(graph, budget, method="milp")
+    assert result.status is SolveStatus.OPTIMAL
+    bounds = InstantBounds(graph)
+    for _ in range(4):
+        first = pick.randrange(graph.n - 1)
+        later = list(range(first + 1, graph.n))
+        deadlines = tuple(sorted(pick.sample(later, pick.randint(0, min(4, len(later))))))
+        value = bounds._cases(budget, first, deadlines, 0.0, time.perf_counter() + 30.0, 1)
+        assert graph.total_cost + value <= result.objective + 1e-6, (first, deadlines)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(2, 8), seed=st.integers(0, 10_000), scale=st.floats(0.0, 50.0),
+       pick=st.randoms(use_true_random=False))
+def test_any_row_multipliers_prove_at_most_the_lp_value(n_forward: int, seed: int, scale: float, pick) -> None:
+    # weak duality: whatever multipliers ``_dual_bound`` is given, it never states more than the
+    # LP's optimum; and the value of a presolved LP (what its duals prove) is that optimum
+    graph = random_training_graph(n_forward, seed)
+    bounds = InstantBounds(graph)
+    budget = budget_between(graph, bounds.min_budget_bytes, 0.3)
+    first = pick.randrange(graph.n - 1)
+    program = bounds.deadline_program(first, tuple(range(first + 1, graph.n))[::2], budget)
+    assume(program.feasible and not program.empty)
+    lp, solved = _run_program(program, relax=True, time_limit_s=5.0, threads=1)
+    assume(solved and math.isfinite(lp))
+    presolved, solved = _run_program(program, relax=True, time_limit_s=5.0, threads=1, presolve=True)
+    assert solved and presolved == pytest.approx(lp, rel=1e-6, abs=1e-6)
+    rng = np.random.default_rng(seed)
+    duals = rng.normal(scale=scale, size=program.row_lower.size)
+    assert _dual_bound(program, program.col_cost, duals) <= lp + 1e-6 * max(1.0, lp)
+
+
 def _headed_stack(blocks: int) -> Graph:
     """A residual stack under a large head: block k is ``a = f(h)``, ``b = g(a)``, ``h' = h + b``
     with residuals of 2 bytes and activations of 8, and the head's output has 24, so that next
@@ -206,6 +265,13 @@ def test_deadlines_see_the_residuals_recomputed_for_the_backward_pass() -> None:
     assert chained > max(single, pairs) + 0.03 * graph.total_cost
     plan = solve(graph, budget, method="milp", time_limit_s=20.0)
     assert graph.total_cost + chained <= plan.objective
+    # split by which residual is live after the head's gradient, the cases prove more than
+    # the same program as a MIP (the LP cuts the chain with a fraction of every residual; a
+    # single residual's case gets deadlines where the blocks below it are read)
+    mip = _solve_program(bounds.deadline_program(first, deadlines, budget), relax=False, time_limit_s=30.0,
+                         threads=1)
+    cases = bounds._cases(budget, first, deadlines, chained, time.perf_counter() + 60.0, 1)
+    assert mip + 0.01 * graph.total_cost < cases and graph.total_cost + cases <= plan.lower_bound + 1e-9
     bound = bounds.cost_bound(budget)
     assert bound.value >= graph.total_cost + chained - 1e-6 and bound.instants[0] == first
 

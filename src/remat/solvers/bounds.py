@@ -97,6 +97,23 @@ with a at the loss gradient and eight deadlines spread over the backward pass (a
 LP, 6 s). ``cost_bound`` tries ``DEADLINE_COUNTS`` deadlines spread evenly over the nodes
 after the best single instant that read its values, before the several instants.
 
+**Cases at the first instant.** Even so the LP keeps a fraction of many hidden states live at
+a (the clique row allows their fractions to sum to one), and each fraction cuts the chains that
+the deadlines before a's layer would count. Every plan, though, holds at most one of the values
+larger than half of a's room at a: none of them, or exactly one. So for a partition of those
+values into groups the plans split into cases, "none outside group G is live at a" (a plan that
+holds none of them is in every case). Each case's program is the deadline program with x0 of every large value
+outside G fixed at 0; every plan is in one case, whose program it satisfies, so the least LP
+value over the cases bounds every plan (each case may have its own deadlines: any deadlines
+give a valid program). ``_cases`` starts from ``CASE_GROUPS`` groups, splits the least case in
+halves while time is left, and gives a case of a few values deadlines where the values it
+holds, and those before them, are first read after a: where a plan that kept one of them at a
+runs the layers below it again. GPT-2 48L at its smallest budget: the unsplit LP, 1.569x with
+eight deadlines, keeps 0.1-0.6 MB of the hidden states of every sixth layer at a; one hidden
+state's case is 1.610x, and 1.651x with the deadlines below it. These LPs are solved with
+HiGHS' presolve (2-4x faster here); their value is not HiGHS' objective but what their row
+duals prove by weak duality (``_dual_bound``), which holds whatever presolve did.
+
 **The smallest budget.** At the instant t is first computed, no plan holds less than
 ``fixed_bytes``, the kept bytes so far, t with its scratch and inputs, the outputs so far and
 the values that cannot be recomputed but are read later; the largest over t is a budget
@@ -108,7 +125,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -173,6 +190,20 @@ DEADLINE_COUNTS = (4, 8, 16)
 DEADLINE_SHARE = 0.5
 DEADLINE_MORE_SHARE = 0.9
 DEADLINE_GROWTH = 5.0
+#: The deadline program split into cases by which large value is live at its first instant
+#: (see the module): first CASE_GROUPS groups of them, then, while time
+#: is left, the least case split in halves down to CASE_LOCAL values, and such a case solved
+#: again with deadlines added where the values it holds, and the CASE_SPAN large values before
+#: them, are first read (at most CASE_LOCAL_DEADLINES, spread evenly). It gets CASE_SHARE of
+#: the time several instants would have, and runs only where the deadlines beat one instant.
+#: GPT-2 48L at its smallest budget, 35 s: 1.614x splitting down to single values, 1.618x to
+#: 32, 1.623x to 64 or 200 (the plain cases stall near 1.61x; the local deadlines lift a case
+#: of 30 values to 1.64-1.68x in about a second, its value rising from the input to the top).
+CASE_GROUPS = 8
+CASE_SPAN = 12
+CASE_LOCAL = 64
+CASE_LOCAL_DEADLINES = 8
+CASE_SHARE = 0.75
 #: Default time for one bound: LPs first, the MIPs with what is left.
 DEFAULT_TIME_LIMIT_S = 10.0
 
@@ -271,6 +302,8 @@ class InstantBounds:
         self._mips: dict[tuple[int, tuple[int, ...]], tuple[float, bool]] = {}
         # per (budget, first instant, deadlines): the deadline program's LP value and its time
         self._deadline_values: dict[tuple[int, int, tuple[int, ...]], tuple[float, float]] = {}
+        # per (budget, first instant): the deadlines and the cases of their program (``_cases``)
+        self._case_trees: dict[tuple[int, int], tuple[tuple[int, ...], list[list]]] = {}
 
     # ------------------------------------------------------------------ the smallest budget
     @cached_property
@@ -469,7 +502,7 @@ class InstantBounds:
         rows.add_closure(x0[inputs], s[inputs], s[users])
         scale = 1.0 / float(self.sizes[ids].max()) if ids.size else 1.0
         rows.add_row(x0[ids], self.sizes[ids] * scale, -np.inf, max(caps[0], 0) * scale)
-        big = ids[2 * self.sizes[ids] > caps[0]]  # no two of these fit together
+        big = self._big(first, budget_bytes, ids)  # no two of these fit together
         if big.size > 1:
             rows.add_row(x0[big], np.ones(big.size), -np.inf, 1.0)
         uppers: list[tuple[np.ndarray, np.ndarray, int]] = [(x0, ids, caps[0])]
@@ -506,6 +539,11 @@ class InstantBounds:
         starts, index, value, lower, upper = rows.arrays()
         return _Program((first, *ts), col_cost, col_upper, starts, index, value, lower, upper,
                         feasible=min(caps) >= 0, empty=ids.size == 0)
+
+    def _big(self, first: int, budget_bytes: int, ids: np.ndarray) -> np.ndarray:
+        """The values of ``ids`` larger than half the room at ``first``: no two of them are live
+        there together."""
+        return ids[2 * self.sizes[ids] > budget_bytes - int(self.forced_bytes[first])]
 
     def _ancestors(self, allowed: np.ndarray, seeds: np.ndarray) -> np.ndarray:
         """The ``seeds`` and every value of ``allowed`` they depend on through ``allowed``."""
@@ -555,6 +593,10 @@ class InstantBounds:
         together: tuple[int, ...] = (best_t,)
         if feasible:  # a first instant with deadlines; then, with ``multi``, several instants
             chained = self._deadlines(budget_bytes, best_t, best, deadline, threads)
+            if multi and chained[0] > best * (1 + 1e-6) + 1e-9:  # cases, where deadlines see more
+                until = min(deadline, time.perf_counter() + CASE_SHARE * multi_time_s)
+                cases = self._cases(budget_bytes, best_t, chained[1][1:], chained[0], until, threads)
+                chained = (max(cases, chained[0]), chained[1])
             results = [(best, together)]
             if multi:  # (no plan fits if the instants together leave none)
                 results.append(self._several(budget_bytes, best_t, best, lp_values, excess, deadline, threads,
@@ -696,9 +738,10 @@ class InstantBounds:
         # the nodes after ``first`` that read its values, the first of them included
         readers = np.unique(self.edge_dst[(self.edge_dst > first) & self.decided(first)[self.edge_src]])
         share, last_s = DEADLINE_SHARE, 0.0
+        tree = self._case_trees.get((budget_bytes, first))
         for count in DEADLINE_COUNTS:
-            if readers.size == 0:
-                break
+            if readers.size == 0 or (tree is not None and count > len(tree[0])):
+                break  # (the cases of fewer deadlines, refined, prove more than an unsplit LP)
             spots = np.unique(np.linspace(0, readers.size - 1, count + 1)[:-1].round().astype(int))
             picks = tuple(int(t) for t in readers[spots])
             key = (budget_bytes, first, picks)
@@ -710,7 +753,7 @@ class InstantBounds:
                     break
                 started = time.perf_counter()
                 value, solved = _run_program(self.deadline_program(first, picks, budget_bytes), relax=True,
-                                             time_limit_s=left, threads=threads)
+                                             time_limit_s=left, threads=threads, presolve=True)
                 last_s = time.perf_counter() - started
                 if solved:
                     if len(self._deadline_values) >= 256:
@@ -722,6 +765,69 @@ class InstantBounds:
                 break  # no second computation seen: more deadlines are not worth their time
             share = DEADLINE_MORE_SHARE
         return best, chosen
+
+    def _cases(self, budget_bytes: int, first: int, picks: tuple[int, ...], value: float, deadline: float,
+               threads: int) -> float:
+        """The deadline program of ``first`` and ``picks`` split into cases by which value larger
+        than half of ``first``'s room is live there (see the module): the least LP value over a
+        partition of them, refined best-first while time is left; ``value`` (the unsplit LP's)
+        if nothing is solved. The cases and their values are kept per budget and first instant,
+        so a second call goes on refining them (with the deadlines of the first call)."""
+        ids = np.flatnonzero(self.decided(first))
+        big = self._big(first, budget_bytes, ids)
+        if big.size < 2:
+            return value
+        # a case: [value, lo, hi, state]: no value of big outside big[lo:hi] is live at
+        # ``first`` (so "none is" is in every case); state 0: its value is its parent's, 1: its LP's (or its parent's with local
+        # deadlines), 2: its LP's with local deadlines
+        if (budget_bytes, first) in self._case_trees:
+            picks, cases = self._case_trees[budget_bytes, first]
+        else:
+            groups = np.array_split(np.arange(big.size), min(CASE_GROUPS, big.size))
+            cases = [[value, int(g[0]), int(g[-1]) + 1, 0] for g in groups]
+            if len(self._case_trees) >= 64:
+                self._case_trees.clear()
+            self._case_trees[budget_bytes, first] = (picks, cases)
+        program = self.deadline_program(first, picks, budget_bytes)
+        columns = np.searchsorted(ids, big)  # x0 of ``big`` (x0 comes first in the program)
+        while time.perf_counter() < deadline:
+            case = min(cases, key=lambda c: (c[0], c[3]))
+            v, lo, hi, state = case
+            if state == 0:
+                p = program
+            elif hi - lo > (CASE_LOCAL if state == 1 else 1):  # in two halves, with its value each
+                mid = (lo + hi) // 2  # (after the local deadlines, each half gets its own)
+                cases.remove(case)
+                cases += [[v, lo, mid, state - 1], [v, mid, hi, state - 1]]
+                continue
+            elif state == 1:  # deadlines where the values below and in it are read
+                p = self.deadline_program(first, (*picks, *self._local_deadlines(first, big, lo, hi)),
+                                          budget_bytes)
+            else:
+                break  # the least case cannot rise any more
+            upper = p.col_upper.copy()
+            upper[np.delete(columns, np.arange(lo, hi))] = 0.0  # every other large value is not live
+            lp, solved = _run_program(replace(p, col_upper=upper), relax=True, threads=threads, presolve=True,
+                                      time_limit_s=max(deadline - time.perf_counter(), 0.05))
+            if not solved:
+                break
+            case[0], case[3] = max(v, lp), state + 1
+        return min(c[0] for c in cases)
+
+    def _local_deadlines(self, first: int, big: np.ndarray, lo: int, hi: int) -> tuple[int, ...]:
+        """The first readers after ``first`` of the values of ``big[lo:hi]`` and of the
+        ``CASE_SPAN`` before them, at most ``CASE_LOCAL_DEADLINES`` of them spread evenly: where a
+        plan keeping one of ``big[lo:hi]`` at ``first`` needs the layers below it again."""
+        users = self.graph.users
+        out = set()
+        for u in big[max(0, lo - CASE_SPAN):hi]:
+            later = [w for w in users[int(u)] if w > first]
+            if later:
+                out.add(min(later))
+        ordered = sorted(out)
+        if len(ordered) > CASE_LOCAL_DEADLINES:
+            ordered = [ordered[i] for i in np.linspace(0, len(ordered) - 1, CASE_LOCAL_DEADLINES).round().astype(int)]
+        return tuple(ordered)
 
     def _mip(self, instants: tuple[int, ...], budget_bytes: int, time_limit_s: float,
              threads: int) -> tuple[float, bool]:
@@ -791,20 +897,29 @@ def _solve_program(p: _Program, *, relax: bool, time_limit_s: float, threads: in
     return _run_program(p, relax=relax, time_limit_s=time_limit_s, threads=threads)[0]
 
 
-def _run_program(p: _Program, *, relax: bool, time_limit_s: float, threads: int) -> tuple[float, bool]:
+def _run_program(p: _Program, *, relax: bool, time_limit_s: float, threads: int,
+                 presolve: bool = False) -> tuple[float, bool]:
     """``_solve_program``'s value, and whether the program was solved (not cut short).
 
     A MIP is solved with HiGHS' presolve, and its value counts only with a solution the
     program's own rows accept (``_checked``): the optimum, or the best solution found when the
     time ran out. One without, and a presolved "no plan fits", are solved again without
-    presolve in the time left (or count as nothing when none is left)."""
+    presolve in the time left (or count as nothing when none is left). An LP is solved with
+    presolve only if asked (``presolve``): its value is then what its row duals prove
+    (``_dual_bound``), and a presolved "no plan fits" is checked the same way as a MIP's."""
     if not p.feasible:
         return math.inf, True
     if p.empty:  # (also when there is nothing to decide)
         return 0.0, True
-    if relax:
-        return _highs(p, relax=True, presolve=False, time_limit_s=time_limit_s, threads=threads)[:2]
     started = time.perf_counter()
+    if relax:
+        value, solved, _ = _highs(p, relax=True, presolve=presolve, time_limit_s=time_limit_s, threads=threads)
+        if not presolve or math.isfinite(value):
+            return value, solved
+        left = time_limit_s - (time.perf_counter() - started)
+        if left <= 0.05:
+            return 0.0, False
+        return _highs(p, relax=True, presolve=False, time_limit_s=left, threads=threads)[:2]
     value, solved, x = _highs(p, relax=False, presolve=True, time_limit_s=time_limit_s, threads=threads)
     if math.isfinite(value) and _checked(p, value, x, optimal=solved):
         return value, solved
@@ -848,6 +963,27 @@ def _checked(p: _Program, value: float, x: np.ndarray | None, *, optimal: bool =
     cost = float(p.col_cost @ x)
     slack = CHECK_COST_TOLERANCE * max(cost, float(p.col_cost.max()))
     return abs(cost - value) <= slack if optimal else cost >= value - slack
+
+
+def _dual_bound(p: _Program, cost: np.ndarray, duals: np.ndarray) -> float:
+    """The least value of ``cost @ x`` over ``p``'s LP (rows within their bounds, ``0 <= x <=
+    col_upper``) that the row multipliers ``duals`` prove, by weak duality: for any y (with
+    y_i >= 0 where row i has no upper bound and y_i <= 0 where it has no lower one),
+    ``cost @ x = (cost - A^T y) @ x + y @ (A x)``, and each term has a least value over the box
+    and the rows. Neither HiGHS' presolve nor its tolerances can make this overstate the LP:
+    it holds for whatever y is given (both signs are tried, as solvers differ in convention).
+    """
+    counts = np.diff(p.starts)
+    rows = np.repeat(np.arange(p.row_lower.size), counts)
+    best = -math.inf
+    for y in (duals, -duals):
+        y = np.where(np.isinf(p.row_upper), np.maximum(y, 0.0), y)
+        y = np.where(np.isinf(p.row_lower), np.minimum(y, 0.0), y)
+        reduced = cost - np.bincount(p.index, weights=p.value * y[rows], minlength=cost.size)
+        on_rows = np.where(y > 0, y * np.where(np.isinf(p.row_lower), 0.0, p.row_lower),
+                           y * np.where(np.isinf(p.row_upper), 0.0, p.row_upper))
+        best = max(best, float(on_rows.sum() + (np.minimum(reduced, 0.0) * p.col_upper).sum()))
+    return best
 
 
 def _highs(p: _Program, *, relax: bool, presolve: bool, time_limit_s: float,
@@ -894,6 +1030,11 @@ def _highs(p: _Program, *, relax: bool, presolve: bool, time_limit_s: float,
     if relax:
         if not solved:
             return 0.0, False, None  # no proven value: the trivial bound
+        if presolve:  # the value is what the row duals prove, whatever presolve did
+            duals = np.asarray(h.getSolution().row_dual, dtype=float)
+            if duals.size != nrow:
+                return 0.0, False, None
+            return max(0.0, _dual_bound(p, lp.col_cost_, duals) / cost_scale), True, None
         # the dual objective is a bound even if the primal is slightly off; never below 0
         return max(0.0, float(info.objective_function_value) / cost_scale), True, None
     bound = float(info.mip_dual_bound)
