@@ -778,19 +778,29 @@ class InstantBounds:
         if big.size < 2:
             return value
         # a case: [value, lo, hi, state]: no value of big outside big[lo:hi] is live at
-        # ``first`` (so "none is" is in every case); state 0: its value is its parent's, 1: its LP's (or its parent's with local
-        # deadlines), 2: its LP's with local deadlines
+        # ``first`` (so a plan holding none of them is in every case); state 0: its value is its
+        # parent's, 1: its LP's (or its parent's with local deadlines), 2: its LP's with local
+        # deadlines
+        columns = np.searchsorted(ids, big)  # x0 of ``big`` (x0 comes first in the program)
         if (budget_bytes, first) in self._case_trees:
             picks, cases = self._case_trees[budget_bytes, first]
+            program = self.deadline_program(first, picks, budget_bytes)
         else:
+            program = self.deadline_program(first, picks, budget_bytes)
+            # holding none of them is every case's too: where that is no dearer than the
+            # program itself, splitting cannot help (GPT-2 24L at its floor)
+            upper = program.col_upper.copy()
+            upper[columns] = 0.0
+            none, solved = _run_program(replace(program, col_upper=upper), relax=True, threads=threads,
+                                        presolve=True, time_limit_s=max(deadline - time.perf_counter(), 0.05))
+            if not solved:
+                return value
             groups = np.array_split(np.arange(big.size), min(CASE_GROUPS, big.size))
-            cases = [[value, int(g[0]), int(g[-1]) + 1, 0] for g in groups]
+            cases = [] if none <= value * (1 + 1e-6) + 1e-9 else [[value, int(g[0]), int(g[-1]) + 1, 0] for g in groups]
             if len(self._case_trees) >= 64:
                 self._case_trees.clear()
             self._case_trees[budget_bytes, first] = (picks, cases)
-        program = self.deadline_program(first, picks, budget_bytes)
-        columns = np.searchsorted(ids, big)  # x0 of ``big`` (x0 comes first in the program)
-        while time.perf_counter() < deadline:
+        while cases and time.perf_counter() < deadline:
             case = min(cases, key=lambda c: (c[0], c[3]))
             v, lo, hi, state = case
             if state == 0:
@@ -812,7 +822,7 @@ class InstantBounds:
             if not solved:
                 break
             case[0], case[3] = max(v, lp), state + 1
-        return min(c[0] for c in cases)
+        return min((c[0] for c in cases), default=value)
 
     def _local_deadlines(self, first: int, big: np.ndarray, lo: int, hi: int) -> tuple[int, ...]:
         """The first readers after ``first`` of the values of ``big[lo:hi]`` and of the
