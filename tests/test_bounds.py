@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from remat import Graph, InfeasibleBudgetError, SolveStatus, solve
 from remat.builders import chain_graph, random_training_graph, training_graph, unet_graph
 from remat.graph import Node, NodeKind
+from remat.solvers import bounds as bounds_module
 from remat.solvers.bounds import InstantBounds, _dual_bound, _run_program, _solve_program
 from remat.solvers.milp import minimum_budget
 from reference import SMALL_GRAPHS, budget_between, checkpoint_all_peak, exhaustive_min_cost, exhaustive_min_peak
@@ -168,13 +169,22 @@ def test_a_first_instant_with_deadlines_is_below_the_proven_optimum(n_forward: i
         for relax in (True, False):
             value = _solve_program(program, relax=relax, time_limit_s=5.0, threads=1)
             assert graph.total_cost + value <= result.objective + 1e-6, (first, deadlines, relax)
+        # and split into cases by which large value is live at ``first`` (see ``_cases``)
+        bounds._case_trees.clear()
+        value = bounds._cases(budget, first, deadlines, 0.0, time.perf_counter() + 30.0, 1)
+        assert graph.total_cost + value <= result.objective + 1e-6, (first, deadlines, "cases")
 
 
-def test_the_deadline_cases_never_exceed_the_exhaustive_optimum() -> None:
-    # the deadline program split by which large value is live at the first instant, refined
-    # down to single values with their local deadlines
+@pytest.mark.parametrize("groups", [2, 8, 1000])
+def test_the_deadline_cases_never_exceed_the_exhaustive_optimum(groups: int, monkeypatch) -> None:
+    # the deadline program split by which large value is live at the first instant (into a
+    # few groups, or one value each), refined down to single values with their local deadlines
+    monkeypatch.setattr(bounds_module, "CASE_GROUPS", groups)
+    # (a chain whose first layer is dear: its best plans keep that layer's value where the
+    # room holds one value, so the case of the first large value binds there)
+    dear_first = training_graph([(), (0,), (1,), (2,)], [1] * 4, [50.0, 1.0, 1.0, 1.0], name="dear-first")
     split = 0
-    for graph in SMALL_GRAPHS:
+    for graph in (*SMALL_GRAPHS, dear_first):
         bounds = InstantBounds(graph)
         for budget, extra in _budgets_with_extra(graph):
             over = [t for t in range(graph.n) if bounds.checkpoint_all_instants[t] > budget]
@@ -188,23 +198,6 @@ def test_the_deadline_cases_never_exceed_the_exhaustive_optimum() -> None:
                     assert lp - 1e-9 <= value <= extra + 1e-9, (graph.name, first, deadlines, budget)
                     split += bounds._big(first, budget, np.flatnonzero(bounds.decided(first))).size > 1
     assert split  # the cases were tried somewhere
-
-
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n_forward=st.integers(2, 10), seed=st.integers(0, 10_000), where=st.floats(0.0, 0.5),
-       pick=st.randoms(use_true_random=False))
-def test_the_deadline_cases_are_below_the_proven_optimum(n_forward: int, seed: int, where: float, pick) -> None:
-    graph = random_training_graph(n_forward, seed)
-    budget = budget_between(graph, minimum_budget(graph).budget_bytes, where)
-    result = solve(graph, budget, method="milp")
-    assert result.status is SolveStatus.OPTIMAL
-    bounds = InstantBounds(graph)
-    for _ in range(4):
-        first = pick.randrange(graph.n - 1)
-        later = list(range(first + 1, graph.n))
-        deadlines = tuple(sorted(pick.sample(later, pick.randint(0, min(4, len(later))))))
-        value = bounds._cases(budget, first, deadlines, 0.0, time.perf_counter() + 30.0, 1)
-        assert graph.total_cost + value <= result.objective + 1e-6, (first, deadlines)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
