@@ -782,18 +782,22 @@ class InstantBounds:
         # parent's, 1: its LP's (or its parent's with local deadlines), 2: its LP's with local
         # deadlines
         columns = np.searchsorted(ids, big)  # x0 of ``big`` (x0 comes first in the program)
+
+        def solved(p: _Program, lo: int, hi: int) -> tuple[float, bool]:  # no other large value live
+            upper = p.col_upper.copy()
+            upper[np.delete(columns, np.arange(lo, hi))] = 0.0
+            return _run_program(replace(p, col_upper=upper), relax=True, threads=threads, presolve=True,
+                                time_limit_s=max(deadline - time.perf_counter(), 0.05))
+
         if (budget_bytes, first) in self._case_trees:
             picks, cases = self._case_trees[budget_bytes, first]
-            program = self.deadline_program(first, picks, budget_bytes)
+            program = None  # built when a case needs it
         else:
             program = self.deadline_program(first, picks, budget_bytes)
             # holding none of them is every case's too: where that is no dearer than the
             # program itself, splitting cannot help (GPT-2 24L at its floor)
-            upper = program.col_upper.copy()
-            upper[columns] = 0.0
-            none, solved = _run_program(replace(program, col_upper=upper), relax=True, threads=threads,
-                                        presolve=True, time_limit_s=max(deadline - time.perf_counter(), 0.05))
-            if not solved:
+            none, ok = solved(program, 0, 0)
+            if not ok:
                 return value
             groups = np.array_split(np.arange(big.size), min(CASE_GROUPS, big.size))
             cases = [] if none <= value * (1 + 1e-6) + 1e-9 else [[value, int(g[0]), int(g[-1]) + 1, 0] for g in groups]
@@ -804,6 +808,8 @@ class InstantBounds:
             case = min(cases, key=lambda c: (c[0], c[3]))
             v, lo, hi, state = case
             if state == 0:
+                if program is None:
+                    program = self.deadline_program(first, picks, budget_bytes)
                 p = program
             elif hi - lo > (CASE_LOCAL if state == 1 else 1):  # in two halves, with its value each
                 mid = (lo + hi) // 2  # (after the local deadlines, each half gets its own)
@@ -815,11 +821,8 @@ class InstantBounds:
                                           budget_bytes)
             else:
                 break  # the least case cannot rise any more
-            upper = p.col_upper.copy()
-            upper[np.delete(columns, np.arange(lo, hi))] = 0.0  # every other large value is not live
-            lp, solved = _run_program(replace(p, col_upper=upper), relax=True, threads=threads, presolve=True,
-                                      time_limit_s=max(deadline - time.perf_counter(), 0.05))
-            if not solved:
+            lp, ok = solved(p, lo, hi)
+            if not ok:
                 break
             case[0], case[3] = max(v, lp), state + 1
         return min((c[0] for c in cases), default=value)
