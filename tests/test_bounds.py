@@ -269,6 +269,57 @@ def test_deadlines_see_the_residuals_recomputed_for_the_backward_pass() -> None:
     assert bound.value >= graph.total_cost + chained - 1e-6 and bound.instants[0] == first
 
 
+def test_the_first_cases_hold_each_residual_alone_and_every_large_value_once() -> None:
+    # on the residual stack, holding a residual after the head's gradient spares recomputing
+    # everything below it (no activation before it is read after it), so each residual that
+    # fits the room is a case of its own; the block activations, which the residual jumps over,
+    # are grouped; and every large value is in exactly one case (the cases cover every plan)
+    graph = _headed_stack(16)
+    bounds = InstantBounds(graph)
+    budget = bounds.min_budget_bytes + 2
+    first = int(np.argmax(bounds.forced_bytes))
+    big = bounds._big(first, budget, np.flatnonzero(bounds.decided(first)))
+    room = budget - int(bounds.forced_bytes[first])
+    cases = bounds._first_cases(first, budget, big, 0.0)
+    members = np.concatenate([c[1] for c in cases])
+    assert sorted(members.tolist()) == list(range(big.size))
+    alone = sorted(int(big[c[1][0]]) for c in cases if c[1].size == 1)
+    residuals = [v for v in big.tolist() if graph.nodes[v].kind is NodeKind.FORWARD and graph.out_bytes[v] == 2]
+    assert alone == [v for v in residuals if graph.out_bytes[v] <= room] and len(alone) >= 8
+    assert all(graph.out_bytes[int(big[k])] == 8 for c in cases if c[1].size > 1 for k in c[1])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(2, 12), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0),
+       groups=st.integers(1, 4), first_at=st.floats(0.0, 1.0))
+def test_the_first_cases_partition_the_large_values(n_forward: int, seed: int, where: float, groups: int,
+                                                    first_at: float) -> None:
+    graph = random_training_graph(n_forward, seed)
+    bounds = InstantBounds(graph)
+    budget = budget_between(graph, bounds.min_budget_bytes, where)
+    first = min(int(first_at * graph.n), graph.n - 2)
+    big = bounds._big(first, budget, np.flatnonzero(bounds.decided(first)))
+    old = bounds_module.CASE_GROUPS
+    try:
+        bounds_module.CASE_GROUPS = groups
+        cases = bounds._first_cases(first, budget, big, 1.5)
+    finally:
+        bounds_module.CASE_GROUPS = old
+    members = np.concatenate([c[1] for c in cases]) if cases else np.zeros(0, dtype=int)
+    assert sorted(members.tolist()) == list(range(big.size))
+    assert all(c[0] == 1.5 and c[2] == 0 and c[1].size for c in cases)
+    room = budget - int(bounds.forced_bytes[first])
+    alone = [k for k in range(big.size)
+             if _separates(graph, first, big, int(big[k])) and graph.out_bytes[int(big[k])] <= room]
+    assert [c[1].tolist() for c in cases[:len(alone)]] == [[k] for k in alone]
+    assert len(cases) - len(alone) == min(groups, big.size - len(alone))
+
+
+def _separates(graph: Graph, first: int, big: np.ndarray, v: int) -> bool:
+    """No large value before ``v`` is read after it by a node before ``first`` (by brute force)."""
+    return not any(v < w < first for u in big.tolist() if u < v for w in graph.users[u])
+
+
 def test_two_instants_see_a_value_recomputed_twice() -> None:
     # chain of 3 layers, 1 byte and cost 1 per node: f0 f1 f2 loss g2 g1 g0 (nodes 0..6).
     # With 3 bytes, right after g2 (node 4) only its inputs fit: f0 and f1 are recomputed after

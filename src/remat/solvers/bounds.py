@@ -105,12 +105,21 @@ values into groups the plans split into cases, "none outside group G is live at 
 holds none of them is in every case). Each case's program is the deadline program with x0 of every large value
 outside G fixed at 0; every plan is in one case, whose program it satisfies, so the least LP
 value over the cases bounds every plan (each case may have its own deadlines: any deadlines
-give a valid program). ``_cases`` starts from ``CASE_GROUPS`` groups, splits the least case in
-halves while time is left, and gives a case of a few values deadlines where the values it
-holds, and those before them, are first read after a: where a plan that kept one of them at a
-runs the layers below it again. GPT-2 48L at its smallest budget: the unsplit LP, 1.569x with
-eight deadlines, keeps 0.1-0.6 MB of the hidden states of every sixth layer at a; one hidden
-state's case is 1.610x, and 1.651x with the deadlines below it. These LPs are solved with
+give a valid program). How the values are grouped decides how strong the cases are. A
+fraction spread over values of one group still cuts chains wherever one of them *separates*
+the large values before it from what comes after (no node before a reads one of those after
+it: holding it at a spares recomputing everything before it, like a hidden state). So
+``_cases`` starts from one case for each separator that fits a's room, and the other large
+values in ``CASE_GROUPS`` groups; it solves the least case first, splits a case of many values
+in halves, and gives a case of a few values deadlines where the values it holds, and those
+before them, are first read after a: where a plan that kept one of them at a runs the layers
+below it again (a few deadlines first, more when that case is the least again). GPT-2 48L at
+its smallest budget: the unsplit LP, 1.569x with eight deadlines, keeps 0.1-0.6 MB of the
+hidden states of every sixth layer at a; the other large values, as one case, are 1.676x;
+each of the 100 hidden states that fit, alone with two deadlines below it, 1.644-1.681x
+(0.05-0.3 s each), and 1.649x or more with eight. (Groups of 30 consecutive values,
+each about a layer, stall at 1.64-1.65x, as a fraction spread over a layer's two hidden
+states cuts its chains again.) These LPs are solved with
 HiGHS' presolve (2-4x faster here); their value is not HiGHS' objective but what their row
 duals prove by weak duality (``_dual_bound``), which holds whatever presolve did.
 
@@ -191,17 +200,22 @@ DEADLINE_SHARE = 0.5
 DEADLINE_MORE_SHARE = 0.9
 DEADLINE_GROWTH = 5.0
 #: The deadline program split into cases by which large value is live at its first instant
-#: (see the module): first CASE_GROUPS groups of them, then, while time
-#: is left, the least case split in halves down to CASE_LOCAL values, and such a case solved
-#: again with deadlines added where the values it holds, and the CASE_SPAN large values before
-#: them, are first read (at most CASE_LOCAL_DEADLINES, spread evenly). It gets CASE_SHARE of
-#: the time several instants would have, and runs only where the deadlines beat one instant.
-#: GPT-2 48L at its smallest budget, 35 s: 1.614x splitting down to single values, 1.618x to
-#: 32, 1.623x to 64 or 200 (the plain cases stall near 1.61x; the local deadlines lift a case
-#: of 30 values to 1.64-1.68x in about a second, its value rising from the input to the top).
-CASE_GROUPS = 8
+#: (see the module): one case for each separator that fits, the other large values in
+#: CASE_GROUPS groups; then, while time is left, the least case solved (a case of more than
+#: CASE_LOCAL values with the deadlines of the unsplit program, and split in halves when it is
+#: the least again), and a case of at most CASE_LOCAL values with the first deadline and
+#: deadlines added where the values it holds, and the CASE_SPAN large values before each, are
+#: first read: CASE_LOCAL_FIRST of them, then CASE_LOCAL_DEADLINES (spread evenly), then in
+#: halves. It gets CASE_SHARE of the time several instants would have, and runs only where the
+#: deadlines beat one instant. GPT-2 48L at its smallest budget (100 hidden states alone and
+#: the rest in one group): 1.644x in 15 s, 1.646x in 30 s, where the first pass over the
+#: hidden states takes about 10 s; with three local deadlines first, 1.649x in 22 s but
+#: nothing in 15 s (a case not yet solved counts at the unsplit LP's value); groups of 30
+#: consecutive values instead, 1.62x in 35 s.
+CASE_GROUPS = 1
 CASE_SPAN = 12
 CASE_LOCAL = 64
+CASE_LOCAL_FIRST = 2
 CASE_LOCAL_DEADLINES = 8
 CASE_SHARE = 0.75
 #: Default time for one bound: LPs first, the MIPs with what is left.
@@ -777,15 +791,15 @@ class InstantBounds:
         big = self._big(first, budget_bytes, ids)
         if big.size < 2:
             return value
-        # a case: [value, lo, hi, state]: no value of big outside big[lo:hi] is live at
+        # a case: [value, members, state]: no value of big outside big[members] is live at
         # ``first`` (so a plan holding none of them is in every case); state 0: its value is its
-        # parent's, 1: its LP's (or its parent's with local deadlines), 2: its LP's with local
-        # deadlines
+        # parent's, 1: its LP's (a small case's with a few local deadlines), 2: a small case's
+        # LP with all its local deadlines
         columns = np.searchsorted(ids, big)  # x0 of ``big`` (x0 comes first in the program)
 
-        def solved(p: _Program, lo: int, hi: int) -> tuple[float, bool]:  # no other large value live
+        def solved(p: _Program, members: np.ndarray) -> tuple[float, bool]:  # no other large value live
             upper = p.col_upper.copy()
-            upper[np.delete(columns, np.arange(lo, hi))] = 0.0
+            upper[np.delete(columns, members)] = 0.0
             return _run_program(replace(p, col_upper=upper), relax=True, threads=threads, presolve=True,
                                 time_limit_s=max(deadline - time.perf_counter(), 0.05))
 
@@ -796,50 +810,73 @@ class InstantBounds:
             program = self.deadline_program(first, picks, budget_bytes)
             # holding none of them is every case's too: where that is no dearer than the
             # program itself, splitting cannot help (GPT-2 24L at its floor)
-            none, ok = solved(program, 0, 0)
+            none, ok = solved(program, np.zeros(0, dtype=np.int64))
             if not ok:
                 return value
-            groups = np.array_split(np.arange(big.size), min(CASE_GROUPS, big.size))
-            cases = [] if none <= value * (1 + 1e-6) + 1e-9 else [[value, int(g[0]), int(g[-1]) + 1, 0] for g in groups]
+            cases = [] if none <= value * (1 + 1e-6) + 1e-9 else self._first_cases(first, budget_bytes, big, value)
             if len(self._case_trees) >= 64:
                 self._case_trees.clear()
             self._case_trees[budget_bytes, first] = (picks, cases)
         while cases and time.perf_counter() < deadline:
-            case = min(cases, key=lambda c: (c[0], c[3]))
-            v, lo, hi, state = case
-            if state == 0:
+            case = min(cases, key=lambda c: (c[0], c[2]))
+            v, members, state = case
+            small = members.size <= CASE_LOCAL
+            if state == 0 and not small:
                 if program is None:
                     program = self.deadline_program(first, picks, budget_bytes)
                 p = program
-            elif hi - lo > (CASE_LOCAL if state == 1 else 1):  # in two halves, with its value each
-                mid = (lo + hi) // 2  # (after the local deadlines, each half gets its own)
+            elif (state == 1 and not small) or (state == 2 and members.size > 1):  # in two halves
+                half, child = members.size // 2, int(small)  # (halves of a small case: their own local deadlines)
                 cases.remove(case)
-                cases += [[v, lo, mid, state - 1], [v, mid, hi, state - 1]]
+                cases += [[v, members[:half], child], [v, members[half:], child]]
                 continue
-            elif state == 1:  # deadlines where the values below and in it are read
-                p = self.deadline_program(first, (*picks, *self._local_deadlines(first, big, lo, hi)),
-                                          budget_bytes)
+            elif state < 2:  # deadlines where the values below and in it are read: a few, then more
+                local = self._local_deadlines(first, big, members, CASE_LOCAL_DEADLINES if state else CASE_LOCAL_FIRST)
+                p = self.deadline_program(first, (*picks[:1], *local), budget_bytes)
             else:
                 break  # the least case cannot rise any more
-            lp, ok = solved(p, lo, hi)
+            lp, ok = solved(p, members)
             if not ok:
                 break
-            case[0], case[3] = max(v, lp), state + 1
+            case[0], case[2] = max(v, lp), state + 1
         return min((c[0] for c in cases), default=value)
 
-    def _local_deadlines(self, first: int, big: np.ndarray, lo: int, hi: int) -> tuple[int, ...]:
-        """The first readers after ``first`` of the values of ``big[lo:hi]`` and of the
-        ``CASE_SPAN`` before them, at most ``CASE_LOCAL_DEADLINES`` of them spread evenly: where a
-        plan keeping one of ``big[lo:hi]`` at ``first`` needs the layers below it again."""
+    def _first_cases(self, first: int, budget_bytes: int, big: np.ndarray, value: float) -> list[list]:
+        """The cases the search starts from: one for each value of ``big`` that fits ``first``'s
+        room and separates the large values before it from what comes after it (no node before
+        ``first`` reads one of them after it: holding it at ``first`` spares recomputing every
+        large value before it), and the others in ``CASE_GROUPS`` groups. The LP spreads a
+        fraction of a value over such separators and cuts the recomputation of the layers below
+        each one a little; alone in its case, a separator cuts them whole or not at all (GPT-2 48L
+        at its smallest budget: the unsplit LP 1.569x, the other values in one group 1.676x, each
+        residual alone 1.64-1.68x)."""
         users = self.graph.users
+        room = budget_bytes - int(self.forced_bytes[first])
+        alone = np.zeros(big.size, dtype=bool)
+        reach = -1  # the last node before ``first`` that reads a large value seen so far
+        for k, u in enumerate(big):
+            alone[k] = reach <= u and self.sizes[u] <= room
+            reach = max(reach, max((int(w) for w in users[int(u)] if w < first), default=-1))
+        rest = np.flatnonzero(~alone)
+        groups = np.array_split(rest, min(CASE_GROUPS, rest.size)) if rest.size else []
+        return [[value, np.array([k]), 0] for k in np.flatnonzero(alone)] + [[value, g, 0] for g in groups]
+
+    def _local_deadlines(self, first: int, big: np.ndarray, members: np.ndarray, count: int) -> tuple[int, ...]:
+        """The first readers after ``first`` of the values ``big[members]`` and of the
+        ``CASE_SPAN`` before each, at most ``count`` of them spread evenly: where a plan keeping
+        one of ``big[members]`` at ``first`` needs the layers below it again."""
+        users = self.graph.users
+        near = np.zeros(big.size, dtype=bool)
+        for k in members:
+            near[max(0, int(k) - CASE_SPAN):int(k) + 1] = True
         out = set()
-        for u in big[max(0, lo - CASE_SPAN):hi]:
+        for u in big[near]:
             later = [w for w in users[int(u)] if w > first]
             if later:
                 out.add(min(later))
         ordered = sorted(out)
-        if len(ordered) > CASE_LOCAL_DEADLINES:
-            ordered = [ordered[i] for i in np.linspace(0, len(ordered) - 1, CASE_LOCAL_DEADLINES).round().astype(int)]
+        if len(ordered) > count:
+            ordered = [ordered[i] for i in np.linspace(0, len(ordered) - 1, count).round().astype(int)]
         return tuple(ordered)
 
     def _mip(self, instants: tuple[int, ...], budget_bytes: int, time_limit_s: float,
