@@ -114,12 +114,12 @@ values in ``CASE_GROUPS`` groups; it solves the least case first, splits a case 
 in halves, and gives a case of a few values deadlines where the values it holds, and those
 before them, are first read after a: where a plan that kept one of them at a runs the layers
 below it again (a few deadlines first, more when that case is the least again). GPT-2 48L at
-its smallest budget: the unsplit LP, 1.569x with eight deadlines, keeps 0.1-0.6 MB of the
-hidden states of every sixth layer at a; the other large values, as one case, are 1.676x;
-each of the 100 hidden states that fit, alone with two deadlines below it, 1.644-1.681x
-(0.05-0.3 s each), and 1.649x or more with eight. (Groups of 30 consecutive values,
-each about a layer, stall at 1.64-1.65x, as a fraction spread over a layer's two hidden
-states cuts its chains again.) These LPs are solved with
+its smallest budget: the unsplit LP, 1.580x with eight deadlines, keeps 0.1-0.6 MB of the
+hidden states of every sixth layer at a; the other large values, as one case, are 1.691x;
+each of the 100 hidden states that fit, alone, 1.621-1.695x with the same deadlines, 1.656x or
+more with two deadlines below it (all 100 in 11 s), 1.661x or more with eight (64 s). (Groups
+of 30 consecutive values, each about a layer, stall near 1.63x, as a fraction spread over a
+layer's two hidden states cuts its chains again.) These LPs are solved with
 HiGHS' presolve (2-4x faster here); their value is not HiGHS' objective but what their row
 duals prove by weak duality (``_dual_bound``), which holds whatever presolve did.
 
@@ -208,10 +208,11 @@ DEADLINE_GROWTH = 5.0
 #: first read: CASE_LOCAL_FIRST of them, then CASE_LOCAL_DEADLINES (spread evenly), then in
 #: halves. It gets CASE_SHARE of the time several instants would have, and runs only where the
 #: deadlines beat one instant. GPT-2 48L at its smallest budget (100 hidden states alone and
-#: the rest in one group): 1.644x in 15 s, 1.646x in 30 s, where the first pass over the
-#: hidden states takes about 10 s; with three local deadlines first, 1.649x in 22 s but
-#: nothing in 15 s (a case not yet solved counts at the unsplit LP's value); groups of 30
-#: consecutive values instead, 1.62x in 35 s.
+#: the rest in one group), with ``cost_bound(time_limit_s=T, multi_time_s=T)`` after the
+#: planner's two shorter calls: 1.656x for T = 15 s, 1.658x for 35 s, where the first pass over
+#: the hidden states takes about 11 s; groups of 30 consecutive values instead, 1.625x and
+#: 1.634x. A case not yet solved counts at the unsplit LP's value, so the first pass is kept
+#: short (three local deadlines first: 1.649x in 22 s but nothing in 15 s, on an earlier trace).
 CASE_GROUPS = 1
 CASE_SPAN = 12
 CASE_LOCAL = 64
