@@ -848,9 +848,8 @@ class InstantBounds:
         ``first`` reads one of them after it: holding it at ``first`` spares recomputing every
         large value before it), and the others in ``CASE_GROUPS`` groups. The LP spreads a
         fraction of a value over such separators and cuts the recomputation of the layers below
-        each one a little; alone in its case, a separator cuts them whole or not at all (GPT-2 48L
-        at its smallest budget: the unsplit LP 1.569x, the other values in one group 1.676x, each
-        residual alone 1.64-1.68x)."""
+        each one a little; alone in its case, a separator cuts them whole or not at all (the
+        module gives GPT-2 48L's numbers)."""
         users = self.graph.users
         room = budget_bytes - int(self.forced_bytes[first])
         alone = np.zeros(big.size, dtype=bool)
