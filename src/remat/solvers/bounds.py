@@ -833,6 +833,9 @@ class InstantBounds:
                 continue
             elif state < 2:  # deadlines where the values below and in it are read: a few, then more
                 local = self._local_deadlines(first, big, members, CASE_LOCAL_DEADLINES if state else CASE_LOCAL_FIRST)
+                if state and len(local) <= CASE_LOCAL_FIRST:  # the same deadlines as its last LP: no more to see
+                    case[2] = 2
+                    continue
                 p = self.deadline_program(first, (*picks[:1], *local), budget_bytes)
             else:
                 break  # the least case cannot rise any more
