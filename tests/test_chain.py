@@ -11,6 +11,10 @@ from remat import InfeasibleBudgetError
 from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.simulate import simulate
 from remat.solvers import solve
+from remat.builders import training_graph
+from remat.graph import NodeKind
+from remat.solvers import chain as chain_module
+from remat.solvers import prepared
 from remat.solvers.chain import ChainModel, chain_model
 from reference import min_budget, transformer_like
 
@@ -32,8 +36,9 @@ def test_every_plan_is_what_the_simulator_measures(graph, data):
     model = chain_model(graph)
     assert model.front_levels, "checkpoint-all's peak is a budget of the model: some plan fits it"
     picks = data.draw(st.lists(st.integers(0, len(model.front_levels) - 1), min_size=1, max_size=4))
-    for index in picks:
-        plan = model.measure(index)
+    plans = [model.measure(i) for i in picks]
+    plans += [model.measure_restart(i % len(model.restart_levels)) for i in picks if model.restart_levels]
+    for plan in plans:
         sim = simulate(graph, plan.schedule(graph).lower(graph))
         assert sim.ok, sim.errors
         assert (sim.peak_bytes, sim.total_cost) == (plan.peak_bytes, plan.cost)
@@ -80,3 +85,78 @@ def test_the_smallest_budget_it_states_plans():
     lowest = info.value.min_budget_bytes
     assert "method 'chain'" in str(info.value)
     assert solve(g, lowest, method="chain").peak_bytes <= lowest
+
+
+def mlp_stack(blocks: int, *, head_bytes: int = 0):
+    """A residual stack of MLP-like blocks: a costly wide matmul, two cheap wide elementwise
+    values (an activation function's parts), a costly narrow projection, the residual add.
+    Each gradient reads its node's value and inputs, so a block's backward holds its wide
+    values unless it recomputes them. ``head_bytes``: a final layer norm and logits of that
+    size, which the loss reads (a language model's head)."""
+    deps, sizes, costs = [()], [4], [1.0]
+    h = 0
+    for _ in range(blocks):
+        a = len(deps)
+        deps += [(h,), (a,), (a + 1,), (a + 2,), (h, a + 3)]
+        sizes += [16, 16, 16, 4, 4]
+        costs += [10.0, 1.0, 1.0, 10.0, 1.0]
+        h = a + 4
+    saved = [(i, *d) for i, d in enumerate(deps)]
+    if head_bytes:  # the logits' gradient reads the logits alone, as log-softmax's does
+        deps += [(h,), (h + 1,)]
+        sizes += [4, head_bytes]
+        costs += [1.0, 10.0]
+        saved += [(h + 1, h), (h + 2,)]
+    return training_graph(deps, sizes, costs, saved=saved, name=f"mlp{blocks}-{head_bytes}")
+
+
+def test_leaf_menus_are_fronts_of_held_subsets():
+    model = ChainModel(mlp_stack(8))
+    assert any(len(menu) > 1 for menu in model.menus)
+    for s, menu in enumerate(model.menus):
+        need, extra, held = menu[0]
+        assert (need, extra) == (model.need[s], 0.0) and np.array_equal(held, model.leaf_mask[s])
+        for (need_a, extra_a, _), (need_b, extra_b, held_b) in zip(menu, menu[1:]):
+            assert need_b < need_a and extra_b > extra_a
+            assert not np.any(held_b & ~model.leaf_mask[s])
+
+
+def test_leaf_menus_reach_lower_budgets_at_no_more_cost(monkeypatch):
+    g = mlp_stack(8)
+    low = min_budget(g, "chain")
+    prepared.clear()
+    monkeypatch.setattr(chain_module, "MENU_OPTIONS", 0)
+    without = min_budget(g, "chain")
+    whole_leaves = solve(g, without, method="chain")
+    monkeypatch.undo()
+    prepared.clear()
+    assert low < without
+    assert solve(g, low, method="chain").peak_bytes <= low
+    assert solve(g, without, method="chain").cost <= whole_leaves.cost
+
+
+def test_restarted_plans_hold_nothing_of_the_chain_across_the_loss():
+    g = mlp_stack(8, head_bytes=96)
+    model = ChainModel(g)
+    assert model.restart_levels
+    restarted = [model.measure_restart(i) for i in range(len(model.restart_levels))]
+    for plan in restarted:
+        sim = simulate(g, plan.schedule(g).lower(g))
+        assert sim.ok and (sim.peak_bytes, sim.total_cost) == (plan.peak_bytes, plan.cost)
+    kept_through = [model.measure(i) for i in range(len(model.front_levels))]
+    assert min(p.peak_bytes for p in restarted) < min(p.peak_bytes for p in kept_through)
+    # the least-peak restarted plan runs the forward pass again after the loss's stages
+    least = min(restarted, key=lambda p: p.peak_bytes)
+    loss = g.ids_of_kind(NodeKind.LOSS)[0]
+    again = {int(i) for s, i in zip(least.stages, least.nodes) if s > loss and g.nodes[int(i)].kind is NodeKind.FORWARD}
+    assert 0 in again
+    low = min_budget(g, "chain")
+    assert low == least.peak_bytes and solve(g, low, method="chain").peak_bytes <= low
+
+
+def test_identical_segments_are_measured_once(monkeypatch):
+    calls = []
+    measure = ChainModel._measure_options
+    monkeypatch.setattr(ChainModel, "_measure_options", lambda self, s, members: calls.append(s) or measure(self, s, members))
+    model = ChainModel(mlp_stack(12))
+    assert len(calls) < model.L / 2

@@ -55,12 +55,14 @@ from remat.solvers.baselines import (
 #: At most this many segments: the programme is cubic in their number.
 MAX_SEGMENTS = 128
 #: Memory resolution of the programme: units of the checkpoint-all peak.
-MEMORY_LEVELS = 1024
+MEMORY_LEVELS = 4096
 #: Plans measured around a budget beyond the bisection: the next cheaper ones of the model.
 EXTRA_PROBES = 3
+#: Most options of a leaf's menu (the segment's backward holding part of its values).
+MENU_OPTIONS = 16
 
-# hold kinds: what a recursion holds while it works below it
-_CROSS, _KEEP, _LEAF = 0, 1, 2
+# hold kinds: what a recursion holds while it works below it; _MENU: a leaf's menu option
+_CROSS, _KEEP, _LEAF, _MENU = 0, 1, 2, 3
 
 
 class ChainModel:
@@ -111,7 +113,9 @@ class ChainModel:
         self.c = np.rint(cross_bytes / self.unit).astype(np.int64)
         self.a = np.rint(keep_bytes / self.unit).astype(np.int64)
         self.need = np.ceil(need / self.unit).astype(np.int64)
+        self.menus = self._leaf_menus(members, need)
         self._solve()
+        self._solve_restart(sizes, profile, members[L])
 
     # ------------------------------------------------------------------ the memory model
     def _needs(self, sizes: np.ndarray, mem: np.ndarray) -> np.ndarray:
@@ -125,14 +129,101 @@ class ChainModel:
         np.add.at(live_from, (self.seg_of[chain], last[chain]), sizes[chain])
         live_from = np.cumsum(live_from[:, ::-1], axis=1)[:, ::-1]
         earlier = np.cumsum(live_from, axis=0) - live_from  # earlier[j, t]: segments < j
+        self._earlier = earlier
         need = np.zeros(L + 1)
         for t, s in self.stage_segments():
             need[s] = max(need[s], mem[t] - earlier[s, t])
         return need
 
+    # ------------------------------------------------------------------ leaf menus
+    def _leaf_menus(self, members: list[np.ndarray], need: np.ndarray) -> list[list[tuple[int, float, np.ndarray]]]:
+        """Per segment, the options of its leaf: ``(need in units, extra cost, held mask)``,
+        the whole leaf first (``need``, 0, every member), then cheaper-in-memory ones.
+
+        A leaf holds every value of its segment while the segment's backward runs; near the
+        smallest budgets that alone overflows (a transformer layer's backward holds its MLP's
+        and attention's activations). An option holds only part of them: a backward stage
+        reading a value left out recomputes it from what is held, and drops it again. The
+        options leave out a growing prefix of the segment's values, the cheapest to
+        recompute per byte first (the elementwise values of an activation function before a
+        matmul's output), each measured as a plan (this segment's leaf, every other value
+        kept) and kept when it needs less memory than every cheaper option. Segments with
+        the same structure (the layers of a deep model) are measured once; their needs
+        differ by what the segment's position adds (gradients computed by then), so an
+        option's need is the segment's own need plus the option's measured difference."""
+        graph, L = self.graph, self.L
+        menus: list[list[tuple[int, float, np.ndarray]]] = []
+        by_class: dict[tuple, tuple[int, list[tuple[float, float, np.ndarray]]]] = {}
+        for s in range(L):
+            full = (int(self.need[s]), 0.0, self.leaf_mask[s])
+            key = _segment_key(graph, members[s])
+            if key not in by_class:
+                by_class[key] = (s, self._measure_options(s, members[s]))
+            first, options = by_class[key]
+            menu = [full]
+            for delta, extra, held in options:  # the i-th member of ``first`` is s's i-th
+                mask = np.zeros(graph.n, dtype=bool)
+                mask[members[s][held[members[first]]]] = True
+                menu.append((int(math.ceil((need[s] + delta) / self.unit)), extra, mask))
+            menus.append(menu)
+        return menus
+
+    def _measure_options(self, s: int, members: np.ndarray) -> list[tuple[float, float, np.ndarray]]:
+        """The options of segment ``s``'s leaf beyond the whole one: ``(need difference in
+        bytes, extra cost, held mask)``, Pareto-efficient, fewest bytes last."""
+        sizes, _kept, _temp, costs = self.graph.node_arrays
+        valued = members[sizes[members] > 0]
+        if valued.size < 2 or MENU_OPTIONS < 1:
+            return []
+        order = valued[np.lexsort((valued, costs[valued] / sizes[valued]))]
+        base_need, base_cost = self._measure_leaf(s, self.leaf_mask[s])
+        steps = np.unique(np.linspace(1, order.size, min(order.size, 2 * MENU_OPTIONS)).round().astype(int))
+        out: list[tuple[float, float, np.ndarray]] = []
+        best_need = base_need
+        for k in steps:
+            held = self.leaf_mask[s].copy()
+            held[order[:k]] = False
+            need, cost = self._measure_leaf(s, held)
+            if need < best_need - 0.5 * self.unit:
+                best_need = need
+                out.append((need - base_need, cost - base_cost, held))
+        # cheaper options that need as little are better: keep the front only
+        front: list[tuple[float, float, np.ndarray]] = []
+        for option in sorted(out, key=lambda o: (o[1], o[0])):
+            if not front or option[0] < front[-1][0]:
+                front.append(option)
+        return front[:MENU_OPTIONS]
+
+    def _measure_leaf(self, s: int, held: np.ndarray) -> tuple[float, float]:
+        """Need (bytes, as ``_needs`` counts it) and cost of the plan that keeps every value
+        but segment ``s``'s, whose backward recomputes them holding ``held``."""
+        graph = self.graph
+        kept = ~self.leaf_mask[s] | self.always
+        walk = StageWalk(graph)
+        self.stage_segments()
+        for t, seg in self.stage_segments():
+            done = np.asarray(walk.recompute_for(t, kept), dtype=np.int64)
+            if seg == s:
+                kept[done[held[done]]] = True
+        plan = walk.measure("leaf option")
+        mem = order_memory(graph, np.asarray(plan.nodes, dtype=np.int64))
+        stages = np.asarray(plan.stages, dtype=np.int64)
+        mine = self._segment_of_stage[stages] == s
+        if not mine.any():
+            return 0.0, float(plan.cost)
+        return float((mem[mine] - self._earlier[s, stages[mine]]).max()), float(plan.cost)
+
     def stage_segments(self) -> list[tuple[int, int]]:
         """(stage, segment) of every loss and backward stage: the segment a stage works in is
         the latest one it reads a forward value of (the previous stage's when it reads none)."""
+        if getattr(self, "_stage_segments", None) is None:
+            self._stage_segments = self._walk_stage_segments()
+            self._segment_of_stage = np.full(self.graph.n, -1, dtype=np.int64)
+            for t, seg in self._stage_segments:
+                self._segment_of_stage[t] = seg
+        return self._stage_segments
+
+    def _walk_stage_segments(self) -> list[tuple[int, int]]:
         out, seg = [], self.L
         for t, node in enumerate(self.graph.nodes):
             if node.kind is NodeKind.FORWARD:
@@ -148,7 +239,7 @@ class ChainModel:
         segments s.. in the original forward pass. Levels below the least need are left out
         (``base``). Choices are recovered when a plan is asked for (``_plan``)."""
         L = self.L
-        base = int(self.need.min())
+        base = min(int(self.need.min()), min((o[0] for menu in self.menus for o in menu), default=0))
         M = max(self.levels - base, 1)
         self.base = base
         need = self.need - base
@@ -163,7 +254,9 @@ class ChainModel:
                 t = s + length
                 best = np.full(M, inf, dtype=np.float32)
                 if length == 0:
-                    best[fits[s]] = self.f[s]
+                    for need_o, extra, _held in self.menus[s]:
+                        here = best[max(need_o - base, 0):]
+                        np.minimum(here, np.float32(max(self.f[s] + extra, 0.0)), out=here)
                 else:
                     _add_shifted(best, opt[s + 1, t], self.a[s], self.f[s], tmp)
                     best[~fits[s]] = inf
@@ -185,6 +278,108 @@ class ChainModel:
         finite = np.flatnonzero(np.isfinite(cost))
         steps = finite[np.concatenate(([True], cost[finite][1:] < cost[finite][:-1] - 1e-9 * max(1.0, cost[finite[0]])))]
         self.front_levels = (steps + base).tolist()
+
+    # ------------------------------------------------------------------ restart
+    def _solve_restart(self, sizes: np.ndarray, mem: np.ndarray, tail: np.ndarray) -> None:
+        """The programme's plans whose forward pass keeps nothing but what the loss reads.
+
+        Near the smallest budgets the loss gradient's stages fill the budget (a language
+        model's logits, their log-softmax and its gradient), so no value of the chain may
+        stay across them, not even the value entering the tail. Such a plan runs the
+        loss's own stages first (part 1), then, from the first stage that reads a dropped
+        forward value (part 2, the head's weight gradient), the whole recursion from the
+        step's input: the chain from segment 0 with the tail as its last segment, whose
+        values are recomputed once and held while its backward runs. ``restart[m]`` is its
+        least recomputation with m units free (part 1 needing its own memory alone);
+        ``restart_levels`` the front the bisection walks (empty when there is no chain)."""
+        graph, L, n = self.graph, self.L, self.graph.n
+        self.restart_levels: list[int] = []
+        forward = np.array([node.kind is NodeKind.FORWARD for node in graph.nodes], dtype=bool)
+        loss_reads = np.zeros(n, dtype=bool)
+        for i in graph.ids_of_kind(NodeKind.LOSS):
+            loss_reads[list(graph.nodes[i].deps)] = True
+        droppable = forward & ~loss_reads & ~self.always
+        droppable[tail] = forward[tail] & ~loss_reads[tail]
+        droppable[list(graph.outputs)] = False
+        recomputable = np.array([node.recomputable for node in graph.nodes], dtype=bool)
+        droppable &= recomputable
+        self.tail_dropped = droppable & (self.seg_of == L)
+        part2 = next((t for t, _seg in self.stage_segments() if droppable[list(graph.nodes[t].deps)].any()), None)
+        if L == 0 or part2 is None:
+            return
+        last = np.array([max(graph.users[i], default=i) for i in range(n)], dtype=np.int64)
+        live_dropped = np.zeros(n + 1)
+        ids = np.flatnonzero(droppable)
+        np.add.at(live_dropped, last[ids], sizes[ids])
+        live_dropped = np.cumsum(live_dropped[::-1])[::-1]  # dropped bytes read at or after t
+        first_stage = min(t for t, _seg in self.stage_segments())
+        need1 = max((mem[t] - live_dropped[t] for t in range(first_stage, part2)), default=0.0)
+        need2 = max((mem[t] - self._earlier[L, t] for t, seg in self.stage_segments() if seg == L and t >= part2),
+                    default=0.0)
+        self.part2 = part2
+        base, M = self.base, self.levels - self.base
+        units1 = int(math.ceil(need1 / self.unit)) - base
+        units2 = int(math.ceil(need2 / self.unit)) - base
+        costs = np.asarray(graph.node_arrays[3], dtype=float)
+        inf = np.float32(np.inf)
+        tmp = np.empty(M, dtype=np.float32)
+        ext: list[np.ndarray] = [np.empty(0)] * (L + 1)  # ext[s]: segments s..L, the tail last
+        ext[L] = np.where(np.arange(M) >= units2, np.float32(costs[self.tail_dropped].sum()), inf).astype(np.float32)
+        for s in range(L - 1, -1, -1):
+            best = np.full(M, inf, dtype=np.float32)
+            _add_shifted(best, ext[s + 1], self.a[s], self.f[s], tmp)
+            best[~self.fits[s]] = inf
+            for sp in range(s + 1, L + 1):
+                _add_shifted(best, ext[sp], self.c[sp - 1], self.prefix[sp] - self.prefix[s], tmp, self.opt[s, sp - 1])
+            ext[s] = best
+        restart = ext[0].copy()
+        restart[:max(units1, 0)] = inf
+        self.ext, self.restart = ext, restart
+        cost = restart.astype(np.float64)
+        finite = np.flatnonzero(np.isfinite(cost))
+        if finite.size:
+            steps = finite[np.concatenate(([True], cost[finite][1:] < cost[finite][:-1] - 1e-9 * max(1.0, cost[finite[0]])))]
+            self.restart_levels = (steps + base).tolist()
+
+    def _pick_ext(self, s: int, m: int) -> int:
+        """The choice ``_solve_restart`` made at (s, m) of ``ext``: -1 to keep segment s, else
+        the split s'."""
+        L = self.L
+
+        def rest(a: int, k: int) -> float:
+            return float(self.ext[a][m - k]) if m - k >= 0 else math.inf
+
+        best, pick = math.inf, -1
+        if self.fits[s][m] and s < L:
+            best = rest(s + 1, self.a[s]) + float(self.f[s])
+        for sp in range(s + 1, L + 1):
+            here = rest(sp, self.c[sp - 1]) + float(self.opt[s, sp - 1][m]) + self.prefix[sp] - self.prefix[s]
+            if here < best:
+                best, pick = here, sp
+        return pick
+
+    def _restart_plan(self, level: int) -> tuple:
+        """The restarted recursion for ``level`` units: what is held while each segment's
+        backward runs, the tail's included (its last entry)."""
+        L = self.L
+        held: list[tuple] = [()] * (L + 1)
+        stack: list[tuple] = []
+        s, m, path = 0, level - self.base, ()
+        while s < L:  # the recursion's spine over s..L, from the step's input
+            sp = self._pick_ext(s, m)
+            if sp < 0:
+                path = path + ((_KEEP, s),)
+                held[s] = path
+                m -= self.a[s]
+                s += 1
+            else:
+                stack.append((s, sp - 1, m, path))
+                path = path + ((_CROSS, sp - 1),)
+                m -= self.c[sp - 1]
+                s = sp
+        held[L] = path
+        self._unwind(stack, held)
+        return (), tuple(held)
 
     def _pick(self, s: int, t: int | None, m: int) -> int:
         """The choice ``_solve`` made at (s, t, m) of ``opt`` (of ``top`` when ``t`` is None):
@@ -225,10 +420,16 @@ class ChainModel:
                 stack.append((s, sp - 1, m, ()))
                 m -= self.c[sp - 1]
                 s = sp
+        self._unwind(stack, held)
+        return tuple(kept), tuple(held)
+
+    def _unwind(self, stack: list[tuple], held: list[tuple]) -> None:
+        """Fill ``held`` with what the recursions on ``stack`` (segments s..t, m units free,
+        the holds above them) hold for each segment's backward."""
         while stack:
             s, t, m, path = stack.pop()
             if s == t:
-                held[s] = path + ((_LEAF, s),)
+                held[s] = path + (self._leaf_option(s, m),)
                 continue
             sp = self._pick(s, t, m)
             if sp < 0:
@@ -238,13 +439,22 @@ class ChainModel:
             else:
                 stack.append((sp, t, m - self.c[sp - 1], path + ((_CROSS, sp - 1),)))
                 stack.append((s, sp - 1, m, path))
-        return tuple(kept), tuple(held)
+
+    def _leaf_option(self, s: int, m: int) -> tuple:
+        """The hold of segment s's leaf with m units free: its cheapest option that fits."""
+        fitting = [(max(self.f[s] + extra, 0.0), o) for o, (need_o, extra, _held) in enumerate(self.menus[s])
+                   if need_o - self.base <= m]
+        o = min(fitting)[1] if fitting else 0
+        return (_LEAF, s) if o == 0 else (_MENU, (s, o))
 
     # ------------------------------------------------------------------ plans
     def _mask(self, holds) -> np.ndarray:
         out = np.zeros(self.graph.n, dtype=bool)
         for kind, k in holds:
-            out |= (self.cross_mask, self.keep_mask, self.leaf_mask)[kind][k]
+            if kind == _MENU:
+                out |= self.menus[k[0]][k[1]][2]
+            else:
+                out |= (self.cross_mask, self.keep_mask, self.leaf_mask)[kind][k]
         return out
 
     def measure(self, index: int) -> BaselinePlan:
@@ -255,11 +465,24 @@ class ChainModel:
         return remembered(self.graph, ("chain plan", plan),
                           lambda: self._execute(plan, f"chain, {level * self.unit} B in its model"))
 
-    def _execute(self, plan: tuple, label: str) -> BaselinePlan:
+    def measure_restart(self, index: int) -> BaselinePlan:
+        """The restarted plan of the ``index``-th budget of its front, measured (remembered)."""
+        level = self.restart_levels[index]
+        plan = self._restart_plan(level)
+        return remembered(self.graph, ("chain restart plan", plan),
+                          lambda: self._execute(plan, f"chain restarted after the loss, {level * self.unit} B in its model",
+                                                restart=True))
+
+    def _execute(self, plan: tuple, label: str, *, restart: bool = False) -> BaselinePlan:
         graph = self.graph
         kept_forward, held = plan
         always = self.always | self._mask(kept_forward)
-        masks = [self._mask(h) for h in held] + [np.zeros(graph.n, dtype=bool)]
+        masks = [self._mask(h) for h in held]
+        if restart:  # the tail's values are dropped after the forward pass and held once recomputed
+            always &= ~self.tail_dropped
+            masks[self.L] |= self.tail_dropped
+        else:
+            masks.append(np.zeros(graph.n, dtype=bool))
         kept = always.copy()
         walk = StageWalk(graph)
         current = None
@@ -275,26 +498,32 @@ class ChainModel:
         """Measured plans around ``budget_bytes``: a bisection over the model's plans (cheaper
         ones need more memory) for the cheapest whose measured peak fits, then a few cheaper
         ones, whose measured peaks need not grow with the model's."""
-        if not self.front_levels:
-            return []
-        lo, hi = 0, len(self.front_levels) - 1
-        measured: dict[int, BaselinePlan] = {}
+        return (_bisect_front(self.front_levels, self.measure, budget_bytes)
+                + _bisect_front(self.restart_levels, self.measure_restart, budget_bytes))
 
-        def peak(i: int) -> int:
-            if i not in measured:
-                measured[i] = self.measure(i)
-            return measured[i].peak_bytes
 
-        if peak(lo) <= budget_bytes:
-            while lo < hi:  # invariant: front[lo] fits
-                mid = (lo + hi + 1) // 2
-                if peak(mid) <= budget_bytes:
-                    lo = mid
-                else:
-                    hi = mid - 1
-        for i in range(lo + 1, min(lo + 1 + EXTRA_PROBES, len(self.front_levels))):
-            peak(i)
-        return list(measured.values())
+def _bisect_front(levels: list[int], measure, budget_bytes: int) -> list[BaselinePlan]:
+    """``ChainModel.plans_near`` over one front of the model (``measure(i)``: its i-th plan)."""
+    if not levels:
+        return []
+    lo, hi = 0, len(levels) - 1
+    measured: dict[int, BaselinePlan] = {}
+
+    def peak(i: int) -> int:
+        if i not in measured:
+            measured[i] = measure(i)
+        return measured[i].peak_bytes
+
+    if peak(lo) <= budget_bytes:
+        while lo < hi:  # invariant: front[lo] fits
+            mid = (lo + hi + 1) // 2
+            if peak(mid) <= budget_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+    for i in range(lo + 1, min(lo + 1 + EXTRA_PROBES, len(levels))):
+        peak(i)
+    return list(measured.values())
 
 
 def _add_shifted(best: np.ndarray, arr: np.ndarray, k: int, const: float, tmp: np.ndarray,
@@ -308,6 +537,24 @@ def _add_shifted(best: np.ndarray, arr: np.ndarray, k: int, const: float, tmp: n
     if plus is not None:
         np.add(out, plus[k:], out=out)
     np.minimum(best[k:], out, out=best[k:])
+
+
+def _segment_key(graph: Graph, members: np.ndarray) -> tuple:
+    """What makes two segments' leaf menus the same: their members' operations (names without
+    their numbers), kinds and sizes, their dependencies inside the segment by position among
+    the members and outside it by size, and how many later nodes read each. Costs are left out
+    (profiled costs differ a little between identical layers; the simulator measures the
+    plan in the end)."""
+    if not members.size:
+        return ()
+    inside = {int(i): k for k, i in enumerate(members.tolist())}
+    key = []
+    for i in members.tolist():
+        node = graph.nodes[i]
+        deps = tuple(inside[d] if d in inside else -graph.nodes[d].out_bytes - 1 for d in node.deps)
+        key.append((node.name.rstrip("0123456789_"), node.kind.value, node.out_bytes, node.temp_bytes,
+                    deps, len(graph.users[i])))
+    return tuple(key)
 
 
 def _chain_cuts(graph: Graph) -> tuple[Cut, ...]:
