@@ -92,7 +92,7 @@ Any plan satisfies, with its own columns:
 Each ``s`` is a computation after a, each ``e`` a second one, so ``sum c_v (s[v] + e[v])`` is at
 most what the plan recomputes: the LP value plus ``graph.total_cost`` bounds every plan's cost.
 The deadline rows anchor at a, whose room is small, not at each other, so the LP keeps the
-second computations: GPT-2 48L at its smallest budget, 1.374x with several instants, 1.577x
+second computations: GPT-2 48L at 364.4 MB, 1.374x with several instants, 1.577x
 with a at the loss gradient and eight deadlines spread over the backward pass (a 32k-column
 LP, 6 s). ``cost_bound`` tries ``DEADLINE_COUNTS`` deadlines spread evenly over the nodes
 after the best single instant that read its values, before the several instants.
@@ -114,7 +114,7 @@ values in ``CASE_GROUPS`` groups; it solves the least case first, splits a case 
 in halves, and gives a case of a few values deadlines where the values it holds, and those
 before them, are first read after a: where a plan that kept one of them at a runs the layers
 below it again (a few deadlines first, more when that case is the least again). GPT-2 48L at
-its smallest budget: the unsplit LP, 1.580x with eight deadlines, keeps 0.1-0.6 MB of the
+364.4 MB: the unsplit LP, 1.580x with eight deadlines, keeps 0.1-0.6 MB of the
 hidden states of every sixth layer at a; the other large values, as one case, are 1.691x;
 each of the 100 hidden states that fit, alone, 1.621-1.695x with the same deadlines, 1.656x or
 more with two deadlines below it (all 100 in 11 s), 1.661x or more with eight (64 s). (Groups
@@ -190,7 +190,7 @@ MULTI_TIME_S = 8.0
 #: they are given). The first count gets DEADLINE_SHARE of the time left; a larger one comes
 #: only if the last raised the bound, and only if DEADLINE_GROWTH times the last one's time
 #: fits in DEADLINE_MORE_SHARE of the time left (an LP cut short proves nothing). GPT-2 48L at
-#: its smallest budget: 1.374x with several instants; 1.550x with four deadlines (1.4 s),
+#: 364.4 MB: 1.374x with several instants; 1.550x with four deadlines (1.4 s),
 #: 1.577x with eight (6.3 s), 1.589x with sixteen (25 s); spread over all the nodes after it
 #: instead, eight give 1.547x. Elsewhere in the benchmark these LPs take under 0.5 s and
 #: prove no more than the several instants, except GPT-2 at its floor (24L, eight deadlines:
@@ -207,7 +207,7 @@ DEADLINE_GROWTH = 5.0
 #: deadlines added where the values it holds, and the CASE_SPAN large values before each, are
 #: first read: CASE_LOCAL_FIRST of them, then CASE_LOCAL_DEADLINES (spread evenly), then in
 #: halves. It gets CASE_SHARE of the time several instants would have, and runs only where the
-#: deadlines beat one instant. GPT-2 48L at its smallest budget (100 hidden states alone and
+#: deadlines beat one instant. GPT-2 48L at 364.4 MB (100 hidden states alone and
 #: the rest in one group), with ``cost_bound(time_limit_s=T, multi_time_s=T)`` after the
 #: planner's two shorter calls: 1.656x for T = 15 s, 1.658x for 35 s, where the first pass over
 #: the hidden states takes about 11 s; groups of 30 consecutive values instead, 1.625x and

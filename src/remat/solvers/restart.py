@@ -30,7 +30,7 @@ against 1.914x). A plan the model overfills only in its own count is taken when 
 simulator, run on the plan mapped back, fits it within the budget.
 
 Its limit is the retention model's: one forward pass and one backward pass, so a value is
-computed at most three times. The 48-layer GPT-2 at its smallest budget (364.4 MB) needs
+computed at most three times. The 48-layer GPT-2 at 364.4 MB (near its smallest budget) needs
 more: the least model peak of the graph restarted there is 462 MB. Restarting the restarted
 graph a second time does not help as it stands (the first restart's backward nodes become
 the second graph's forward pass, where the model recomputes nothing).
