@@ -46,6 +46,7 @@ from remat.solvers.base import SolveResult, register
 from remat.solvers.baselines import (
     BaselinePlan,
     StageWalk,
+    _forward_mask,
     chen_plan,
     considers,
     pick_cheapest,
@@ -84,6 +85,10 @@ class ChainModel:
         for i, s in self.segment.items():
             seg_of[i] = s
         self.seg_of = seg_of
+        self._stage_segments = self._walk_stage_segments()
+        self._segment_of_stage = np.full(n, -1, dtype=np.int64)
+        for t, s in self._stage_segments:
+            self._segment_of_stage[t] = s
         members = [np.flatnonzero((seg_of == s) & recomputable) for s in range(L + 1)]
         costs = np.asarray(graph.node_arrays[3], dtype=float)
         self.f = np.array([costs[m].sum() for m in members[:L]], dtype=float)
@@ -123,7 +128,7 @@ class ChainModel:
         checkpoint-all plan (``mem``: its memory at each stage), less the forward values of
         earlier segments live then (those the recursion holds, or not, itself)."""
         graph, L, n = self.graph, self.L, self.graph.n
-        last = np.array([max(graph.users[i], default=i) for i in range(n)], dtype=np.int64)
+        last = self._last = np.array([max(graph.users[i], default=i) for i in range(n)], dtype=np.int64)
         live_from = np.zeros((L + 1, n + 1), dtype=np.float64)  # live_from[s, t]: seg-s bytes read at or after t
         chain = np.flatnonzero((self.seg_of >= 0) & (self.seg_of < L))
         np.add.at(live_from, (self.seg_of[chain], last[chain]), sizes[chain])
@@ -200,7 +205,6 @@ class ChainModel:
         graph = self.graph
         kept = ~self.leaf_mask[s] | self.always
         walk = StageWalk(graph)
-        self.stage_segments()
         for t, seg in self.stage_segments():
             done = np.asarray(walk.recompute_for(t, kept), dtype=np.int64)
             if seg == s:
@@ -216,11 +220,6 @@ class ChainModel:
     def stage_segments(self) -> list[tuple[int, int]]:
         """(stage, segment) of every loss and backward stage: the segment a stage works in is
         the latest one it reads a forward value of (the previous stage's when it reads none)."""
-        if getattr(self, "_stage_segments", None) is None:
-            self._stage_segments = self._walk_stage_segments()
-            self._segment_of_stage = np.full(self.graph.n, -1, dtype=np.int64)
-            for t, seg in self._stage_segments:
-                self._segment_of_stage[t] = seg
         return self._stage_segments
 
     def _walk_stage_segments(self) -> list[tuple[int, int]]:
@@ -239,7 +238,7 @@ class ChainModel:
         segments s.. in the original forward pass. Levels below the least need are left out
         (``base``). Choices are recovered when a plan is asked for (``_plan``)."""
         L = self.L
-        base = min(int(self.need.min()), min((o[0] for menu in self.menus for o in menu), default=0))
+        base = int(min([self.need.min(), *(o[0] for menu in self.menus for o in menu)]))
         M = max(self.levels - base, 1)
         self.base = base
         need = self.need - base
@@ -263,21 +262,36 @@ class ChainModel:
                     for sp in range(s + 1, t + 1):
                         _add_shifted(best, opt[sp, t], self.c[sp - 1], prefix[sp] - prefix[s], tmp, opt[s, sp - 1])
                 opt[s, t] = best
-        top: list[np.ndarray] = [np.empty(0)] * (L + 1)
-        top[L] = np.where(fits[L], np.float32(0), inf).astype(np.float32)
+        self.opt, self.fits = opt, fits
+        self.top = self._spine(np.where(fits[L], np.float32(0), inf).astype(np.float32), paid=False)
+        self.front_levels = self._front(self.top[0])
+
+    def _spine(self, tail: np.ndarray, *, paid: bool) -> list[np.ndarray]:
+        """``out[s][m]``: the least recomputation of segments s.. and then the tail (whose own
+        is ``tail[m]``) with m units free, keeping segment s or splitting after it as ``opt``
+        does; ``paid``: whether running segments forward counts (not in the original forward
+        pass, which runs anyway)."""
+        L, M = self.L, tail.size
+        tmp = np.empty(M, dtype=np.float32)
+        out: list[np.ndarray] = [np.empty(0)] * L + [tail]
         for s in range(L - 1, -1, -1):
-            best = np.full(M, inf, dtype=np.float32)
-            _add_shifted(best, top[s + 1], self.a[s], 0.0, tmp)
-            best[~fits[s]] = inf
+            best = np.full(M, np.float32(np.inf), dtype=np.float32)
+            _add_shifted(best, out[s + 1], self.a[s], self.f[s] if paid else 0.0, tmp)
+            best[~self.fits[s]] = np.inf
             for sp in range(s + 1, L + 1):
-                _add_shifted(best, top[sp], self.c[sp - 1], 0.0, tmp, opt[s, sp - 1])
-            top[s] = best
-        self.opt, self.top, self.fits = opt, top, fits
-        # the model's budgets where its plan gets cheaper: the front the bisection walks
-        cost = top[0].astype(np.float64)
+                _add_shifted(best, out[sp], self.c[sp - 1], self.prefix[sp] - self.prefix[s] if paid else 0.0, tmp,
+                             self.opt[s, sp - 1])
+            out[s] = best
+        return out
+
+    def _front(self, cost: np.ndarray) -> list[int]:
+        """The model's budgets (levels) where ``cost`` gets cheaper: the front the bisection walks."""
+        cost = cost.astype(np.float64)
         finite = np.flatnonzero(np.isfinite(cost))
+        if not finite.size:
+            return []
         steps = finite[np.concatenate(([True], cost[finite][1:] < cost[finite][:-1] - 1e-9 * max(1.0, cost[finite[0]])))]
-        self.front_levels = (steps + base).tolist()
+        return (steps + self.base).tolist()
 
     # ------------------------------------------------------------------ restart
     def _solve_restart(self, sizes: np.ndarray, mem: np.ndarray, tail: np.ndarray) -> None:
@@ -294,23 +308,20 @@ class ChainModel:
         ``restart_levels`` the front the bisection walks (empty when there is no chain)."""
         graph, L, n = self.graph, self.L, self.graph.n
         self.restart_levels: list[int] = []
-        forward = np.array([node.kind is NodeKind.FORWARD for node in graph.nodes], dtype=bool)
+        forward = _forward_mask(graph)
         loss_reads = np.zeros(n, dtype=bool)
         for i in graph.ids_of_kind(NodeKind.LOSS):
             loss_reads[list(graph.nodes[i].deps)] = True
         droppable = forward & ~loss_reads & ~self.always
         droppable[tail] = forward[tail] & ~loss_reads[tail]
         droppable[list(graph.outputs)] = False
-        recomputable = np.array([node.recomputable for node in graph.nodes], dtype=bool)
-        droppable &= recomputable
         self.tail_dropped = droppable & (self.seg_of == L)
         part2 = next((t for t, _seg in self.stage_segments() if droppable[list(graph.nodes[t].deps)].any()), None)
         if L == 0 or part2 is None:
             return
-        last = np.array([max(graph.users[i], default=i) for i in range(n)], dtype=np.int64)
         live_dropped = np.zeros(n + 1)
         ids = np.flatnonzero(droppable)
-        np.add.at(live_dropped, last[ids], sizes[ids])
+        np.add.at(live_dropped, self._last[ids], sizes[ids])
         live_dropped = np.cumsum(live_dropped[::-1])[::-1]  # dropped bytes read at or after t
         first_stage = min(t for t, _seg in self.stage_segments())
         need1 = max((mem[t] - live_dropped[t] for t in range(first_stage, part2)), default=0.0)
@@ -320,43 +331,13 @@ class ChainModel:
         base, M = self.base, self.levels - self.base
         units1 = int(math.ceil(need1 / self.unit)) - base
         units2 = int(math.ceil(need2 / self.unit)) - base
-        costs = np.asarray(graph.node_arrays[3], dtype=float)
         inf = np.float32(np.inf)
-        tmp = np.empty(M, dtype=np.float32)
-        ext: list[np.ndarray] = [np.empty(0)] * (L + 1)  # ext[s]: segments s..L, the tail last
-        ext[L] = np.where(np.arange(M) >= units2, np.float32(costs[self.tail_dropped].sum()), inf).astype(np.float32)
-        for s in range(L - 1, -1, -1):
-            best = np.full(M, inf, dtype=np.float32)
-            _add_shifted(best, ext[s + 1], self.a[s], self.f[s], tmp)
-            best[~self.fits[s]] = inf
-            for sp in range(s + 1, L + 1):
-                _add_shifted(best, ext[sp], self.c[sp - 1], self.prefix[sp] - self.prefix[s], tmp, self.opt[s, sp - 1])
-            ext[s] = best
-        restart = ext[0].copy()
-        restart[:max(units1, 0)] = inf
-        self.ext, self.restart = ext, restart
-        cost = restart.astype(np.float64)
-        finite = np.flatnonzero(np.isfinite(cost))
-        if finite.size:
-            steps = finite[np.concatenate(([True], cost[finite][1:] < cost[finite][:-1] - 1e-9 * max(1.0, cost[finite[0]])))]
-            self.restart_levels = (steps + base).tolist()
-
-    def _pick_ext(self, s: int, m: int) -> int:
-        """The choice ``_solve_restart`` made at (s, m) of ``ext``: -1 to keep segment s, else
-        the split s'."""
-        L = self.L
-
-        def rest(a: int, k: int) -> float:
-            return float(self.ext[a][m - k]) if m - k >= 0 else math.inf
-
-        best, pick = math.inf, -1
-        if self.fits[s][m] and s < L:
-            best = rest(s + 1, self.a[s]) + float(self.f[s])
-        for sp in range(s + 1, L + 1):
-            here = rest(sp, self.c[sp - 1]) + float(self.opt[s, sp - 1][m]) + self.prefix[sp] - self.prefix[s]
-            if here < best:
-                best, pick = here, sp
-        return pick
+        tail_cost = np.float32(graph.node_arrays[3][self.tail_dropped].sum())
+        # ext[s]: segments s..L from the value entering s, the tail last
+        self.ext = self._spine(np.where(np.arange(M) >= units2, tail_cost, inf).astype(np.float32), paid=True)
+        self.restart = self.ext[0].copy()
+        self.restart[:max(units1, 0)] = inf
+        self.restart_levels = self._front(self.restart)
 
     def _restart_plan(self, level: int) -> tuple:
         """The restarted recursion for ``level`` units: what is held while each segment's
@@ -366,7 +347,7 @@ class ChainModel:
         stack: list[tuple] = []
         s, m, path = 0, level - self.base, ()
         while s < L:  # the recursion's spine over s..L, from the step's input
-            sp = self._pick_ext(s, m)
+            sp = self._choose(s, L, m, lambda a: self.ext[a], paid=True)
             if sp < 0:
                 path = path + ((_KEEP, s),)
                 held[s] = path
@@ -384,19 +365,23 @@ class ChainModel:
     def _pick(self, s: int, t: int | None, m: int) -> int:
         """The choice ``_solve`` made at (s, t, m) of ``opt`` (of ``top`` when ``t`` is None):
         -1 to keep segment s, else the split s'. Recomputed at this one level."""
-        on_top = t is None
-        last = self.L if on_top else t
+        if t is None:
+            return self._choose(s, self.L, m, lambda a: self.top[a], paid=False)
+        return self._choose(s, t, m, lambda a: self.opt[a, t], paid=True)
+
+    def _choose(self, s: int, last: int, m: int, table, *, paid: bool) -> int:
+        """The choice at (s, m) of a programme over segments s..last whose subproblem a..last
+        is ``table(a)`` (``paid`` as in ``_spine``): -1 to keep segment s, else the split s'."""
 
         def rest(a: int, k: int) -> float:  # the subproblem a..last with k more units held
-            arr = self.top[a] if on_top else self.opt[a, last]
-            return float(arr[m - k]) if m - k >= 0 else math.inf
+            return float(table(a)[m - k]) if m - k >= 0 else math.inf
 
         best, pick = math.inf, -1
         if self.fits[s][m] and s < last:
-            best = rest(s + 1, self.a[s]) + (0.0 if on_top else float(self.f[s]))
+            best = rest(s + 1, self.a[s]) + (float(self.f[s]) if paid else 0.0)
         for sp in range(s + 1, last + 1):
             here = rest(sp, self.c[sp - 1]) + float(self.opt[s, sp - 1][m])
-            if not on_top:
+            if paid:
                 here += self.prefix[sp] - self.prefix[s]
             if here < best:
                 best, pick = here, sp
