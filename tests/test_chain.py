@@ -115,10 +115,37 @@ def test_leaf_menus_are_fronts_of_held_subsets():
     assert any(len(menu) > 1 for menu in model.menus)
     for s, menu in enumerate(model.menus):
         need, extra, held = menu[0]
-        assert (need, extra) == (model.need[s], 0.0) and np.array_equal(held, model.leaf_mask[s])
+        assert (need, extra) == (model.need[s], 0.0) and held.all() and held.shape == model.members[s].shape
         for (need_a, extra_a, _), (need_b, extra_b, held_b) in zip(menu, menu[1:]):
             assert need_b < need_a and extra_b > extra_a
-            assert not np.any(held_b & ~model.leaf_mask[s])
+            # one row for every backward stage, or one row for all, over the segment's members
+            assert held_b.shape[-1] == model.members[s].size
+            assert held_b.ndim == 1 or held_b.shape[0] == len(model._stages_of[s])
+
+
+def test_exact_options_hold_by_stage_and_cost_no_more(monkeypatch):
+    g = mlp_stack(8)
+    model = ChainModel(g)
+    by_stage = [(s, o) for s, menu in enumerate(model.menus) for o, option in enumerate(menu) if option[2].ndim == 2]
+    assert by_stage, "the repeated blocks get the exact model's options"
+    # a plan holding by stage is what the simulator measures
+    s, o = by_stage[-1]
+    held = [()] * model.L
+    held[s] = ((chain_module._MENU, (s, o)),)
+    kept = tuple((chain_module._KEEP, k) for k in range(model.L) if k != s)  # s's own values recomputed
+    plan = model._execute((kept, tuple(held)), "segment s holding by stage")
+    assert plan.cost > g.total_cost
+    sim = simulate(g, plan.schedule(g).lower(g))
+    assert sim.ok and (sim.peak_bytes, sim.total_cost) == (plan.peak_bytes, plan.cost)
+    low = min_budget(g, "chain")
+    prepared.clear()
+    monkeypatch.setattr(chain_module, "EXACT_MENU_LEVELS", 0)
+    prefixes_only = min_budget(g, "chain")
+    costs = {b: solve(g, b, method="chain").cost for b in (prefixes_only, prefixes_only + 8)}
+    monkeypatch.undo()
+    prepared.clear()
+    assert low <= prefixes_only
+    assert all(solve(g, b, method="chain").cost <= cost for b, cost in costs.items())
 
 
 def test_leaf_menus_reach_lower_budgets_at_no_more_cost(monkeypatch):
@@ -157,6 +184,6 @@ def test_restarted_plans_hold_nothing_of_the_chain_across_the_loss():
 def test_identical_segments_are_measured_once(monkeypatch):
     calls = []
     measure = ChainModel._measure_options
-    monkeypatch.setattr(ChainModel, "_measure_options", lambda self, s, members: calls.append(s) or measure(self, s, members))
+    monkeypatch.setattr(ChainModel, "_measure_options", lambda self, s, deadline: calls.append(s) or measure(self, s, deadline))
     model = ChainModel(mlp_stack(12))
     assert len(calls) < model.L / 2

@@ -178,12 +178,15 @@ class StageWalk:
         self.stages: list[int] = list(range(graph.n))
         self.nodes: list[int] = list(range(graph.n))
 
-    def recompute_for(self, t: int, kept: np.ndarray) -> list[int]:
+    def recompute_for(self, t: int, kept: np.ndarray, also: Iterable[int] = ()) -> list[int]:
         """Record that stage t recomputes, in id order, what it needs and ``kept`` lacks (the
-        walk of ``from_kept``), and return those nodes (none if t reads only kept values)."""
-        if all(kept[d] for d in self.graph.nodes[t].deps):
+        walk of ``from_kept``), and return those nodes (none if t reads only kept values).
+        ``also``: values to compute in the stage besides (to hold them for later stages),
+        with what they need."""
+        also = list(also)
+        if not also and all(kept[d] for d in self.graph.nodes[t].deps):
             return []
-        done = [i for i in sorted(_computed_in_stage(self.graph, t, kept)) if i != t]
+        done = [i for i in sorted(_computed_in_stage(self.graph, t, kept, also)) if i != t]
         self.stages += [t] * len(done)
         self.nodes += done
         return done
@@ -192,9 +195,10 @@ class StageWalk:
         return measure_by_stage(self.graph, self.stages, self.nodes, label)
 
 
-def _computed_in_stage(graph: Graph, t: int, kept: np.ndarray) -> set[int]:
-    """The nodes ``from_kept`` computes in stage t given the row ``kept`` (its own walk)."""
-    computed, need = {t}, [t]
+def _computed_in_stage(graph: Graph, t: int, kept: np.ndarray, also: Iterable[int] = ()) -> set[int]:
+    """The nodes ``from_kept`` computes in stage t given the row ``kept`` (its own walk), and
+    those ``also`` lists with what they need."""
+    computed, need = {t, *also}, [t, *also]
     while need:
         for d in graph.nodes[need.pop()].deps:
             if not kept[d] and d not in computed:

@@ -9,7 +9,9 @@ segments s..t from the value entering s, either
 - *split* at s' (s < s' <= t): recompute s..s'-1 holding only what crosses the cut before s',
   do s'..t from there, drop that, then do s..s'-1 again from the start;
 
-and a segment alone is recomputed and held while its backward runs. The original forward
+and a segment alone (a *leaf*) is recomputed while its backward runs, holding what one
+option of its menu holds (``ChainModel._leaf_menus``: all of it, part of it, or what the
+exact model of the segment's own block holds after each stage). The original forward
 pass makes the same choices at no extra cost (what it keeps, from the start of the step).
 Values can be computed many times, once per level of the recursion, so this reaches far
 lower budgets than one-level plans (``segments``) or uniform nested ones (``nested``) at the
@@ -40,7 +42,7 @@ import time
 import numpy as np
 
 from remat.cuts import Cut, light_cuts, pass_cuts
-from remat.graph import Graph, NodeKind
+from remat.graph import Graph, Node, NodeKind
 from remat.schedule import order_memory
 from remat.solvers.base import SolveResult, register
 from remat.solvers.baselines import (
@@ -61,6 +63,14 @@ MEMORY_LEVELS = 4096
 EXTRA_PROBES = 3
 #: Most options of a leaf's menu (the segment's backward holding part of its values).
 MENU_OPTIONS = 16
+#: Budgets at which the exact model solves each distinct segment's leaf for its menu.
+EXACT_MENU_LEVELS = 8
+#: Largest segment (forward and backward nodes) the exact model solves for a menu.
+EXACT_MENU_MAX_NODES = 120
+#: Time limit of one exact solve of a segment, and of all of a model's (the segments that
+#: repeat most are solved first).
+EXACT_MENU_SOLVE_S = 1.5
+EXACT_MENU_TOTAL_S = 12.0
 
 # hold kinds: what a recursion holds while it works below it; _MENU: a leaf's menu option
 _CROSS, _KEEP, _LEAF, _MENU = 0, 1, 2, 3
@@ -89,7 +99,12 @@ class ChainModel:
         self._segment_of_stage = np.full(n, -1, dtype=np.int64)
         for t, s in self._stage_segments:
             self._segment_of_stage[t] = s
-        members = [np.flatnonzero((seg_of == s) & recomputable) for s in range(L + 1)]
+        members = self.members = [np.flatnonzero((seg_of == s) & recomputable) for s in range(L + 1)]
+        self._stages_of: list[list[int]] = [[] for _ in range(L + 1)]
+        self._stage_rank = np.full(n, -1, dtype=np.int64)  # a stage's position among its segment's
+        for t, s in self._stage_segments:
+            self._stage_rank[t] = len(self._stages_of[s])
+            self._stages_of[s].append(t)
         costs = np.asarray(graph.node_arrays[3], dtype=float)
         self.f = np.array([costs[m].sum() for m in members[:L]], dtype=float)
         read_backward = np.zeros(n, dtype=bool)
@@ -118,7 +133,7 @@ class ChainModel:
         self.c = np.rint(cross_bytes / self.unit).astype(np.int64)
         self.a = np.rint(keep_bytes / self.unit).astype(np.int64)
         self.need = np.ceil(need / self.unit).astype(np.int64)
-        self.menus = self._leaf_menus(members, need)
+        self.menus = self._leaf_menus(need)
         self._solve()
         self._solve_restart(sizes, profile, members[L])
 
@@ -141,81 +156,200 @@ class ChainModel:
         return need
 
     # ------------------------------------------------------------------ leaf menus
-    def _leaf_menus(self, members: list[np.ndarray], need: np.ndarray) -> list[list[tuple[int, float, np.ndarray]]]:
-        """Per segment, the options of its leaf: ``(need in units, extra cost, held mask)``,
-        the whole leaf first (``need``, 0, every member), then cheaper-in-memory ones.
+    def _leaf_menus(self, need: np.ndarray) -> list[list[tuple[int, float, np.ndarray]]]:
+        """Per segment, the options of its leaf: ``(need in units, extra cost, held)``, the
+        whole leaf first (``need``, 0, every member), then cheaper-in-memory ones, fewest
+        units last. ``held`` is over the segment's members (``self.members[s]``): one row
+        (what the leaf holds of what its backward recomputes) or one row per backward stage
+        of the segment (what is held after that stage, computed in it if it was not).
 
         A leaf holds every value of its segment while the segment's backward runs; near the
         smallest budgets that alone overflows (a transformer layer's backward holds its MLP's
-        and attention's activations). An option holds only part of them: a backward stage
-        reading a value left out recomputes it from what is held, and drops it again. The
-        options leave out a growing prefix of the segment's values, the cheapest to
-        recompute per byte first (the elementwise values of an activation function before a
-        matmul's output), each measured as a plan (this segment's leaf, every other value
-        kept) and kept when it needs less memory than every cheaper option. Segments with
-        the same structure (the layers of a deep model) are measured once; their needs
-        differ by what the segment's position adds (gradients computed by then), so an
-        option's need is the segment's own need plus the option's measured difference."""
+        and attention's activations). The options hold less, from two sources:
+
+        - *prefixes*: one row leaving out a growing prefix of the segment's values, the
+          cheapest to recompute per byte first (a backward stage reading a value left out
+          recomputes it from what is held, and drops it again);
+        - *exact*: the exact model (Checkmate's MILP) on the segment's own forward and
+          backward nodes at ``EXACT_MENU_LEVELS`` budgets; a solution's rows are what it
+          holds after each backward stage. These recompute a value once for several stages,
+          drop it once its last reader in the block has run, and keep an expensive value
+          while recomputing cheap ones around it, which a single row cannot.
+
+        Each option is measured as a plan (this segment's leaf, every other value kept);
+        the menu keeps the options that need less memory than every cheaper one. Segments
+        with the same structure (the layers of a deep model) are measured and solved once;
+        their needs differ by what the segment's position adds (gradients computed by
+        then), so an option's need is the segment's own need plus the option's measured
+        difference."""
         graph, L = self.graph, self.L
-        menus: list[list[tuple[int, float, np.ndarray]]] = []
-        by_class: dict[tuple, tuple[int, list[tuple[float, float, np.ndarray]]]] = {}
+        keys = [_segment_key(graph, self.members[s], self._stages_of[s]) for s in range(L)]
+        first: dict[tuple, int] = {}
         for s in range(L):
-            full = (int(self.need[s]), 0.0, self.leaf_mask[s])
-            key = _segment_key(graph, members[s])
-            if key not in by_class:
-                by_class[key] = (s, self._measure_options(s, members[s]))
-            first, options = by_class[key]
-            menu = [full]
-            for delta, extra, held in options:  # the i-th member of ``first`` is s's i-th
-                mask = np.zeros(graph.n, dtype=bool)
-                mask[members[s][held[members[first]]]] = True
-                menu.append((int(math.ceil((need[s] + delta) / self.unit)), extra, mask))
+            first.setdefault(keys[s], s)
+        # exact options for the segments that repeat, the costliest classes first, while the
+        # time allows (a solve serves every segment of its class)
+        weight: dict[tuple, float] = {}
+        count: dict[tuple, int] = {}
+        for s in range(L):
+            weight[keys[s]] = weight.get(keys[s], 0.0) + float(self.f[s])
+            count[keys[s]] = count.get(keys[s], 0) + 1
+        deadline = time.perf_counter() + EXACT_MENU_TOTAL_S
+        options: dict[tuple, list[tuple[float, float, np.ndarray]]] = {}
+        for key in sorted(first, key=lambda k: (-weight[k], first[k])):
+            options[key] = self._measure_options(first[key], deadline if count[key] > 1 else -math.inf)
+        menus: list[list[tuple[int, float, np.ndarray]]] = []
+        for s in range(L):
+            menu = [(int(self.need[s]), 0.0, np.ones(self.members[s].size, dtype=bool))]
+            for delta, extra, held in options[keys[s]]:
+                units = int(math.ceil((need[s] + delta) / self.unit))
+                if units < menu[-1][0]:  # (options a unit apart in bytes may share one)
+                    menu.append((units, extra, held))
             menus.append(menu)
         return menus
 
-    def _measure_options(self, s: int, members: np.ndarray) -> list[tuple[float, float, np.ndarray]]:
+    def _measure_options(self, s: int, deadline: float) -> list[tuple[float, float, np.ndarray]]:
         """The options of segment ``s``'s leaf beyond the whole one: ``(need difference in
-        bytes, extra cost, held mask)``, Pareto-efficient, fewest bytes last."""
+        bytes, extra cost, held)``, Pareto-efficient, fewest bytes last (exact solves only
+        until ``deadline``)."""
         sizes, _kept, _temp, costs = self.graph.node_arrays
-        valued = members[sizes[members] > 0]
-        if valued.size < 2 or MENU_OPTIONS < 1:
+        members = self.members[s]
+        if members.size < 2 or MENU_OPTIONS < 1:
             return []
-        order = valued[np.lexsort((valued, costs[valued] / sizes[valued]))]
-        base_need, base_cost = self._measure_leaf(s, self.leaf_mask[s])
-        steps = np.unique(np.linspace(1, order.size, min(order.size, 2 * MENU_OPTIONS)).round().astype(int))
+        base_need, base_cost = self._measure_leaf(s, np.ones(members.size, dtype=bool))
         out: list[tuple[float, float, np.ndarray]] = []
-        best_need = base_need
-        for k in steps:
-            held = self.leaf_mask[s].copy()
-            held[order[:k]] = False
+
+        def offer(held: np.ndarray) -> None:
             need, cost = self._measure_leaf(s, held)
-            if need < best_need - 0.5 * self.unit:
-                best_need = need
+            if need < base_need - 0.5 * self.unit:
                 out.append((need - base_need, cost - base_cost, held))
+
+        valued = np.flatnonzero(sizes[members] > 0)
+        order = valued[np.lexsort((valued, costs[members[valued]] / sizes[members[valued]]))]
+        for k in np.unique(np.linspace(1, order.size, min(order.size, 2 * MENU_OPTIONS)).round().astype(int)):
+            if k >= 1:
+                held = np.ones(members.size, dtype=bool)
+                held[order[:k]] = False
+                offer(held)
+        for rows in self._exact_rows(s, deadline):
+            offer(rows)
         # cheaper options that need as little are better: keep the front only
         front: list[tuple[float, float, np.ndarray]] = []
         for option in sorted(out, key=lambda o: (o[1], o[0])):
             if not front or option[0] < front[-1][0]:
                 front.append(option)
-        return front[:MENU_OPTIONS]
+        if len(front) > MENU_OPTIONS:  # spread over the front, its least need kept
+            keep = np.unique(np.linspace(0, len(front) - 1, MENU_OPTIONS).round().astype(int))
+            front = [front[k] for k in keep]
+        return front
+
+    def _exact_rows(self, s: int, deadline: float) -> list[np.ndarray]:
+        """The exact model's holds for segment ``s``'s leaf (one row per backward stage of the
+        segment) at ``EXACT_MENU_LEVELS`` budgets between the least any plan of the block
+        needs and what it needs holding everything; none if the block has more than
+        ``EXACT_MENU_MAX_NODES`` nodes or the time is out."""
+        from remat.solvers.milp import exact_schedule  # (milp imports the baselines, which load this module)
+        from remat.solvers.milp_model import peak_lower_bound_bytes
+
+        block = self._leaf_graph(s)
+        if block is None or EXACT_MENU_LEVELS < 1:
+            return []
+        m, stages = self.members[s].size, len(self._stages_of[s])
+        low = peak_lower_bound_bytes(block)
+        high = int(order_memory(block, np.arange(block.n)).max())
+        out: list[np.ndarray] = []
+        # from the most room down, until a budget has no plan (or none found in time)
+        for budget in np.linspace(high, low, EXACT_MENU_LEVELS + 1)[1:].astype(np.int64).tolist():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            schedule = exact_schedule(block, int(budget), time_limit_s=min(EXACT_MENU_SOLVE_S, left))
+            if schedule is None:
+                break
+            live = np.asarray(schedule.S)
+            rows = np.zeros((stages, m), dtype=bool)
+            rows[:-1] = live[m + 1:m + stages, :m]  # held after stage k: live entering k + 1
+            out.append(rows)
+        return out
+
+    def _leaf_graph(self, s: int) -> Graph | None:
+        """Segment ``s``'s block: its members (forward) and backward stages, in order; values
+        from outside are fixed bytes, and what a later stage reads, an output. None if it
+        has more than ``EXACT_MENU_MAX_NODES`` nodes."""
+        graph = self.graph
+        ids = self.members[s].tolist() + list(self._stages_of[s])
+        if len(ids) > EXACT_MENU_MAX_NODES or not self._stages_of[s]:
+            return None
+        index = {v: k for k, v in enumerate(ids)}
+        m = self.members[s].size
+        outside: set[int] = set()
+        nodes, outputs = [], []
+        for k, v in enumerate(ids):
+            node = graph.nodes[v]
+            deps = []
+            for d in node.deps:
+                if d in index:
+                    deps.append(index[d])
+                else:
+                    outside.add(d)
+            nodes.append(Node(node.name, NodeKind.FORWARD if k < m else NodeKind.BACKWARD, tuple(deps),
+                              node.out_bytes, node.cost, node.recomputable, node.temp_bytes, node.kept_bytes))
+            if k >= m and (v in graph.outputs or any(u not in index for u in graph.users[v])):
+                outputs.append(k)
+        if not outputs:
+            outputs.append(len(ids) - 1)
+        fixed = sum(graph.nodes[d].out_bytes for d in outside)
+        return Graph(tuple(nodes), fixed, tuple(outputs), f"{graph.name} segment {s}")
 
     def _measure_leaf(self, s: int, held: np.ndarray) -> tuple[float, float]:
         """Need (bytes, as ``_needs`` counts it) and cost of the plan that keeps every value
-        but segment ``s``'s, whose backward recomputes them holding ``held``."""
-        graph = self.graph
-        kept = ~self.leaf_mask[s] | self.always
-        walk = StageWalk(graph)
-        for t, seg in self.stage_segments():
-            done = np.asarray(walk.recompute_for(t, kept), dtype=np.int64)
-            if seg == s:
-                kept[done[held[done]]] = True
-        plan = walk.measure("leaf option")
-        mem = order_memory(graph, np.asarray(plan.nodes, dtype=np.int64))
+        but segment ``s``'s, whose backward recomputes them holding ``held`` (an option's)."""
+        masks = [np.zeros(self.graph.n, dtype=bool)] * (self.L + 1)
+        rows: list = [None] * (self.L + 1)
+        if held.ndim == 1:
+            masks[s] = self._held_mask(s, held)
+        else:
+            rows[s] = held
+        plan = self._walk(~self.leaf_mask[s] | self.always, masks, rows, "leaf option")
+        mem = order_memory(self.graph, np.asarray(plan.nodes, dtype=np.int64))
         stages = np.asarray(plan.stages, dtype=np.int64)
         mine = self._segment_of_stage[stages] == s
         if not mine.any():
             return 0.0, float(plan.cost)
         return float((mem[mine] - self._earlier[s, stages[mine]]).max()), float(plan.cost)
+
+    def _held_mask(self, s: int, held: np.ndarray) -> np.ndarray:
+        """Segment ``s``'s members that a one-row ``held`` marks, as a mask over the nodes."""
+        out = np.zeros(self.graph.n, dtype=bool)
+        out[self.members[s][held]] = True
+        return out
+
+    def _walk(self, always: np.ndarray, masks: list[np.ndarray], rows: list, label: str) -> BaselinePlan:
+        """Run the backward pass as a stage schedule and measure it. ``always`` stays held;
+        entering segment s's stages, what is held for it (``masks[s]``) stays of what was
+        held; a stage recomputes what it reads and lacks, and holds what of that is in
+        ``masks[s]``. Where s is a leaf whose option holds by stage (``rows[s]``), the
+        segment's members held after each stage are its row, computed in it if they were
+        not held."""
+        graph = self.graph
+        kept = always.copy()
+        walk = StageWalk(graph)
+        current = None
+        for t, seg in self.stage_segments():
+            if seg != current:  # the recursion leaves what it held for the segment before
+                kept = always | (kept & masks[seg])
+                current = seg
+            if rows[seg] is None:
+                done = np.asarray(walk.recompute_for(t, kept), dtype=np.int64)
+                kept[done[masks[seg][done]]] = True
+                continue
+            mine = self.members[seg]
+            want = mine[rows[seg][self._stage_rank[t]]]
+            done = np.asarray(walk.recompute_for(t, kept, also=want[~kept[want]].tolist()), dtype=np.int64)
+            kept[done[masks[seg][done]]] = True
+            kept[mine] = False
+            kept[want] = True
+        return walk.measure(label)
 
     def stage_segments(self) -> list[tuple[int, int]]:
         """(stage, segment) of every loss and backward stage: the segment a stage works in is
@@ -434,13 +568,25 @@ class ChainModel:
 
     # ------------------------------------------------------------------ plans
     def _mask(self, holds) -> np.ndarray:
+        """What ``holds`` hold, as a mask over the nodes (a leaf option holding by stage: none
+        of its own; ``_rows`` gives them)."""
         out = np.zeros(self.graph.n, dtype=bool)
         for kind, k in holds:
             if kind == _MENU:
-                out |= self.menus[k[0]][k[1]][2]
+                held = self.menus[k[0]][k[1]][2]
+                if held.ndim == 1:
+                    out |= self._held_mask(k[0], held)
             else:
                 out |= (self.cross_mask, self.keep_mask, self.leaf_mask)[kind][k]
         return out
+
+    def _rows(self, holds):
+        """The rows of the leaf option holding by stage at the end of ``holds``, if any."""
+        if holds and holds[-1][0] == _MENU:
+            held = self.menus[holds[-1][1][0]][holds[-1][1][1]][2]
+            if held.ndim == 2:
+                return held
+        return None
 
     def measure(self, index: int) -> BaselinePlan:
         """The plan of the ``index``-th budget of the front, run as a stage schedule and
@@ -468,16 +614,8 @@ class ChainModel:
             masks[self.L] |= self.tail_dropped
         else:
             masks.append(np.zeros(graph.n, dtype=bool))
-        kept = always.copy()
-        walk = StageWalk(graph)
-        current = None
-        for t, seg in self.stage_segments():
-            if seg != current:  # the recursion leaves what it held for the segment before
-                kept = always | (kept & masks[seg])
-                current = seg
-            done = np.asarray(walk.recompute_for(t, kept), dtype=np.int64)
-            kept[done[masks[seg][done]]] = True
-        return walk.measure(label)
+        rows = [self._rows(h) for h in held] + [None] * (self.L + 1 - len(held))
+        return self._walk(always, masks, rows, label)
 
     def plans_near(self, budget_bytes: int) -> list[BaselinePlan]:
         """Measured plans around ``budget_bytes``: a bisection over the model's plans (cheaper
@@ -524,22 +662,23 @@ def _add_shifted(best: np.ndarray, arr: np.ndarray, k: int, const: float, tmp: n
     np.minimum(best[k:], out, out=best[k:])
 
 
-def _segment_key(graph: Graph, members: np.ndarray) -> tuple:
-    """What makes two segments' leaf menus the same: their members' operations (names without
-    their numbers), kinds and sizes, their dependencies inside the segment by position among
-    the members and outside it by size, and how many later nodes read each. Costs are left out
-    (profiled costs differ a little between identical layers; the simulator measures the
-    plan in the end)."""
+def _segment_key(graph: Graph, members: np.ndarray, stages: list[int]) -> tuple:
+    """What makes two segments' leaf menus the same: their members' and backward stages'
+    operations (names without their numbers), kinds and sizes, their dependencies inside the
+    segment by position (members, then stages) and outside it by size, and how many later
+    nodes read each. Costs are left out (profiled costs differ a little between identical
+    layers; the simulator measures the plan in the end)."""
     if not members.size:
         return ()
-    inside = {int(i): k for k, i in enumerate(members.tolist())}
+    ids = members.tolist() + list(stages)
+    inside = {int(i): k for k, i in enumerate(ids)}
     key = []
-    for i in members.tolist():
+    for i in ids:
         node = graph.nodes[i]
         deps = tuple(inside[d] if d in inside else -graph.nodes[d].out_bytes - 1 for d in node.deps)
         key.append((node.name.rstrip("0123456789_"), node.kind.value, node.out_bytes, node.temp_bytes,
                     deps, len(graph.users[i])))
-    return tuple(key)
+    return (members.size, tuple(key))
 
 
 def _chain_cuts(graph: Graph) -> tuple[Cut, ...]:

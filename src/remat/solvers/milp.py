@@ -545,6 +545,21 @@ def _exact(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: M
     return schedule, claimed, bound, result.status, stats
 
 
+def exact_schedule(graph: Graph, budget_bytes: int, *, time_limit_s: float, threads: int = 1) -> Schedule | None:
+    """Checkmate's exact model alone on a small graph (a block of a larger one): the cheapest
+    schedule it finds in ``time_limit_s`` whose simulated peak fits ``budget_bytes``, or None
+    (no plan fits, or none was found in time). No baselines, bounds or searches around it:
+    the chain's leaf menus solve each distinct block this way at several budgets."""
+    settings = SolverSettings(time_limit_s=time_limit_s, mip_gap=1e-3, threads=threads, label="block")
+    result = _exact(graph, budget_bytes, settings, MilpBackend.HIGHS, True, True, None,
+                    time.perf_counter() + time_limit_s)
+    if result is None:
+        return None
+    schedule = result[0]
+    sim = simulate(graph, schedule.lower(graph))
+    return schedule if sim.ok and sim.peak_bytes <= budget_bytes else None
+
+
 def _model_bound(model: MilpModel, result: BackendResult, backend: MilpBackend) -> float | None:
     if result.bound is None or not model.exact_units:
         return None
