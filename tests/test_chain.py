@@ -126,6 +126,8 @@ def test_leaf_menus_are_fronts_of_held_subsets():
 def test_exact_options_hold_by_stage_and_cost_no_more(monkeypatch):
     g = mlp_stack(8)
     model = ChainModel(g)
+    assert not any(option[2].ndim == 2 for menu in model.menus for option in menu), "exact options wait for refine"
+    model.refine()
     by_stage = [(s, o) for s, menu in enumerate(model.menus) for o, option in enumerate(menu) if option[2].ndim == 2]
     assert by_stage, "the repeated blocks get the exact model's options"
     # a plan holding by stage is what the simulator measures
@@ -179,6 +181,18 @@ def test_restarted_plans_hold_nothing_of_the_chain_across_the_loss():
     assert 0 in again
     low = min_budget(g, "chain")
     assert low == least.peak_bytes and solve(g, low, method="chain").peak_bytes <= low
+
+
+def test_the_smallest_budgets_refine_the_menus_and_the_largest_do_not():
+    g = mlp_stack(8)
+    prepared.clear()  # (models are remembered per graph: another test may have refined this one)
+    model = chain_model(g)
+    top = solve(g, 10**9, method="checkpoint_all").peak_bytes
+    model.plans_near(top)
+    assert not model.exact
+    with pytest.raises(InfeasibleBudgetError):
+        solve(g, 1, method="chain")
+    assert model.exact
 
 
 def test_identical_segments_are_measured_once(monkeypatch):
