@@ -72,6 +72,8 @@ EXACT_MENU_MAX_NODES = 120
 #: repeat most are solved first).
 EXACT_MENU_SOLVE_S = 1.5
 EXACT_MENU_TOTAL_S = 12.0
+#: Budgets within this share above the least peak of the model's plans get the exact options.
+REFINE_MARGIN = 0.1
 
 # hold kinds: what a recursion holds while it works below it; _MENU: a leaf's menu option
 _CROSS, _KEEP, _LEAF, _MENU = 0, 1, 2, 3
@@ -144,7 +146,7 @@ class ChainModel:
 
     def refine(self) -> None:
         """Add the exact options to the leaves' menus and solve the programme again (once;
-        ``plans_near`` does it where the plans around a budget hold leaves in part)."""
+        ``plans_near`` does it for budgets near the least peak of the model's plans)."""
         if self.exact:
             return
         self._plain = copy.copy(self)  # the programme without them (its tables are replaced below, not changed)
@@ -643,37 +645,31 @@ class ChainModel:
     def plans_near(self, budget_bytes: int) -> list[BaselinePlan]:
         """Measured plans around ``budget_bytes``: a bisection over the model's plans (cheaper
         ones need more memory) for the cheapest whose measured peak fits, then a few cheaper
-        ones, whose measured peaks need not grow with the model's. Where those hold a leaf
-        in part (a menu option), the menus get their exact options (``refine``) and the
-        refined model's plans around the budget are added; once refined, both models' plans
-        are (the refined programme's choices, measured, are not always cheaper: GPT-2 48L
-        at 370 MB 1.747x against 1.766x, at 400 MB 1.578x against 1.569x)."""
-        plans, partial = self._near(budget_bytes)
-        if partial and not self.exact:
+        ones, whose measured peaks need not grow with the model's. Within ``REFINE_MARGIN``
+        of the least peak of the model's plans, the menus get their exact options
+        (``refine``) and the refined model's plans around the budget are added; once
+        refined, both models' plans are (the refined programme's choices, measured, are not
+        always cheaper: GPT-2 48L at 370 MB 1.747x against 1.766x, at 400 MB 1.578x against
+        1.569x)."""
+        plans = self._near(budget_bytes)
+        if self.exact:
+            return plans + self._plain._near(budget_bytes)
+        least = min((p.peak_bytes for p in plans), default=None)
+        if least is not None and budget_bytes <= (1 + REFINE_MARGIN) * least:
             self.refine()
-            plans += self._near(budget_bytes)[0]
-        elif self.exact:  # the plans without the exact options, too: the simulator has the last word
-            plans += self._plain._near(budget_bytes)[0]
+            plans += self._near(budget_bytes)
         return plans
 
-    def _near(self, budget_bytes: int) -> tuple[list[BaselinePlan], bool]:
-        """``plans_near``'s bisections of both fronts, and whether the plans they end on (the
-        cheapest that fits and those just cheaper, or the least peak) hold a leaf in part."""
-        plans, partial = [], False
-        for levels, measure, build in ((self.front_levels, self.measure, self._plan),
-                                       (self.restart_levels, self.measure_restart, self._restart_plan)):
-            measured, lo = _bisect_front(levels, measure, budget_bytes)
-            plans += measured
-            for i in range(lo, min(lo + 1 + EXTRA_PROBES, len(levels))):
-                partial = partial or any(kind == _MENU for holds in build(levels[i])[1] for kind, _k in holds)
-        return plans, partial
+    def _near(self, budget_bytes: int) -> list[BaselinePlan]:
+        """``plans_near``'s bisections of both fronts."""
+        return (_bisect_front(self.front_levels, self.measure, budget_bytes)
+                + _bisect_front(self.restart_levels, self.measure_restart, budget_bytes))
 
 
-def _bisect_front(levels: list[int], measure, budget_bytes: int) -> tuple[list[BaselinePlan], int]:
-    """``ChainModel.plans_near`` over one front of the model (``measure(i)``: its i-th plan):
-    the plans measured, and the index it ends on."""
+def _bisect_front(levels: list[int], measure, budget_bytes: int) -> list[BaselinePlan]:
+    """``ChainModel.plans_near`` over one front of the model (``measure(i)``: its i-th plan)."""
     if not levels:
-        return [], 0
+        return []
     lo, hi = 0, len(levels) - 1
     measured: dict[int, BaselinePlan] = {}
 
@@ -691,7 +687,7 @@ def _bisect_front(levels: list[int], measure, budget_bytes: int) -> tuple[list[B
                 hi = mid - 1
     for i in range(lo + 1, min(lo + 1 + EXTRA_PROBES, len(levels))):
         peak(i)
-    return list(measured.values()), lo
+    return list(measured.values())
 
 
 def _add_shifted(best: np.ndarray, arr: np.ndarray, k: int, const: float, tmp: np.ndarray,
