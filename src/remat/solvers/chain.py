@@ -73,7 +73,7 @@ EXACT_MENU_MAX_NODES = 120
 EXACT_MENU_SOLVE_S = 1.5
 EXACT_MENU_TOTAL_S = 12.0
 #: Budgets within this share above the least peak of the model's plans get the exact options.
-REFINE_MARGIN = 0.1
+REFINE_MARGIN = 0.03
 
 # hold kinds: what a recursion holds while it works below it; _MENU: a leaf's menu option
 _CROSS, _KEEP, _LEAF, _MENU = 0, 1, 2, 3
