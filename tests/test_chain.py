@@ -201,3 +201,23 @@ def test_identical_segments_are_measured_once(monkeypatch):
     monkeypatch.setattr(ChainModel, "_measure_options", lambda self, s, deadline: calls.append(s) or measure(self, s, deadline))
     model = ChainModel(mlp_stack(12))
     assert len(calls) < model.L / 2
+
+
+def test_models_with_different_menus_do_not_share_measurements(monkeypatch):
+    # plans name menu options by position; the exact options depend on the solves, so two
+    # models of one graph may number them differently
+    g = mlp_stack(8)
+    first = ChainModel(g)
+    first.refine()
+    monkeypatch.setattr(chain_module, "EXACT_MENU_LEVELS", 0)  # prefixes alone, refined or not
+    second = ChainModel(g)
+    second.refine()
+
+    def same(a, b):
+        return len(a) == len(b) and all(x[2].shape == y[2].shape and np.array_equal(x[2], y[2]) for x, y in zip(a, b))
+
+    assert not all(same(a, b) for a, b in zip(first.menus, second.menus))
+    for model in (first, second):
+        for i in range(len(model.front_levels)):
+            fresh = model._execute(model._plan(model.front_levels[i]), "run again")
+            assert (model.measure(i).peak_bytes, model.measure(i).cost) == (fresh.peak_bytes, fresh.cost)

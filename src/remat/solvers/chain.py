@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import itertools
 import math
 import time
 
@@ -77,6 +78,9 @@ REFINE_MARGIN = 0.03
 
 # hold kinds: what a recursion holds while it works below it; _MENU: a leaf's menu option
 _CROSS, _KEEP, _LEAF, _MENU = 0, 1, 2, 3
+# a model's menus, numbered: a plan names menu options by position, so its measurement is
+# remembered under its menus' number (the exact options depend on how long solves took)
+_MENUS = itertools.count()
 
 
 class ChainModel:
@@ -138,6 +142,7 @@ class ChainModel:
         self.need = np.ceil(need / self.unit).astype(np.int64)
         self._need_bytes, self._sizes, self._profile = need, sizes, profile
         self.exact = False  # whether the menus have the exact options yet (``refine``)
+        self.menus_id = next(_MENUS)
         self._offered: dict[int, list[tuple[float, float, np.ndarray]]] = {}  # options measured, per segment
         self._base: dict[int, tuple[float, float]] = {}  # the whole leaf's need and cost, per segment
         self.menus = self._leaf_menus(need, exact=False)
@@ -151,6 +156,7 @@ class ChainModel:
             return
         self._plain = copy.copy(self)  # the programme without them (its tables are replaced below, not changed)
         self.exact = True
+        self.menus_id = next(_MENUS)
         self.menus = self._leaf_menus(self._need_bytes, exact=True)
         self._solve()
         self._solve_restart(self._sizes, self._profile, self.members[self.L])
@@ -618,14 +624,14 @@ class ChainModel:
         measured (remembered per graph)."""
         level = self.front_levels[index]
         plan = self._plan(level)
-        return remembered(self.graph, ("chain plan", self.exact, plan),
+        return remembered(self.graph, ("chain plan", self.menus_id, plan),
                           lambda: self._execute(plan, f"chain, {level * self.unit} B in its model"))
 
     def measure_restart(self, index: int) -> BaselinePlan:
         """The restarted plan of the ``index``-th budget of its front, measured (remembered)."""
         level = self.restart_levels[index]
         plan = self._restart_plan(level)
-        return remembered(self.graph, ("chain restart plan", self.exact, plan),
+        return remembered(self.graph, ("chain restart plan", self.menus_id, plan),
                           lambda: self._execute(plan, f"chain restarted after the loss, {level * self.unit} B in its model",
                                                 restart=True))
 
