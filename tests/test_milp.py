@@ -15,8 +15,9 @@ from remat import InfeasibleBudgetError, SolverError, SolveStatus, solve
 from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.graph import Graph, Node
 from remat.schedule import Schedule
+from remat.simulate import simulate
 from remat.solvers.lp_round import solve_relaxation
-from remat.solvers.milp import MilpBackend, minimum_budget
+from remat.solvers.milp import MilpBackend, exact_schedule, minimum_budget
 from remat.solvers.milp_model import ModelObjective, build_model, peak_lower_bound_bytes
 from remat.solvers.milp_start import BASELINE_METHODS, without_unread
 from reference import (SMALL_GRAPHS, assert_no_baseline_cheaper, budget_between, checkpoint_all_peak, exhaustive_min_cost,
@@ -469,3 +470,14 @@ def test_a_rescue_searches_only_past_a_relaxation_above_the_bound_in_hand(monkey
     # in a rescue's seconds, so none is started, and the call is not reported as timed out
     assert solve_relaxation(g, floor).lower_bound < beat
     assert searches == [] and r.status is SolveStatus.FEASIBLE
+
+
+def test_exact_schedule_alone_finds_the_known_optima_and_says_none_below_them(caplog):
+    # twelve unit nodes: the exact model's optimum is 31 at a budget of 8 (test_chain's table)
+    g = chain_graph(12, bytes_per_node=1)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        schedule = exact_schedule(g, 8, time_limit_s=10)
+        assert schedule is not None and schedule.cost(g) == 31.0
+        assert simulate(g, schedule.lower(g)).peak_bytes <= 8
+        assert exact_schedule(g, 2, time_limit_s=10) is None  # below what any plan needs
+    assert not caplog.records, "a block's solve is internal: nothing to warn the user about"

@@ -491,8 +491,7 @@ def _finish(graph: Graph, budget_bytes: int, best: Candidate, claimed: float | N
 
 # ---------------------------------------------------------------------------- Checkmate's exact model
 def _exact(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: MilpBackend, dominance: bool,
-           warm_start: bool, best: Candidate | None, deadline: float, beat: float | None = None, *,
-           quiet: bool = False):
+           warm_start: bool, best: Candidate | None, deadline: float, beat: float | None = None):
     """Checkmate's MILP on the whole graph: (schedule, cost, bound, status, stats), or None when it
     finds nothing better than ``best``. The bound counts only if the model's memory units are
     exact (rounded-up sizes make the model stricter than the graph); the LP relaxation's value
@@ -501,8 +500,8 @@ def _exact(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: M
     A rescue (``beat``: the bound in hand) searches only if the relaxation rises above that
     bound: below it, the seconds a rescue has never closed a gap by branching, and the MILP's
     plans have not beaten lowered and pruned ones on any graph measured; the rounded
-    relaxation's plans are still offered. ``quiet``: a relaxation out of time is logged at
-    info, not as a warning (a block's solve, which the user did not ask for)."""
+    relaxation's plans are still offered. With ``settings.quiet`` (a block's solve, which the
+    user did not ask for) a relaxation out of time is logged at info, not as a warning."""
     model = build_model(graph, budget_bytes, ModelObjective.COST, dominance=dominance)
     if model.infeasible_reason is not None:
         return None
@@ -515,7 +514,7 @@ def _exact(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: M
                 graph, budget_bytes, time_limit_s=max(share * (deadline - time.perf_counter()), 0.1),
                 model=model if dominance else None)  # (the relaxation's own model has the dominance rows)
         except RelaxationTimeout as exc:  # (a rescue's or a block's few seconds often end it: no news there)
-            (log.info if beat is not None or quiet else log.warning)("milp: %s; warm-starting from the known plans only", exc)
+            (log.info if beat is not None or settings.quiet else log.warning)("milp: %s; warm-starting from the known plans only", exc)
         else:
             if relaxation is not None:
                 rounded = lp_round.rounded_candidates(graph, relaxation.S)
@@ -552,9 +551,9 @@ def exact_schedule(graph: Graph, budget_bytes: int, *, time_limit_s: float, thre
     schedule it finds in ``time_limit_s`` whose simulated peak fits ``budget_bytes``, or None
     (no plan fits, or none was found in time). No baselines, bounds or searches around it:
     the chain's leaf menus solve each distinct block this way at several budgets."""
-    settings = SolverSettings(time_limit_s=time_limit_s, mip_gap=1e-3, threads=threads, label="block")
+    settings = SolverSettings(time_limit_s=time_limit_s, mip_gap=1e-3, threads=threads, label="block", quiet=True)
     result = _exact(graph, budget_bytes, settings, MilpBackend.HIGHS, True, True, None,
-                    time.perf_counter() + time_limit_s, quiet=True)
+                    time.perf_counter() + time_limit_s)
     if result is None:
         return None
     schedule = result[0]
@@ -685,8 +684,7 @@ def _infeasible(graph: Graph, budget_bytes: int, settings: SolverSettings, backe
 
 
 def _with_time(settings: SolverSettings, time_limit_s: float) -> SolverSettings:
-    return SolverSettings(time_limit_s=time_limit_s, mip_gap=settings.mip_gap, mip_abs_gap=settings.mip_abs_gap,
-                          threads=settings.threads, relax=settings.relax, label=settings.label)
+    return dataclasses.replace(settings, time_limit_s=time_limit_s)
 
 
 def _check_numbers(time_limit_s: float, mip_gap: float, threads: int) -> None:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,7 @@ class SolverSettings:
     threads: int = 2
     relax: bool = False  # solve the LP relaxation (integrality dropped)
     label: str = "milp"
+    quiet: bool = False  # an internal solve (a block's for the chain's menus): its troubles are logged at info
 
 
 class RelaxationTimeout(SolverError):
@@ -314,11 +316,11 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
             # HiGHS 1.16, given a start, was seen to report an improved objective with the start's
             # values as the solution (and its bound then cannot be trusted either): solve again
             # from scratch with the time left
-            log.warning("%s: HiGHS reported objective %g for a solution whose objective is %g; solving again "
-                        "without the start", settings.label, result.objective, actual)
+            (log.info if settings.quiet else log.warning)(
+                "%s: HiGHS reported objective %g for a solution whose objective is %g; solving again without the "
+                "start", settings.label, result.objective, actual)
             left = max(settings.time_limit_s - (time.perf_counter() - started), 1.0)
-            again = SolverSettings(time_limit_s=left, mip_gap=settings.mip_gap, mip_abs_gap=settings.mip_abs_gap,
-                                   threads=settings.threads, relax=settings.relax, label=settings.label)
+            again = dataclasses.replace(settings, time_limit_s=left)
             result = _run_highs_once(model, again, None)
     return result
 
