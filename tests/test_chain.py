@@ -47,6 +47,21 @@ def test_every_plan_is_what_the_simulator_measures(graph, data):
 
 
 @PROPERTY
+@given(graph=graphs(), data=st.data())
+def test_refined_plans_are_what_the_simulator_measures(graph, data):
+    model = ChainModel(graph)
+    model.refine()
+    assert model.exact and all(menu[0][1] == 0.0 for menu in model.menus)
+    picks = data.draw(st.lists(st.integers(0, len(model.front_levels) - 1), min_size=1, max_size=3))
+    plans = [model.measure(i) for i in picks]
+    plans += [model.measure_restart(i % len(model.restart_levels)) for i in picks if model.restart_levels]
+    for plan in plans:
+        sim = simulate(graph, plan.schedule(graph).lower(graph))
+        assert sim.ok, sim.errors
+        assert (sim.peak_bytes, sim.total_cost) == (plan.peak_bytes, plan.cost)
+
+
+@PROPERTY
 @given(graph=graphs())
 def test_the_model_costs_more_as_its_budget_shrinks(graph):
     model = ChainModel(graph)
@@ -221,3 +236,20 @@ def test_models_with_different_menus_do_not_share_measurements(monkeypatch):
         for i in range(len(model.front_levels)):
             fresh = model._execute(model._plan(model.front_levels[i]), "run again")
             assert (model.measure(i).peak_bytes, model.measure(i).cost) == (fresh.peak_bytes, fresh.cost)
+
+
+def test_a_failing_block_solve_leaves_the_prefix_options(monkeypatch, caplog):
+    from remat.errors import SolverError
+    from remat.solvers import milp
+
+    def broken(*args, **kwargs):
+        raise SolverError("the backend is gone")
+
+    monkeypatch.setattr(milp, "exact_schedule", broken)
+    g = mlp_stack(8)
+    model = ChainModel(g)
+    before = [[(need, extra) for need, extra, _ in menu] for menu in model.menus]
+    with caplog.at_level("INFO", logger="remat.solve"):
+        model.refine()
+    assert [[(need, extra) for need, extra, _ in menu] for menu in model.menus] == before
+    assert "the backend is gone" in caplog.text

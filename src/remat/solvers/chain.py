@@ -38,12 +38,14 @@ from __future__ import annotations
 import bisect
 import copy
 import itertools
+import logging
 import math
 import time
 
 import numpy as np
 
 from remat.cuts import Cut, light_cuts, pass_cuts
+from remat.errors import SolverError
 from remat.graph import Graph, Node, NodeKind
 from remat.schedule import order_memory
 from remat.solvers.base import SolveResult, register
@@ -75,6 +77,8 @@ EXACT_MENU_SOLVE_S = 1.5
 EXACT_MENU_TOTAL_S = 12.0
 #: Budgets within this share above the least peak of the model's plans get the exact options.
 REFINE_MARGIN = 0.03
+
+log = logging.getLogger("remat.solve")
 
 # hold kinds: what a recursion holds while it works below it; _MENU: a leaf's menu option
 _CROSS, _KEEP, _LEAF, _MENU = 0, 1, 2, 3
@@ -294,7 +298,12 @@ class ChainModel:
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
-            schedule = exact_schedule(block, int(budget), time_limit_s=min(EXACT_MENU_SOLVE_S, left))
+            try:
+                schedule = exact_schedule(block, int(budget), time_limit_s=min(EXACT_MENU_SOLVE_S, left))
+            except SolverError as exc:  # a block's solve is an extra: the menu goes without it
+                log.info("chain: the exact model of %s at %d B failed (%s); its menu keeps the prefixes",
+                         block.name, budget, exc)
+                break
             if schedule is None:
                 break
             live = np.asarray(schedule.S)
