@@ -108,14 +108,13 @@ class ChainModel:
         self.seg_of = seg_of
         self._stage_segments = self._walk_stage_segments()
         self._segment_of_stage = np.full(n, -1, dtype=np.int64)
-        for t, s in self._stage_segments:
-            self._segment_of_stage[t] = s
-        members = self.members = [np.flatnonzero((seg_of == s) & recomputable) for s in range(L + 1)]
         self._stages_of: list[list[int]] = [[] for _ in range(L + 1)]
         self._stage_rank = np.full(n, -1, dtype=np.int64)  # a stage's position among its segment's
         for t, s in self._stage_segments:
+            self._segment_of_stage[t] = s
             self._stage_rank[t] = len(self._stages_of[s])
             self._stages_of[s].append(t)
+        members = self.members = [np.flatnonzero((seg_of == s) & recomputable) for s in range(L + 1)]
         costs = np.asarray(graph.node_arrays[3], dtype=float)
         self.f = np.array([costs[m].sum() for m in members[:L]], dtype=float)
         read_backward = np.zeros(n, dtype=bool)
@@ -145,13 +144,14 @@ class ChainModel:
         self.a = np.rint(keep_bytes / self.unit).astype(np.int64)
         self.need = np.ceil(need / self.unit).astype(np.int64)
         self._need_bytes, self._sizes, self._profile = need, sizes, profile
+        self._keys = [_segment_key(graph, members[s], self._stages_of[s]) for s in range(L)]
         self.exact = False  # whether the menus have the exact options yet (``refine``)
         self.menus_id = next(_MENUS)
         self._offered: dict[int, list[tuple[float, float, np.ndarray]]] = {}  # options measured, per segment
         self._base: dict[int, tuple[float, float]] = {}  # the whole leaf's need and cost, per segment
-        self.menus = self._leaf_menus(need, exact=False)
+        self.menus = self._leaf_menus(exact=False)
         self._solve()
-        self._solve_restart(sizes, profile, members[L])
+        self._solve_restart()
 
     def refine(self) -> None:
         """Add the exact options to the leaves' menus and solve the programme again (once;
@@ -161,9 +161,9 @@ class ChainModel:
         self._plain = copy.copy(self)  # the programme without them (its tables are replaced below, not changed)
         self.exact = True
         self.menus_id = next(_MENUS)
-        self.menus = self._leaf_menus(self._need_bytes, exact=True)
+        self.menus = self._leaf_menus(exact=True)
         self._solve()
-        self._solve_restart(self._sizes, self._profile, self.members[self.L])
+        self._solve_restart()
 
     # ------------------------------------------------------------------ the memory model
     def _needs(self, sizes: np.ndarray, mem: np.ndarray) -> np.ndarray:
@@ -184,9 +184,9 @@ class ChainModel:
         return need
 
     # ------------------------------------------------------------------ leaf menus
-    def _leaf_menus(self, need: np.ndarray, *, exact: bool) -> list[list[tuple[int, float, np.ndarray]]]:
+    def _leaf_menus(self, *, exact: bool) -> list[list[tuple[int, float, np.ndarray]]]:
         """Per segment, the options of its leaf: ``(need in units, extra cost, held)``, the
-        whole leaf first (``need``, 0, every member), then cheaper-in-memory ones, fewest
+        whole leaf first (its need, 0, every member), then cheaper-in-memory ones, fewest
         units last. ``held`` is over the segment's members (``self.members[s]``): one row
         (what the leaf holds of what its backward recomputes) or one row per backward stage
         of the segment (what is held after that stage, computed in it if it was not).
@@ -211,8 +211,7 @@ class ChainModel:
         then), so an option's need is the segment's own need plus the option's measured
         difference. The exact options (``exact``) cost seconds: ``refine`` adds them when
         a budget needs them."""
-        graph, L = self.graph, self.L
-        keys = [_segment_key(graph, self.members[s], self._stages_of[s]) for s in range(L)]
+        L, keys, need = self.L, self._keys, self._need_bytes
         first: dict[tuple, int] = {}
         for s in range(L):
             first.setdefault(keys[s], s)
@@ -468,7 +467,7 @@ class ChainModel:
         return (steps + self.base).tolist()
 
     # ------------------------------------------------------------------ restart
-    def _solve_restart(self, sizes: np.ndarray, mem: np.ndarray, tail: np.ndarray) -> None:
+    def _solve_restart(self) -> None:
         """The programme's plans whose forward pass keeps nothing but what the loss reads.
 
         Near the smallest budgets the loss gradient's stages fill the budget (a language
@@ -481,6 +480,7 @@ class ChainModel:
         least recomputation with m units free (part 1 needing its own memory alone);
         ``restart_levels`` the front the bisection walks (empty when there is no chain)."""
         graph, L, n = self.graph, self.L, self.graph.n
+        sizes, mem, tail = self._sizes, self._profile, self.members[L]
         self.restart_levels: list[int] = []
         forward = _forward_mask(graph)
         loss_reads = np.zeros(n, dtype=bool)

@@ -7,6 +7,7 @@ Each adapter only translates arrays, settings and the MIP start, and reports bac
 from __future__ import annotations
 
 import enum
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -17,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
