@@ -199,6 +199,13 @@ def test_sweep_check_flags_a_milp_worse_than_a_baseline():
     assert len(sweep_mod.check(missing)["violations"]) == 1
     text = sweep_mod.markdown({"meta": {"time_limit_s": 1}, "models": {}, "points": worse["points"]})
     assert "milp is worse than a baseline" in text and "gap" in text
+    # a plan returned before the limit, above its bound: counted with its gap, not as a fallback
+    early = {"points": [pt("chen_greedy", 1.10), pt("milp", 1.05, "feasible", 0.0123)]}
+    verdict = sweep_mod.check(early)
+    assert verdict["short"] == [("m", 1, 0.5, 0.0123)] and verdict["timed_out"] == []
+    text = sweep_mod.markdown({"meta": {"time_limit_s": 1}, "models": {}, "points": early["points"]})
+    assert "At 1 budget(s) milp returned a plan above its lower bound before the time limit" in text
+    assert "m 50%: 1.23%" in text and "grouped MILP" not in text
 
 
 @pytest.mark.parametrize("text, want", [("1.0,0.6", [1.0, 0.6]), ("100%, 50%", [1.0, 0.5])])
