@@ -2,7 +2,7 @@
 
 For each model, two budgets (halfway and 15% of the way from the smallest budget Chen's greedy
 meets to the checkpoint-all peak the simulator predicts),
-method ``milp`` (grouped for large graphs, a full-graph baseline when that is cheaper): the
+method ``milp`` (on the whole traced graph, as ``remat.optimize`` plans by default): the
 plan is executed once, its peak memory measured by torch.profiler's allocation events (kernel
 scratch included, which the plan models per op as measured when tracing) and compared with
 the simulator's prediction and the budget, and its loss, gradients and buffers compared
