@@ -301,6 +301,11 @@ def check(results: Mapping) -> dict:
     return {"compared": compared, "timed_out": timed_out, "short": short, "violations": violations}
 
 
+def _gaps(points: list[tuple]) -> str:
+    """``check``'s (model, batch, fraction, gap) points as "model 60%: 1.25%, ..."."""
+    return ", ".join(f"{m} {f:.0%}: {'?' if g is None else f'{g:.2%}'}" for m, _, f, g in points)
+
+
 def markdown(results: dict) -> str:
     """The BENCHMARKS.md section: per model a table of overheads by budget and method, the
     plot, solve times, and the check that the MILP is never worse than a baseline."""
@@ -365,7 +370,6 @@ def markdown(results: dict) -> str:
     verdict = check(results)
     if verdict["compared"] or verdict["violations"]:
         timed = verdict["timed_out"]
-        gaps = ", ".join(f"{m} {f:.0%}: {'?' if g is None else f'{g:.1%}'}" for m, _, f, g in timed)
         if verdict["violations"]:
             lines += ["", f"**Check: milp is worse than a baseline** at {len(verdict['violations'])} point(s):", ""]
             lines += [f"- {v}" for v in verdict["violations"]]
@@ -373,12 +377,11 @@ def markdown(results: dict) -> str:
             lines += ["", f"**Check:** milp is never worse than any baseline at any budget where it returned a plan "
                       f"({verdict['compared']} budgets compared)."]
         if timed:
-            lines += [f"Of those, {len(timed)} stopped at the time limit (gap to the lower bound): {gaps}."]
+            lines += [f"Of those, {len(timed)} stopped at the time limit (gap to the lower bound): {_gaps(timed)}."]
         if verdict["short"]:
-            where = ", ".join(f"{m} {f:.0%}: {'?' if g is None else f'{g:.2%}'}" for m, _, f, g in verdict["short"])
             lines += [f"At {len(verdict['short'])} budget(s) milp returned a plan above its lower bound before the "
                       f"time limit (status `feasible`: its search ended, or the gap was within its tolerance; the "
-                      f"bound is the whole graph's unless the graph was grouped): {where}."]
+                      f"bound is the whole graph's unless the graph was grouped): {_gaps(verdict['short'])}."]
     return "\n".join(lines) + "\n"
 
 
