@@ -353,7 +353,7 @@ def _last_node_name() -> str | None:
     mode = proxy_tensor.get_proxy_mode()
     if mode is None:
         return None
-    last = next(reversed(mode.tracer.graph.nodes), None)
+    last = next(iter(reversed(mode.tracer.graph.nodes)), None)  # an iterable, not an iterator, before 2.13
     return None if last is None else last.name
 
 
