@@ -447,6 +447,17 @@ def test_infeasible_budget_warns_with_the_smallest_budget_and_uses_min_cut():
     assert "infeasible" in text and "smallest feasible budget is" in text and "min-cut partitioner" in text
     assert be.reports[0].fallback is not None
     assert_bitwise(got, want, "min-cut fallback")
+    # the report states the smallest budget in bytes, as the warning does; asked for it, the graph plans
+    least = be.reports[0].min_budget_bytes
+    assert isinstance(least, int) and least > 1000 and f"({least} B)" in text
+    torch._dynamo.reset()
+    at_least = make_backend(least, method="chen_greedy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rb.RematFallbackWarning)
+        got = run_step(w.model, w.batch, w.loss_fn, at_least)
+    report = at_least.reports[0]
+    assert report.fallback is None and report.min_budget_bytes is None and report.predicted_peak_bytes <= least
+    assert_bitwise(got, want, "planned at the stated smallest budget")
 
 
 def test_dynamic_shapes_fall_back_naming_the_reason():

@@ -81,7 +81,12 @@ RESCUE_METHODS = ("segments", "chen_greedy", "chen_sqrtn", "checkpoint_all")
 
 
 class _NotPlanned(RematError):
-    """Internal: a reason to hand the graph to PyTorch's partitioner."""
+    """Internal: a reason to hand the graph to PyTorch's partitioner; ``min_budget_bytes``: the
+    smallest budget the method meets, when the reason is an infeasible budget and it is known."""
+
+    def __init__(self, message: str, min_budget_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
 
 
 # ---------------------------------------------------------------------------- budgets
@@ -206,6 +211,9 @@ class PartitionReport:
     source_rank: int | None = None
     agreed_ranks: int | None = None
     lower_bound: float | None = None  # no plan costs less (a multiple like ``overhead``), if proven
+    #: when ``fallback`` is an infeasible budget: the smallest budget in bytes the method meets
+    #: (ask for it, as ``budget=`` bytes, and the graph is planned), if known
+    min_budget_bytes: int | None = None
 
     def __str__(self) -> str:
         if not self.captured:
@@ -319,7 +327,8 @@ class RematBackend:
                 RematFallbackWarning,
                 stacklevel=2,
             )
-            self.reports.append(PartitionReport(name, self.method, fallback=reason))
+            self.reports.append(PartitionReport(name, self.method, fallback=reason,
+                                                min_budget_bytes=getattr(exc, "min_budget_bytes", None)))
             from torch._functorch.partitioners import min_cut_rematerialization_partition
 
             return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
@@ -485,7 +494,8 @@ def _infeasible(budget_bytes: int, least: int | None, method: str, unoptimized: 
     smallest = f"{format_bytes(least)} ({least} B)" if least is not None else "unknown"
     return _NotPlanned(
         f"budget {format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for method {method!r}: the "
-        f"smallest feasible budget is {smallest}; the unoptimized peak is {format_bytes(unoptimized)}"
+        f"smallest feasible budget is {smallest}; the unoptimized peak is {format_bytes(unoptimized)}",
+        least,
     )
 
 
