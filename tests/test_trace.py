@@ -420,3 +420,90 @@ def test_fused_cpu_lstm_is_refused_with_a_remedy_that_works():
         got, _ = verify.planned_step(lstm, (x,), t, step)
         want, _ = verify.eager_step(lstm, (x,), loss_fn)
     assert verify.compare(got, want).bitwise
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                                  nn.LazyLinear(4))
+
+    def forward(self, x):
+        return self.head(self.stem(x))
+
+
+def _classify(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+@pytest.fixture
+def cudnn_everywhere(monkeypatch):
+    """Pretend this CPU is a CUDA device with cuDNN on, for ``remat.trace_errors``' checks."""
+    import remat.trace_errors as te
+
+    monkeypatch.setattr(te, "cudnn_active", lambda device: True)
+
+
+def test_batch_norm_that_eager_runs_with_cudnn_is_refused_naming_the_module(cudnn_everywhere):
+    """On a GPU, eager PyTorch ran ResNet50's batch norms with cuDNN and the traced step with
+    PyTorch's native kernels: the first convolution's weight gradient came out 39% apart in
+    norm (the same as torch.compile's), silently."""
+    torch.manual_seed(0)
+    model, batch = _ConvNet(), (torch.randn(2, 3, 6, 6), torch.tensor([0, 3]))
+    model(batch[0])  # materialize the lazy layer
+    with pytest.raises(TraceError) as info:
+        trace(model, batch, _classify, cost_model=None)
+    text = str(info.value)
+    assert text.startswith("module 'stem.1' (BatchNorm2d) and 1 more batch-norm module run on CUDA with cuDNN on: "
+                           "eager PyTorch uses cuDNN's batch-norm kernels there")
+    assert "Pass allow_native_batch_norm=True" in text and "torch.backends.cudnn.flags(enabled=False)" in text
+    with pytest.raises(TraceError, match="module 'stem.1' \\(BatchNorm2d\\) and 1 more"):
+        remat.optimize(model, batch, _classify, budget=1.0, method="chen_greedy", cost_model=None)
+    # accepted when asked for: the step plans and (here, on CPU, the same kernels) equals eager bitwise
+    step = remat.optimize(model, batch, _classify, budget=1.0, method="chen_greedy", cost_model=None,
+                          allow_native_batch_norm=True)
+    got, _ = verify.planned_step(model, batch, step.traced, step.planned)
+    want, _ = verify.eager_step(model, batch, _classify)
+    assert verify.compare(got, want).bitwise
+    # a saved plan is rebuilt under the same rule
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bn-plan-{os.getpid()}.json")
+    step.save(path)
+    try:
+        with pytest.raises(TraceError, match="allow_native_batch_norm=True"):
+            remat.TrainingStep.load(path, model, batch, _classify)
+        assert remat.TrainingStep.load(path, model, batch, _classify, allow_native_batch_norm=True).report.n_nodes > 0
+    finally:
+        os.remove(path)
+
+
+def test_batch_norms_eager_runs_natively_are_traced(cudnn_everywhere):
+    """ATen runs cuDNN's batch norm only for an affine norm with eps >= 1e-5 on 3 or more
+    dimensions: the others run PyTorch's native kernels in eager too, and trace."""
+    x, y = torch.randn(4, 3, 5), torch.tensor([0, 1, 2, 0])
+    for norm in (nn.BatchNorm1d(3, affine=False), nn.BatchNorm1d(3, eps=1e-6)):
+        model = nn.Sequential(norm, nn.Flatten(), nn.Linear(15, 3))
+        assert trace(model, (x, y), _classify, cost_model=None).graph.n > 0
+    flat = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))  # (N, C): 2 dimensions
+    assert trace(flat, (torch.randn(4, 5), y), _classify, cost_model=None).graph.n > 0
+
+
+def test_functional_batch_norm_on_cuda_is_refused_naming_the_node(monkeypatch):
+    import remat.trace_errors as te
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w, self.b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))
+
+        def forward(self, x):
+            return F.batch_norm(x, None, None, self.w, self.b, training=True)
+
+    model, x = Functional(), torch.randn(4, 3, 5)
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    assert trace(model, (x,), loss, cost_model=None).graph.n > 0  # on CPU: eager's kernels
+    monkeypatch.setattr(te, "cudnn_active", lambda device: True)
+    with pytest.raises(TraceError, match="^a batch norm \\(aten\\..*batch_norm.* at node '.*'\\) in model Functional "
+                                         "runs on CUDA with cuDNN on"):
+        trace(model, (x,), loss, cost_model=None)
+    assert trace(model, (x,), loss, cost_model=None, allow_native_batch_norm=True).graph.n > 0

@@ -181,13 +181,14 @@ class TrainingStep:
         loss_fn: LossFn,
         *,
         budget_bytes: int | None = None,
+        allow_native_batch_norm: bool = False,
     ) -> TrainingStep:
         """Rebuild a saved step without solving. Raises ``StalePlanError`` if the model's
         traced graph (or the requested budget) differs from the file's, ``PlanFileError`` if
-        the file is missing or malformed."""
+        the file is missing or malformed. ``allow_native_batch_norm``: as in ``optimize``."""
         refuse_wrapped(model, "TrainingStep.load()")
         record = _read_plan(path)
-        traced = trace(model, example_inputs, loss_fn, cost_model=None)
+        traced = trace(model, example_inputs, loss_fn, cost_model=None, allow_native_batch_norm=allow_native_batch_norm)
         if record["n_nodes"] == traced.graph.n:
             try:
                 traced = traced.with_measurements(record["node_costs"], record["temp_bytes"])
@@ -310,6 +311,7 @@ def optimize(
     budget_bytes: int | None = None,
     method: str = "milp",
     cost_model: CostModel | None = CostModel.PROFILE,
+    allow_native_batch_norm: bool = False,
     **solver_options: object,
 ) -> TrainingStep:
     """Plan the training step ``loss_fn(model, *example_inputs)`` to fit a memory budget at
@@ -321,12 +323,17 @@ def optimize(
     Budget and time limit are checked before anything is traced (``BudgetError``).
 
     Raises ``InfeasibleBudgetError`` (stating the least budget the method can meet) when the
-    budget is too small, ``TraceError`` when the step cannot be traced, ``WrappedModelError``
-    for a model under DistributedDataParallel or FSDP (compile those with ``remat.backend``).
+    budget is too small, ``TraceError`` when the step cannot be traced or its traced form would
+    not compute eager PyTorch's gradients (naming the module), ``WrappedModelError`` for a model
+    under DistributedDataParallel or FSDP (compile those with ``remat.backend``).
+
+    ``allow_native_batch_norm``: on a CUDA device with cuDNN on, eager PyTorch runs batch norms
+    with cuDNN, while the traced step runs PyTorch's native kernels (as ``torch.compile`` does),
+    which round differently; such a model is refused unless this is True.
     """
     budget = _budget_argument(budget, budget_bytes, solver_options)
     refuse_wrapped(model)
-    traced = trace(model, example_inputs, loss_fn, cost_model=cost_model)
+    traced = trace(model, example_inputs, loss_fn, cost_model=cost_model, allow_native_batch_norm=allow_native_batch_norm)
     graph = traced.graph
     baseline = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
     budget = parse_budget(budget, reference_bytes=baseline.peak_bytes)

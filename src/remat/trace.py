@@ -38,7 +38,7 @@ from remat.errors import TraceError
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
-from remat.trace_errors import RnnWatch, explain_trace_failure
+from remat.trace_errors import BatchNormWatch, RnnWatch, explain_trace_failure
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -201,6 +201,7 @@ def trace(
     name: str | None = None,
     replay_rng: bool = True,
     scratch: ScratchModel | None = None,
+    allow_native_batch_norm: bool = False,
 ) -> TracedStep:
     """Trace ``loss_fn(model, *example_inputs)`` and its backward into a ``TracedStep``.
 
@@ -210,6 +211,9 @@ def trace(
     ``scratch`` picks how each node's kernel scratch memory (its ``temp_bytes``) is found
     (``remat.scratch``); by default it is measured when costs are profiled, estimated by
     per-op rules otherwise, and not modelled for a model on the meta device (it runs nowhere).
+    A batch norm that eager PyTorch runs with cuDNN (on a CUDA device) is refused with a
+    ``TraceError`` naming the module, since the traced step runs PyTorch's native kernels, which
+    round differently; ``allow_native_batch_norm=True`` accepts them (``remat.trace_errors``).
 
     >>> import torch
     >>> m = torch.nn.Linear(4, 2)
@@ -239,9 +243,10 @@ def trace(
     fake_mode = FakeTensorMode()
     fakes = [_fake_input(fake_mode, t) for t in flat]
     kinds_by_name: dict[str, NodeKind] = {}
-    with RnnWatch(model) as rnns:
+    with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms:
         gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), fakes, kinds_by_name)
     rnns.check_graph(gm)
+    norms.check_graph(gm, flat)
 
     roles = [InputRole.PARAM] * len(params) + [InputRole.BUFFER] * len(buffers) + [InputRole.INPUT] * len(batch)
     slot_keys = keys + [f"batch[{i}]" for i in range(len(batch))]

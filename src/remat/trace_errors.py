@@ -181,3 +181,95 @@ class RnnWatch:
             f"for this step: `with torch.backends.mkldnn.flags(enabled=False): step = remat.optimize(...)` "
             f"(the LSTM then traces to plain matrix products, equal to eager PyTorch under the same flag)"
         )
+
+
+# ---------------------------------------------------------------------------- batch norm on CUDA
+_BATCH_NORMS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
+#: the smallest eps for which ATen hands a batch norm to cuDNN (CUDNN_BN_MIN_EPSILON)
+CUDNN_MIN_EPS = 1e-5
+#: how a refusal tells the user to accept the traced kernels
+ALLOW_OPTION = "allow_native_batch_norm=True"
+
+
+def cudnn_active(device: torch.device) -> bool:
+    """Whether eager PyTorch may run cuDNN's kernels for tensors on ``device``."""
+    return device.type == "cuda" and torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()
+
+
+def eager_runs_cudnn_batch_norm(module: torch.nn.Module, x: object) -> bool:
+    """Whether eager PyTorch runs cuDNN's batch norm for ``module`` on input ``x``: ATen's choice
+    of backend (on CUDA with cuDNN on: affine, ``eps`` at least cuDNN's least, 3 or more
+    dimensions), taken broadly so that no such case is missed."""
+    if not isinstance(x, torch.Tensor) or not cudnn_active(x.device):
+        return False
+    affine = getattr(module, "weight", None) is not None and getattr(module, "bias", None) is not None
+    return affine and module.eps >= CUDNN_MIN_EPS and x.dim() >= 3
+
+
+class BatchNormWatch:
+    """Refuses, with a ``TraceError`` naming the module, a batch norm that eager PyTorch runs
+    with cuDNN: traced, a batch norm becomes PyTorch's native kernels (as under
+    ``torch.compile``), which reduce in another order than cuDNN's, so the traced step's
+    gradients are not eager's (on a GPU, ResNet50's first convolution's weight gradient came out
+    39% apart in norm; with cuDNN off, eager and traced agree bitwise). ``allow``: accept the
+    native kernels instead. A ``functional`` batch norm (no module) is refused by
+    ``check_graph`` when its tensors are on a CUDA device with cuDNN on.
+
+    Use as a context manager around tracing, then ``check_graph`` the traced module with the
+    step's inputs."""
+
+    def __init__(self, model: torch.nn.Module, allow: bool = False) -> None:
+        self.model, self.allow = model, allow
+        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, _BATCH_NORMS)}
+        self.refused: list[str] = []
+        self.calls = 0  # batch-norm modules called while tracing (each traces to one forward node)
+        self.handles: list = []
+
+    def __enter__(self) -> BatchNormWatch:
+        if not self.allow:
+            for m in self.model.modules():
+                if id(m) in self.names:
+                    self.handles.append(m.register_forward_pre_hook(self._called))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _called(self, module: torch.nn.Module, args: tuple) -> None:
+        name = self.names[id(module)]
+        self.calls += 1
+        if args and eager_runs_cudnn_batch_norm(module, args[0]) and name not in self.refused:
+            self.refused.append(name)
+
+    def check_graph(self, gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> None:
+        """Raise for the batch-norm modules seen running with cuDNN while tracing, or for a
+        batch-norm node no module accounts for (``F.batch_norm`` called directly) in a step
+        whose tensors are on a CUDA device with cuDNN on."""
+        if self.allow:
+            return
+        if self.refused:
+            first = _describe_module(self.model, self.refused[0])
+            more = len(self.refused) - 1
+            what = first + (f" and {more} more batch-norm module{'s' if more > 1 else ''}" if more else "")
+            verb = "run" if more else "runs"
+        else:
+            if not any(isinstance(t, torch.Tensor) and cudnn_active(t.device) for t in inputs):
+                return
+            nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "batch_norm" in str(n.target)
+                     and "backward" not in str(n.target)]
+            if len(nodes) <= self.calls:
+                return
+            node = nodes[-1]
+            what = f"a batch norm ({node.target} at node {node.name!r}) in model {type(self.model).__name__}"
+            verb = "runs"
+        raise TraceError(
+            f"{what} {verb} on CUDA with cuDNN on: eager PyTorch uses cuDNN's batch-norm kernels there, "
+            f"but a traced step runs PyTorch's native ones (as torch.compile does), which round "
+            f"differently, so remat's gradients would not be eager's. Pass {ALLOW_OPTION} to accept "
+            f"the native kernels (torch.compile's numerics); or trace and train under "
+            f"`torch.backends.cudnn.flags(enabled=False)` (eager then runs the native kernels too, "
+            f"and remat equals it bitwise; convolutions get slower); or compile the model with "
+            f"remat.backend"
+        )
