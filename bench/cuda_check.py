@@ -1,25 +1,36 @@
-"""One command for a CUDA machine: remat's torch.compile backend on the paper's models and GPT-2,
-measured by the CUDA allocator against remat's prediction, against eager PyTorch and against
-PyTorch's own memory savers.
+"""One command for a CUDA machine: remat on the paper's models and GPT-2, measured by the CUDA
+allocator against remat's prediction, against eager PyTorch and against PyTorch's own memory
+savers.
 
 For every model (the Checkmate paper's VGG16, VGG19, ResNet50, MobileNet, VGG-U-Net, FCN8 and
 SegNet, and GPT-2 small; batch sizes below), one training step (forward, loss, backward) runs as
 
 * eager PyTorch (the reference; run twice, so that the reference's own run-to-run noise is known);
+* ``torch.compile`` with PyTorch's own partitioner and no memory budget: the same captured graph
+  remat's backend plans, so what compiling alone changes in the gradients is known;
 * ``remat.backend`` at two budgets, fractions of the step's unoptimized peak as remat simulates
-  it (method ``milp`` with a bounded time limit; what it cannot plan falls back, and says so);
+  it (method ``milp`` with a bounded time limit);
+* ``remat.optimize`` at the same budgets (remat's own tracing and executor, no compiler);
 * ``torch.utils.checkpoint`` (non-reentrant) on every block: the elements of the model's block
   lists (GPT-2's layers, the segmentation encoders' stages) or, for a plain ``nn.Sequential``,
   its top-level children;
 * ``torch.compile`` with PyTorch's min-cut partitioner at ``activation_memory_budget`` 0.5.
 
+A budget remat finds infeasible is planned again at the smallest feasible budget it states (the
+row says so): that is the budget a user is told to ask for, so it must plan. ``remat.optimize``
+refuses a model whose batch norms eager PyTorch runs with cuDNN (its traced step would run
+PyTorch's native kernels, as ``torch.compile`` does); the row then runs it with
+``allow_native_batch_norm=True`` and is compared with the ``torch.compile`` row too.
+
 Recorded per variant: the peak memory of one step (``torch.cuda.max_memory_allocated`` above
 what was allocated before the step, plus the parameters, buffers and batch, as remat counts
 them), remat's predicted peak and their relative difference, the median step time over
 ``--rounds`` steps against eager, and every gradient against eager's: the largest absolute
-difference, bitwise equality, and ``torch.allclose(grad, eager_grad, rtol=RTOL, atol=ATOL_SCALE
-* max|eager_grad|)`` per tensor (cuDNN's backward kernels are not deterministic, so eager
-against itself is recorded too).
+difference (and as a fraction of the largest eager gradient of its tensor), bitwise equality,
+and ``torch.allclose(grad, eager_grad, rtol=RTOL, atol=ATOL_SCALE * max|eager_grad|)`` per
+tensor. Compiled variants are compared with the ``torch.compile`` row too. cuDNN's backward
+kernels are not deterministic, so eager against itself is recorded, and a difference no larger
+than ``NOISE_FACTOR`` times eager's own counts as agreement.
 
 The whole run is sized for one H100 in under 10 minutes: batch sizes below, a solver time
 limit, and a deadline (``--deadline-s``) after which the remaining variants are recorded as
@@ -32,8 +43,9 @@ stopped.
 
 Writes ``bench/results/cuda_check.json`` (``--out`` for another file; the dry run writes
 ``cuda_check_quick.json``) and, for the default file, regenerates BENCHMARKS.md with a section
-that names the device. Exit status: 0, or 1 when a remat variant failed or its gradients are
-not allclose to eager's; without CUDA (and without ``--device cpu``) 2, with one line.
+that names the device. Exit status: 0, or 1 when a remat variant failed or its gradients agree
+neither with eager's nor (for ``remat.backend``) with ``torch.compile``'s on the same graph;
+without CUDA (and without ``--device cpu``) 2, with one line.
 """
 
 from __future__ import annotations
@@ -71,6 +83,13 @@ ATOL_SCALE = 1e-4
 #: No variant starts after this many seconds, so that the run ends within 10 minutes (the
 #: longest variant, remat planning GPT-2 small, takes about a minute); a rerun resumes.
 DEADLINE_S = 480.0
+#: A gradient difference no larger than this many times eager's against itself is noise.
+NOISE_FACTOR = 4.0
+#: The row of PyTorch's compiler without a memory budget: the reference of the compiled variants.
+COMPILED = "torch.compile"
+#: Rows run with cuDNN off: eager PyTorch then runs PyTorch's native batch norm, as a traced step does.
+OFF = ", cuDNN off"
+EAGER_OFF = "eager" + OFF
 #: A measured peak further than this from remat's prediction is flagged in the report.
 PEAK_TOLERANCE = 0.05
 MIB = 2**20
@@ -157,13 +176,39 @@ def block_slots(model) -> list[tuple[object, int]]:
 
 # ---------------------------------------------------------------------------- variants
 def variant_names(budgets: list[float]) -> list[str]:
-    return ["eager", "eager again", *(f"remat {b:.0%}" for b in budgets), "checkpoint every block",
-            f"activation_memory_budget {AOT_BUDGET:g}"]
+    return ["eager", "eager again", EAGER_OFF, COMPILED, *(f"remat.backend {b:.0%}" for b in budgets),
+            *(f"remat.optimize {b:.0%}" for b in budgets), f"remat.optimize {min(budgets):.0%}{OFF}",
+            "checkpoint every block", f"activation_memory_budget {AOT_BUDGET:g}"]
 
 
-def prepare(variant: str, model, loss_fn, args: argparse.Namespace, facts: dict):
-    """The step function of ``variant`` on ``model`` (a fresh copy): ``fn(*batch) -> loss``."""
+def budget_of(variant: str) -> float:
+    """The budget fraction a remat variant's name states (``remat.optimize 50%, cuDNN off``: 0.5)."""
+    return float(variant.split()[1].rstrip(",").rstrip("%")) / 100
+
+
+def is_compiled(variant: str) -> bool:
+    """Runs under ``torch.compile`` (compared with the ``COMPILED`` row too, as a
+    ``remat.optimize`` row that ran with native batch norms is)."""
+    return variant == COMPILED or variant.startswith(("remat.backend", "activation_memory_budget"))
+
+
+def prepare(variant: str, model, loss_fn, batch, args: argparse.Namespace, facts: dict, budget: int | None = None,
+            allow_native_batch_norm: bool = False):
+    """The step function of ``variant`` on ``model`` (a fresh copy): ``fn(*batch) -> loss``.
+    ``budget``: bytes instead of the variant's fraction (a remat variant planned again at the
+    smallest feasible budget); ``allow_native_batch_norm``: passed to ``remat.optimize``. A
+    variant ending in ``OFF`` is its base variant prepared and run with cuDNN off."""
     import torch
+
+    if variant.endswith(OFF):
+        with torch.backends.cudnn.flags(enabled=False):
+            inner = prepare(variant[: -len(OFF)], model, loss_fn, batch, args, facts, budget, allow_native_batch_norm)
+
+        def off(*b):
+            with torch.backends.cudnn.flags(enabled=False):
+                return inner(*b)
+
+        return off
 
     if variant.startswith("eager"):
         return lambda *b: loss_fn(model, *b)
@@ -172,8 +217,13 @@ def prepare(variant: str, model, loss_fn, args: argparse.Namespace, facts: dict)
         import remat
         from remat.cost import CostModel
 
-        budget = float(variant.split()[1].rstrip("%")) / 100
+        budget = budget if budget is not None else budget_of(variant)
         options = {"time_limit_s": args.time_limit_s} if args.method in ("milp", "lp_round") else {}
+        if variant.startswith("remat.optimize"):
+            step = remat.optimize(model, batch, loss_fn, budget=budget, method=args.method,
+                                  allow_native_batch_norm=allow_native_batch_norm, **options)
+            facts["step"] = step
+            return lambda *b: _Applied(step(*b))
         backend = remat.backend(budget, method=args.method, cost_model=CostModel.PROFILE, cache_dir=None, **options)
         facts["backend"] = backend
         return torch.compile(lambda *b: loss_fn(model, *b), backend=backend)
@@ -196,12 +246,26 @@ def prepare(variant: str, model, loss_fn, args: argparse.Namespace, facts: dict)
 
     compiled = torch.compile(lambda *b: loss_fn(model, *b), backend=aot_autograd(
         fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=counted, keep_inference_input_mutations=True))
+    memory_budget = 1.0 if variant == COMPILED else AOT_BUDGET
 
     def step(*b):
-        with torch._functorch.config.patch(activation_memory_budget=AOT_BUDGET):
+        with torch._functorch.config.patch(activation_memory_budget=memory_budget):
             return compiled(*b)
 
     return step
+
+
+class _Applied:
+    """What ``remat.optimize``'s step returns, shaped like a loss: its backward already ran."""
+
+    def __init__(self, loss) -> None:
+        self.loss = loss
+
+    def backward(self) -> None:
+        pass
+
+    def detach(self):
+        return self.loss.detach()
 
 
 class _Checkpointed:
@@ -234,35 +298,72 @@ def compare_grads(grads: list, reference: list) -> dict:
     """Largest |difference|, bitwise equality, and the stated allclose, over paired gradients."""
     import torch
 
-    worst, bitwise, close = 0.0, True, True
+    worst, relative, bitwise, close = 0.0, 0.0, True, True
     for g, ref in zip(grads, reference, strict=True):
         if (g is None) != (ref is None):
-            return {"grad_max_abs_diff": math.inf, "grads_bitwise": False, "grads_allclose": False}
+            return {"grad_max_abs_diff": math.inf, "grad_max_rel_diff": math.inf, "grads_bitwise": False,
+                    "grads_allclose": False}
         if g is None:
             continue
-        worst = max(worst, float((g.float() - ref.float()).abs().max()))
+        diff, scale = float((g.float() - ref.float()).abs().max()), float(ref.abs().max())
+        worst = max(worst, diff)
+        relative = max(relative, diff / scale if scale > 0 else (math.inf if diff > 0 else 0.0))
         bitwise = bitwise and torch.equal(g, ref)
-        close = close and torch.allclose(g, ref, rtol=RTOL, atol=ATOL_SCALE * float(ref.abs().max()))
-    return {"grad_max_abs_diff": worst, "grads_bitwise": bitwise, "grads_allclose": close}
+        close = close and torch.allclose(g, ref, rtol=RTOL, atol=ATOL_SCALE * scale)
+    return {"grad_max_abs_diff": worst, "grad_max_rel_diff": relative, "grads_bitwise": bitwise,
+            "grads_allclose": close}
 
 
-def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, reference: list | None, args) -> dict:
-    """Run one variant of one model: first step (compile), gradients, peak memory, step time."""
+def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, references: dict[str, list], args) -> dict:
+    """Run one variant of one model: first step (compile, plan), gradients, peak memory, step
+    time. ``references``: the gradients of the rows measured already (eager's, the compiled
+    row's) to compare with."""
+    from remat.errors import InfeasibleBudgetError, TraceError
     from remat.memory import MemoryMethod, measure_peak
     from remat.sweep import seeded_step
+    from remat.trace_errors import ALLOW_OPTION
 
     device = batch[0].device
-    model = copy.deepcopy(base)
-    facts: dict = {}
-    started = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fn = prepare(variant, model, loss_fn, args, facts)
-        seeded_step(fn, model, batch, seed=1)
-        synchronize(device)
-    record: dict = {"variant": variant, "first_step_s": round(time.perf_counter() - started, 2)}
+    record: dict = {"variant": variant}
+    model, fn, facts, caught, started = None, None, {}, [], time.perf_counter()
+    budget, allow = None, False
+    for _attempt in range(3):  # again at the smallest feasible budget remat states, or with native batch norms
+        model, facts = copy.deepcopy(base), {}
+        started = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                fn = prepare(variant, model, loss_fn, batch, args, facts, budget, allow)
+            except InfeasibleBudgetError as exc:  # remat.optimize: refused before running
+                if budget is not None or exc.min_budget_bytes is None:
+                    raise
+                record["infeasible"] = str(exc).splitlines()[0][:300]
+                budget = exc.min_budget_bytes
+                continue
+            except TraceError as exc:  # remat.optimize: cuDNN's batch norm, which a traced step cannot run
+                if allow or ALLOW_OPTION not in str(exc):
+                    raise
+                record["refused"] = str(exc)[:800]
+                allow = True
+                continue
+            seeded_step(fn, model, batch, seed=1)
+            synchronize(device)
+        least = _smallest_stated(facts)
+        if budget is None and least is not None:  # remat.backend: fell back for an infeasible budget
+            record["infeasible"] = "; ".join(r.fallback for r in facts["backend"].reports if r.fallback)[:300]
+            budget = least
+            continue
+        break
+    if budget is not None:
+        record["planned_at_bytes"] = budget
+    record["first_step_s"] = round(time.perf_counter() - started, 2)
     grads = [p.grad for p in model.parameters()]
-    record.update(compare_grads(grads, reference) if reference is not None else {})
+    if "eager" in references:
+        record.update(compare_grads(grads, references["eager"]))
+    if (is_compiled(variant) and variant != COMPILED or allow) and COMPILED in references:
+        record["vs_compiled"] = compare_grads(grads, references[COMPILED])
+    if variant.endswith(OFF) and variant != EAGER_OFF and EAGER_OFF in references:
+        record["vs_eager_off"] = compare_grads(grads, references[EAGER_OFF])
     record["warnings"] = sorted({str(w.message)[:300] for w in caught if "remat" in str(w.message)})
     if "backend" in facts:
         reports = facts["backend"].reports
@@ -274,15 +375,23 @@ def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, reference: l
         if len(reports) == 1 and planned:
             record["predicted_peak_bytes"] = planned[0].predicted_peak_bytes
             record["budget_bytes"] = planned[0].budget_bytes
+    if "step" in facts:
+        report = facts["step"].report
+        record["graphs"] = [{"graph_name": "step", "method": report.method, "fallback": None,
+                             "overhead": report.overhead, "status": report.status.value, "solve_s": report.solve_s,
+                             "n_nodes": report.n_nodes, "budget_bytes": report.budget_bytes,
+                             "predicted_peak_bytes": report.predicted_peak_bytes}]
+        record.update(fell_back=False, predicted_peak_bytes=report.predicted_peak_bytes,
+                      budget_bytes=report.budget_bytes)
     if variant.startswith("activation_memory_budget") and not facts.get("partitions"):
         raise RuntimeError(f"{variant}: the min-cut partitioner never ran (a cached graph was reused?)")
     record.update({k: v for k, v in facts.items() if k in ("checkpointed_blocks", "partitions")})
     resident = [*model.parameters(), *model.buffers(), *batch]
     method = MemoryMethod.CUDA_ALLOCATOR if device.type == "cuda" else MemoryMethod.PROFILER
-    report = measure_peak(lambda *a: seeded_step(fn, model, batch, seed=2), *resident, method=method)
-    record.update(peak_bytes=report.peak_bytes, resident_bytes=report.resident_bytes, memory_method=method.value)
+    peak = measure_peak(lambda *a: seeded_step(fn, model, batch, seed=2), *resident, method=method)
+    record.update(peak_bytes=peak.peak_bytes, resident_bytes=peak.resident_bytes, memory_method=method.value)
     if record.get("predicted_peak_bytes"):
-        record["peak_error"] = report.peak_bytes / record["predicted_peak_bytes"] - 1
+        record["peak_error"] = peak.peak_bytes / record["predicted_peak_bytes"] - 1
     times = []
     for r in range(args.rounds):
         synchronize(device)
@@ -295,6 +404,16 @@ def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, reference: l
     return record
 
 
+def _smallest_stated(facts: dict) -> int | None:
+    """The smallest feasible budget remat's backend stated when every graph fell back for an
+    infeasible budget (None otherwise)."""
+    reports = facts["backend"].reports if "backend" in facts else []
+    least = [r.min_budget_bytes for r in reports if r.fallback is not None]
+    if not reports or any(r.fallback is None for r in reports) or not least or None in least:
+        return None
+    return max(least)
+
+
 def _report(r) -> dict:
     keys = ("graph_name", "method", "fallback", "note", "budget_bytes", "unoptimized_peak_bytes",
             "predicted_peak_bytes", "overhead", "status", "solve_s", "n_nodes", "backward_recomputes",
@@ -304,7 +423,8 @@ def _report(r) -> dict:
 
 def check_model(spec: Spec, args, record: dict, save, deadline: float) -> None:
     """Every variant of ``spec`` not measured yet (or skipped for time before), in order, saving
-    after each."""
+    after each. Eager (and the compiled row, when a compiled variant is pending) run again on a
+    resumed run: their gradients are the references."""
     import torch
 
     done = {name for name, v in record["variants"].items() if "skipped" not in v}
@@ -312,28 +432,30 @@ def check_model(spec: Spec, args, record: dict, save, deadline: float) -> None:
     if not pending:
         print(f"{spec.key}: done already", flush=True)
         return
+    needed = {"eager"} | ({COMPILED} if any(is_compiled(v) or v.startswith("remat.optimize") for v in pending)
+                          else set()) | ({EAGER_OFF} if any(v.endswith(OFF) for v in pending) else set())
     device = torch.device(args.device)
     with torch.device(device):
         torch.manual_seed(0)
         base, batch, loss_fn = spec.build()
     record.setdefault("config", {**spec.config, "batch": spec.batch_size})
-    reference = None
+    references: dict[str, list] = {}
     for variant in variant_names(args.budgets):
-        if variant not in pending and variant != "eager":
+        if variant not in pending and variant not in needed:
             continue
         if time.monotonic() > deadline and variant in pending:
             record["variants"][variant] = {"variant": variant, "skipped": "over the time budget; run again to resume"}
             print(f"  {spec.key} {variant}: skipped (over the time budget)", flush=True)
             continue
         try:
-            result = measure_variant(spec, variant, base, batch, loss_fn, reference, args)
+            result = measure_variant(spec, variant, base, batch, loss_fn, references, args)
         except Exception as exc:  # one variant failing is a finding, not the end of the run
             result = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
         grads = result.pop("_grads", None)
-        if variant == "eager":
-            reference = grads
-            if reference is None:
-                raise RuntimeError(f"{spec.key}: eager PyTorch failed: {result.get('error')}")
+        if variant in needed and grads is not None:
+            references[variant] = grads
+        if variant == "eager" and grads is None:
+            raise RuntimeError(f"{spec.key}: eager PyTorch failed: {result.get('error')}")
         if variant in pending:
             record["variants"][variant] = result
             save()
@@ -349,10 +471,26 @@ def _summary(r: dict) -> str:
     if r.get("predicted_peak_bytes"):
         text += f", predicted {r['predicted_peak_bytes'] / MIB:.1f} MiB ({r['peak_error']:+.2%})"
     if "grads_allclose" in r:
-        text += f", grads {'allclose' if r['grads_allclose'] else 'DIFFER'} (max {r['grad_max_abs_diff']:.2g})"
+        text += f", grads vs eager {_verdict(r)}"
+    if "vs_compiled" in r:
+        text += f", vs {COMPILED} {_verdict(r['vs_compiled'])}"
+    if "vs_eager_off" in r:
+        text += f", vs {EAGER_OFF} {_verdict(r['vs_eager_off'])}"
+    if r.get("planned_at_bytes"):
+        text += f", planned at the smallest feasible budget {r['planned_at_bytes'] / MIB:.1f} MiB"
     if r.get("fell_back"):
         text += ", fell back"
     return text
+
+
+def _verdict(c: dict) -> str:
+    """'bitwise', 'allclose' or 'DIFFER', with the largest difference (absolute; relative to the
+    largest reference gradient of its tensor)."""
+    verdict = "bitwise" if c["grads_bitwise"] else ("allclose" if c["grads_allclose"] else "DIFFER")
+    if c["grads_bitwise"]:
+        return f"{verdict} (0)"
+    rel = c.get("grad_max_rel_diff")
+    return f"{verdict} ({c['grad_max_abs_diff']:.2g}" + (f"; {rel:.1e} rel)" if rel is not None else ")")
 
 
 # ---------------------------------------------------------------------------- report
@@ -369,14 +507,19 @@ def markdown(results: dict) -> str:
         f"above what was allocated before it, plus parameters, buffers and batch ({meta.get('memory_method', '?')}); "
         f"error: measured over remat's predicted peak (flagged beyond {PEAK_TOLERANCE:.0%}). Step: median of "
         f"{meta.get('rounds', '?')} steps. Gradients against eager: allclose with rtol {RTOL:g} and atol "
-        f"{ATOL_SCALE:g} x max|eager gradient| per tensor; \"eager again\" is eager against itself.",
+        f"{ATOL_SCALE:g} x max|eager gradient| per tensor, with the largest difference (absolute; relative to the "
+        f"largest eager gradient of its tensor); \"eager again\" is eager against itself. `{COMPILED}`: PyTorch's "
+        f"compiler and partitioner with no memory budget, the graph `remat.backend` plans; the compiled rows are "
+        f"compared with it too. `remat.optimize`: remat's own tracing and executor, no compiler.",
         "",
     ]
+    if results.get("notes"):  # what the run's operator recorded beside the tables (JSON "notes")
+        lines += [*(f"- {note}" for note in results["notes"]), ""]
     for key, record in results.get("models", {}).items():
         variants = dict(sorted(record.get("variants", {}).items(), key=lambda kv: _order(kv[0])))
         eager = variants.get("eager", {})
         lines += [f"### {key}", "", "| variant | peak MiB | vs eager | predicted MiB | error | step ms | vs eager | "
-                  "gradients (max abs diff) | notes |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+                  "gradients vs eager (max diff) | notes |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
         for name, v in variants.items():
             if "error" in v or "skipped" in v:
                 lines.append(f"| {name} | | | | | | | | {v.get('error') or v.get('skipped')} |"[:400])
@@ -387,11 +530,16 @@ def markdown(results: dict) -> str:
             error = ""
             if v.get("peak_error") is not None:
                 error = f"{v['peak_error']:+.2%}" + (" ⚠" if abs(v["peak_error"]) > PEAK_TOLERANCE else "")
-            grads = ""
-            if "grads_allclose" in v:
-                verdict = "bitwise" if v["grads_bitwise"] else ("allclose" if v["grads_allclose"] else "DIFFER")
-                grads = f"{verdict} ({v['grad_max_abs_diff']:.2g})"
+            grads = _verdict(v) if "grads_allclose" in v else ""
             notes = []
+            if "vs_compiled" in v:
+                notes.append(f"vs {COMPILED}: {_verdict(v['vs_compiled'])}")
+            if "vs_eager_off" in v:
+                notes.append(f"vs {EAGER_OFF}: {_verdict(v['vs_eager_off'])}")
+            if v.get("refused"):
+                notes.append("refused by default (cuDNN batch norm); run with allow_native_batch_norm=True")
+            if v.get("planned_at_bytes"):
+                notes.append(f"budget infeasible, planned at the smallest stated: {v['planned_at_bytes'] / MIB:.1f} MiB")
             if v.get("fell_back"):
                 notes.append("fell back: " + "; ".join(g["fallback"] for g in v["graphs"] if g["fallback"])[:160])
             for g in v.get("graphs", []):
@@ -402,7 +550,8 @@ def markdown(results: dict) -> str:
             if v.get("checkpointed_blocks"):
                 notes.append(f"{v['checkpointed_blocks']} blocks")
             if v.get("graphs") or v.get("partitions"):
-                notes.append(f"first step {v['first_step_s']:.0f} s (compile and plan)")
+                notes.append(f"first step {v['first_step_s']:.0f} s ({'trace' if 'optimize' in name else 'compile'} "
+                             "and plan)")
             lines.append(f"| {name} | {v['peak_bytes'] / MIB:.1f} | {rel_peak} | {predicted} | {error} | "
                          f"{v['step_s'] * 1e3:.1f} | {rel_time} | {grads} | {'; '.join(notes)} |")
         lines.append("")
@@ -411,25 +560,46 @@ def markdown(results: dict) -> str:
 
 
 def _order(variant: str) -> tuple:
-    """Table order: eager, eager again, remat from the largest budget down, checkpoint, min-cut."""
-    if variant.startswith("remat"):
-        return 2, -float(variant.split()[1].rstrip("%"))
-    kinds = ("eager", "eager again", "", "checkpoint every block")
-    return (kinds.index(variant), 0) if variant in kinds else (4, variant)
+    """Table order: eager, eager again, torch.compile, remat.backend and then remat.optimize from
+    the largest budget down, checkpoint, min-cut."""
+    for rank, prefix in ((4, "remat.backend"), (5, "remat.optimize")):
+        if variant.startswith(prefix):
+            return rank, -budget_of(variant), variant.endswith(OFF)
+    kinds = ("eager", "eager again", EAGER_OFF, COMPILED, "", "", "checkpoint every block")
+    return (kinds.index(variant), 0, False) if variant in kinds else (7, 0, variant)
+
+
+def agrees(c: dict, noise: float) -> bool:
+    """Gradients that agree with a reference: allclose, or no farther from it than
+    ``NOISE_FACTOR`` times eager's difference from itself (``noise``)."""
+    return c["grads_allclose"] or c["grad_max_abs_diff"] <= NOISE_FACTOR * noise
 
 
 def problems(results: dict) -> list[str]:
-    """What makes the check fail: a remat variant that raised, or whose gradients are not
-    allclose to eager's (fallbacks, skipped variants and peak errors are reported, not failures)."""
+    """What makes the check fail: a remat variant that raised, or whose gradients agree neither
+    with eager's nor, for ``remat.backend``, with PyTorch's compiler's on the same graph
+    (fallbacks, skipped variants and peak errors are reported, not failures; PyTorch's own
+    variants differing is a finding, not a failure)."""
     found = []
     for key, record in results.get("models", {}).items():
-        for name, v in record.get("variants", {}).items():
+        variants = record.get("variants", {})
+        noise = variants.get("eager again", {}).get("grad_max_abs_diff") or 0.0
+        for name, v in variants.items():
             if not name.startswith("remat"):
                 continue
             if "error" in v:
                 found.append(f"{key} {name}: {v['error'][:200]}")
-            elif "grads_allclose" in v and not v["grads_allclose"]:
-                found.append(f"{key} {name}: gradients differ from eager's by up to {v['grad_max_abs_diff']:.3g}")
+            elif "vs_eager_off" in v:
+                if not agrees(v["vs_eager_off"], noise):
+                    found.append(f"{key} {name}: gradients differ from {EAGER_OFF}'s by up to "
+                                 f"{v['vs_eager_off']['grad_max_abs_diff']:.3g}")
+            elif "grads_allclose" in v and not agrees(v, noise):
+                compiled = v.get("vs_compiled")
+                if compiled is not None and agrees(compiled, noise):
+                    continue  # remat changed nothing that compiling alone does not
+                found.append(f"{key} {name}: gradients differ from eager's by up to {v['grad_max_abs_diff']:.3g}"
+                             + (f" and from {COMPILED}'s by up to {compiled['grad_max_abs_diff']:.3g}"
+                                if compiled is not None else ""))
     return found
 
 
@@ -440,9 +610,24 @@ def summary(results: dict) -> str:
     within = sum(1 for v in runs if abs(v["peak_error"]) <= PEAK_TOLERANCE)
     worst = max((abs(v["peak_error"]) for v in runs), default=0.0)
     bad = problems(results)
-    return (f"{len(runs)} planned remat steps: measured peak within {PEAK_TOLERANCE:.0%} of the prediction in "
-            f"{within} (largest |error| {worst:.2%}); "
-            + ("gradients allclose to eager's in every remat step." if not bad else "PROBLEMS: " + "; ".join(bad)))
+    flagged = {b.split(":")[0] for b in bad}
+    apart: dict[str, list[str]] = {COMPILED: [], EAGER_OFF: []}  # remat rows agreeing with another reference
+    for key, r in results.get("models", {}).items():
+        noise = r["variants"].get("eager again", {}).get("grad_max_abs_diff") or 0.0
+        for name, v in r.get("variants", {}).items():
+            if (name.startswith("remat") and "grads_allclose" in v and not agrees(v, noise)
+                    and f"{key} {name}" not in flagged):
+                apart[EAGER_OFF if "vs_eager_off" in v else COMPILED].append(f"{key} {name}")
+    text = (f"{len(runs)} planned remat steps: measured peak within {PEAK_TOLERANCE:.0%} of the prediction in "
+            f"{within} (largest |error| {worst:.2%}); ")
+    if bad:
+        return text + "PROBLEMS: " + "; ".join(bad)
+    if not any(apart.values()):
+        return text + "gradients agree with eager's in every remat step."
+    why = {COMPILED: f"agree with {COMPILED}'s on the same graph (compiling alone changes them)",
+           EAGER_OFF: f"agree with {EAGER_OFF}'s (run as eager runs them)"}
+    return text + ("gradients agree with eager's in every remat step except "
+                   + "; ".join(f"{', '.join(rows)}, which {why[ref]}" for ref, rows in apart.items() if rows) + ".")
 
 
 # ---------------------------------------------------------------------------- main

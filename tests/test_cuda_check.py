@@ -5,6 +5,7 @@ the report it renders from a recorded GPU run, and a dry run of the whole code p
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,24 +79,31 @@ def test_blocks_to_checkpoint_are_found_in_every_kind_of_model():
 
 def recorded_gpu_run() -> dict:
     eager = {"variant": "eager", "peak_bytes": 1000 * 2**20, "step_s": 0.1}
+    close = {"grad_max_abs_diff": 2e-7, "grad_max_rel_diff": 1e-6, "grads_bitwise": False, "grads_allclose": True}
+    bitwise = {"grad_max_abs_diff": 0.0, "grad_max_rel_diff": 0.0, "grads_bitwise": True, "grads_allclose": True}
+    apart = {"grad_max_abs_diff": 0.5, "grad_max_rel_diff": 0.25, "grads_bitwise": False, "grads_allclose": False}
     return {
         "meta": {"command": "python bench/cuda_check.py", "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3",
                  "torch": "2.13.0", "cuda": "12.8", "method": "milp", "time_limit_s": 10, "rounds": 5,
                  "memory_method": "cuda_allocator", "measured": "2026-11-24 10:00"},
         "models": {"resnet50@64": {"variants": {
             "eager": eager,
-            "eager again": {**eager, "variant": "eager again", "grad_max_abs_diff": 2e-7, "grads_bitwise": False,
-                            "grads_allclose": True},
-            "remat 70%": {"variant": "remat 70%", "peak_bytes": 760 * 2**20, "step_s": 0.11, "first_step_s": 31.2,
-                          "predicted_peak_bytes": 700 * 2**20, "peak_error": 760 / 700 - 1, "grad_max_abs_diff": 0.0,
-                          "grads_bitwise": True, "grads_allclose": True, "fell_back": False,
-                          "graphs": [{"method": "milp", "overhead": 1.042, "fallback": None}]},
-            "remat 50%": {"variant": "remat 50%", "error": "RuntimeError: CUDA out of memory"},
+            "eager again": {**eager, "variant": "eager again", **close},
+            "torch.compile": {**eager, "variant": "torch.compile", "first_step_s": 5.0, "partitions": 1, **apart},
+            "remat.backend 70%": {"variant": "remat.backend 70%", "peak_bytes": 760 * 2**20, "step_s": 0.11,
+                                  "first_step_s": 31.2, "predicted_peak_bytes": 700 * 2**20,
+                                  "peak_error": 760 / 700 - 1, **apart, "vs_compiled": bitwise, "fell_back": False,
+                                  "graphs": [{"method": "milp", "overhead": 1.042, "fallback": None}]},
+            "remat.backend 50%": {"variant": "remat.backend 50%", "error": "RuntimeError: CUDA out of memory"},
+            "remat.optimize 70%": {"variant": "remat.optimize 70%", "peak_bytes": 990 * 2**20, "step_s": 0.1,
+                                   "first_step_s": 12.0, "predicted_peak_bytes": 990 * 2**20, "peak_error": 0.0,
+                                   **bitwise, "fell_back": False, "planned_at_bytes": 990 * 2**20,
+                                   "infeasible": "budget 700 MiB is infeasible",
+                                   "graphs": [{"method": "milp", "overhead": 1.2, "fallback": None}]},
             "checkpoint every block": {"variant": "checkpoint every block", "skipped": "over the time budget; run again"},
             "activation_memory_budget 0.5": {"variant": "activation_memory_budget 0.5", "peak_bytes": 600 * 2**20,
-                                             "step_s": 0.12, "first_step_s": 9.6, "grad_max_abs_diff": 0.5,
-                                             "grads_bitwise": False,
-                                             "grads_allclose": False, "partitions": 1},
+                                             "step_s": 0.12, "first_step_s": 9.6, **apart, "vs_compiled": close,
+                                             "partitions": 1},
         }}},
     }
 
@@ -104,26 +112,74 @@ def test_the_report_names_the_device_and_flags_what_is_off():
     text = cuda_check.markdown(recorded_gpu_run())
     assert text.startswith("## CUDA check on NVIDIA H100 80GB HBM3 (`bench/cuda_check.py`)")
     assert "PyTorch 2.13.0, CUDA 12.8" in text
-    assert ("| remat 70% | 760.0 | 0.76 | 700.0 | +8.57% ⚠ | 110.0 | 1.10 | bitwise (0) | milp overhead 1.042x; first "
-            "step 31 s (compile and plan) |") in text
-    assert "| eager again | 1000.0 | 1.00 |  |  | 100.0 | 1.00 | allclose (2e-07) |  |" in text
-    assert ("| activation_memory_budget 0.5 | 600.0 | 0.60 |  |  | 120.0 | 1.20 | DIFFER (0.5) | first step 10 s "
-            "(compile and plan) |") in text
-    assert "| remat 50% | | | | | | | | RuntimeError: CUDA out of memory |" in text
+    assert ("| remat.backend 70% | 760.0 | 0.76 | 700.0 | +8.57% ⚠ | 110.0 | 1.10 | DIFFER (0.5; 2.5e-01 rel) | "
+            "vs torch.compile: bitwise (0); milp overhead 1.042x; first step 31 s (compile and plan) |") in text
+    assert "| eager again | 1000.0 | 1.00 |  |  | 100.0 | 1.00 | allclose (2e-07; 1.0e-06 rel) |  |" in text
+    assert ("| activation_memory_budget 0.5 | 600.0 | 0.60 |  |  | 120.0 | 1.20 | DIFFER (0.5; 2.5e-01 rel) | "
+            "vs torch.compile: allclose (2e-07; 1.0e-06 rel); first step 10 s (compile and plan) |") in text
+    assert ("| remat.optimize 70% | 990.0 | 0.99 | 990.0 | +0.00% | 100.0 | 1.00 | bitwise (0) | budget infeasible, "
+            "planned at the smallest stated: 990.0 MiB; milp overhead 1.200x; first step 12 s (trace and plan) |") in text
+    assert "| remat.backend 50% | | | | | | | | RuntimeError: CUDA out of memory |" in text
     assert "| checkpoint every block | | | | | | | | over the time budget; run again |" in text
+    rows = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows == ["| eager", "| eager again", "| torch.compile", "| remat.backend 70%", "| remat.backend 50%",
+                    "| remat.optimize 70%", "| checkpoint every block", "| activation_memory_budget 0.5"]
     assert text.rstrip().endswith(
-        "1 planned remat steps: measured peak within 5% of the prediction in 0 (largest |error| 8.57%); PROBLEMS: "
-        "resnet50@64 remat 50%: RuntimeError: CUDA out of memory")
+        "2 planned remat steps: measured peak within 5% of the prediction in 1 (largest |error| 8.57%); PROBLEMS: "
+        "resnet50@64 remat.backend 50%: RuntimeError: CUDA out of memory")
 
 
-def test_the_check_fails_on_remat_gradients_that_are_not_allclose():
+def test_the_check_fails_on_remat_gradients_that_agree_with_no_reference():
     results = recorded_gpu_run()
     variants = results["models"]["resnet50@64"]["variants"]
-    assert cuda_check.problems(results) == ["resnet50@64 remat 50%: RuntimeError: CUDA out of memory"]
-    del variants["remat 50%"]
-    assert cuda_check.problems(results) == []  # PyTorch's own variant differing is a finding, not a failure
-    variants["remat 70%"].update(grads_allclose=False, grad_max_abs_diff=0.25)
-    assert cuda_check.problems(results) == ["resnet50@64 remat 70%: gradients differ from eager's by up to 0.25"]
+    assert cuda_check.problems(results) == ["resnet50@64 remat.backend 50%: RuntimeError: CUDA out of memory"]
+    del variants["remat.backend 50%"]
+    # remat.backend 70% differs from eager as torch.compile does, and is bitwise equal to torch.compile's: no problem;
+    # PyTorch's own variants differing is a finding, not a failure
+    assert cuda_check.problems(results) == []
+    assert cuda_check.summary(results).endswith(
+        "gradients agree with eager's in every remat step except resnet50@64 remat.backend 70%, which agree with "
+        "torch.compile's on the same graph (compiling alone changes them).")
+    variants["remat.backend 70%"]["vs_compiled"] = {**variants["remat.backend 70%"]["vs_compiled"],
+                                                    "grads_bitwise": False, "grads_allclose": False,
+                                                    "grad_max_abs_diff": 0.125}
+    assert cuda_check.problems(results) == [
+        "resnet50@64 remat.backend 70%: gradients differ from eager's by up to 0.5 and from torch.compile's by up "
+        "to 0.125"]
+    # remat.optimize has no compiled reference: it must agree with eager
+    variants["remat.backend 70%"]["vs_compiled"]["grads_allclose"] = True
+    variants["remat.optimize 70%"].update(grads_bitwise=False, grads_allclose=False, grad_max_abs_diff=0.25)
+    assert cuda_check.problems(results) == ["resnet50@64 remat.optimize 70%: gradients differ from eager's by up to 0.25"]
+    # ... where a difference within NOISE_FACTOR times eager's own is noise (cuDNN is not deterministic)
+    variants["remat.optimize 70%"]["grad_max_abs_diff"] = cuda_check.NOISE_FACTOR * 2e-7
+    assert cuda_check.problems(results) == []
+    variants["remat.backend 70%"].update(variants["remat.optimize 70%"])
+    assert cuda_check.summary(results).endswith("gradients agree with eager's in every remat step.")
+    # a row run with cuDNN off must agree with eager run so
+    apart = {"grad_max_abs_diff": 0.5, "grad_max_rel_diff": 0.25, "grads_bitwise": False, "grads_allclose": False}
+    off = {**variants["remat.optimize 70%"], "variant": "remat.optimize 70%, cuDNN off", **apart,
+           "vs_eager_off": {**apart, "grad_max_abs_diff": 0.0625}}
+    variants["remat.optimize 70%, cuDNN off"] = off
+    assert cuda_check.problems(results) == [
+        "resnet50@64 remat.optimize 70%, cuDNN off: gradients differ from eager, cuDNN off's by up to 0.0625"]
+    off["vs_eager_off"] = dict(off["vs_eager_off"], grads_allclose=True)
+    assert cuda_check.problems(results) == []
+    assert cuda_check.summary(results).endswith(
+        "except resnet50@64 remat.optimize 70%, cuDNN off, which agree with eager, cuDNN off's (run as eager runs "
+        "them).")
+
+
+def test_gradient_comparison_reports_the_relative_difference():
+    ref = [torch.tensor([1.0, -4.0]), None, torch.zeros(2)]
+    assert cuda_check.compare_grads([t.clone() if t is not None else None for t in ref], ref) == {
+        "grad_max_abs_diff": 0.0, "grad_max_rel_diff": 0.0, "grads_bitwise": True, "grads_allclose": True}
+    out = cuda_check.compare_grads([torch.tensor([1.0, -3.0]), None, torch.zeros(2)], ref)
+    assert out == {"grad_max_abs_diff": 1.0, "grad_max_rel_diff": 0.25, "grads_bitwise": False, "grads_allclose": False}
+    # a tensor whose reference gradient is all zeros: any difference is infinitely far
+    out = cuda_check.compare_grads([torch.tensor([1.0, -4.0]), None, torch.tensor([0.0, 1e-9])], ref)
+    assert out["grad_max_rel_diff"] == math.inf and not out["grads_allclose"]
+    # one side missing a gradient
+    assert cuda_check.compare_grads([ref[0], torch.ones(1), ref[2]], ref)["grad_max_abs_diff"] == math.inf
 
 
 def test_dry_run_on_cpu_measures_writes_renders_and_resumes(tmp_path, capsys, monkeypatch):
@@ -147,21 +203,35 @@ def test_dry_run_on_cpu_measures_writes_renders_and_resumes(tmp_path, capsys, mo
         for name, v in variants.items():
             assert "error" not in v and "skipped" not in v, (key, name, v)
             assert v["peak_bytes"] > v["resident_bytes"] > 0 and v["step_s"] > 0, (key, name)
-            # on CPU eager, remat and checkpointing give eager's gradients bitwise (PyTorch's min-cut
-            # partitioner below budget 1 recomputes dropout with new random numbers: not asserted)
+            # on CPU eager, compiling, remat and checkpointing give eager's gradients bitwise (PyTorch's
+            # min-cut partitioner below budget 1 recomputes dropout with new random numbers: not asserted)
             if name != "eager" and not name.startswith("activation_memory_budget"):
                 assert v["grads_bitwise"] and v["grads_allclose"] and v["grad_max_abs_diff"] == 0, (key, name, v)
             assert "grad_max_abs_diff" in v or name == "eager"
+            assert ("vs_compiled" in v) == (name.startswith(("remat.backend", "activation_memory_budget"))), (key, name)
+            assert ("vs_eager_off" in v) == (name == "remat.optimize 70%, cuDNN off"), (key, name)
         assert variants["checkpoint every block"]["checkpointed_blocks"] >= 2
         assert variants["activation_memory_budget 0.5"]["partitions"] >= 1
-    remat = results["models"]["gpt2@8"]["variants"]["remat 70%"]
-    assert not remat["fell_back"] and remat["peak_bytes"] < results["models"]["gpt2@8"]["variants"]["eager"]["peak_bytes"]
-    assert abs(remat["peak_error"]) <= cuda_check.PEAK_TOLERANCE, remat
+    for name in ("remat.backend 70%", "remat.optimize 70%"):
+        remat = results["models"]["gpt2@8"]["variants"][name]
+        assert not remat["fell_back"] and "planned_at_bytes" not in remat, remat
+        assert remat["peak_bytes"] < results["models"]["gpt2@8"]["variants"]["eager"]["peak_bytes"]
+        assert abs(remat["peak_error"]) <= cuda_check.PEAK_TOLERANCE, remat
+        assert remat["vs_compiled"]["grads_bitwise"] if "backend" in name else "vs_compiled" not in remat
+    # the small MobileNet cannot fit 70% of its peak: both remat variants plan at the smallest budget they state
+    mobile = results["models"]["mobilenet@2"]["variants"]
+    for name in ("remat.backend 70%", "remat.optimize 70%"):
+        v = mobile[name]
+        assert "is infeasible" in v["infeasible"] and f"({v['planned_at_bytes']} B)" in v["infeasible"], v
+        assert v["planned_at_bytes"] == v["budget_bytes"] and not v["fell_back"], v
+        assert v["predicted_peak_bytes"] <= v["planned_at_bytes"] and abs(v["peak_error"]) <= cuda_check.PEAK_TOLERANCE
     shown = capsys.readouterr().out
     assert "## CUDA check on CPU (dry run)" in shown and "### gpt2@8" in shown and "### mobilenet@2" in shown
     table = shown[shown.index("### gpt2@8"):].split("\n\n")[1]
     assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:] == [
-        "| eager", "| eager again", "| remat 70%", "| checkpoint every block", "| activation_memory_budget 0.5"]
+        "| eager", "| eager again", "| eager, cuDNN off", "| torch.compile", "| remat.backend 70%",
+        "| remat.optimize 70%", "| remat.optimize 70%, cuDNN off", "| checkpoint every block",
+        "| activation_memory_budget 0.5"]
 
     # a third run has nothing left to measure
     def measured_again(*args, **kwargs):
@@ -170,3 +240,17 @@ def test_dry_run_on_cpu_measures_writes_renders_and_resumes(tmp_path, capsys, mo
     monkeypatch.setattr(cuda_check, "measure_variant", measured_again)
     assert cuda_check.main(argv) == 0
     assert "gpt2@8: done already" in capsys.readouterr().out
+
+
+def test_a_refused_batch_norm_model_runs_with_native_batch_norms_against_the_compiled_row(tmp_path, monkeypatch):
+    import remat.trace_errors as te
+
+    monkeypatch.setattr(te, "cudnn_active", lambda device: True)  # as on a CUDA device with cuDNN on
+    out = tmp_path / "bn.json"
+    assert cuda_check.main(["--device", "cpu", "--quick", "--models", "mobilenet", "--budgets", "0.7", "--out",
+                            str(out), "--rounds", "1"]) == 0
+    variants = json.loads(out.read_text())["models"]["mobilenet@2"]["variants"]
+    row = variants["remat.optimize 70%"]
+    assert "allow_native_batch_norm=True" in row["refused"] and row["refused"].startswith("module '")
+    assert row["grads_bitwise"] and row["vs_compiled"]["grads_bitwise"], row  # on CPU the kernels are eager's
+    assert "refused by default (cuDNN batch norm)" in cuda_check.markdown(json.loads(out.read_text()))
