@@ -178,6 +178,12 @@ def _retention_rounding(graph: Graph, budget_bytes: int, thresholds: Sequence[fl
     return _best_rounded(graph, budget_bytes, rounded, bound.value, stats, fallback, started)
 
 
+def _none_fit(rounded: list[Candidate]) -> str:
+    """Why no rounded plan was returned: none came out of the rounding, or none of them fits."""
+    return "no rounding of the LP solution gave a plan that fits" if not rounded else \
+        f"none of the {len(rounded)} rounded plans fits"
+
+
 def _best_rounded(graph: Graph, budget_bytes: int, rounded: list[Candidate], lower_bound: float,
                   stats: SolverStats, fallback: bool, started: float) -> SolveResult:
     """The cheapest rounded plan that fits (or the cheapest baseline, with ``fallback``)."""
@@ -185,12 +191,10 @@ def _best_rounded(graph: Graph, budget_bytes: int, rounded: list[Candidate], low
     if best is None and fallback:
         best = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
         if best is not None:
-            log.warning(
-                "lp_round: none of %d rounded plans fits %d B on %s; returning baseline %s instead",
-                len(rounded), budget_bytes, graph.name, best.name,
-            )
+            log.warning("lp_round: %s %d B on %s; returning baseline %s instead", _none_fit(rounded),
+                        budget_bytes, graph.name, best.name)
     if best is None:
-        raise _infeasible(graph, budget_bytes, f"none of {len(rounded)} rounded plans fits")
+        raise _infeasible(graph, budget_bytes, f"{_none_fit(rounded)} the budget")
     log.info("lp_round: %s on %s: cost %g, lower bound %g", best.name, graph.name, best.cost, lower_bound)
     return finish(
         graph, best.schedule, budget_bytes=budget_bytes, method="lp_round", status=SolveStatus.FEASIBLE,
