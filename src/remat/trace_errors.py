@@ -105,7 +105,32 @@ def gru_rounding_block(device: torch.device, dtype: torch.dtype) -> int | None:
     return max(1, 2 * register // dtype.itemsize)
 
 
-class RnnWatch:
+class _ModuleWatch:
+    """While in use as a context manager, calls ``self._called(module, args)`` before every
+    call of a module of ``model`` that is one of ``kinds`` (named in ``self.names``); nothing
+    when not ``active``."""
+
+    def __init__(self, model: torch.nn.Module, kinds: tuple[type, ...], active: bool = True) -> None:
+        self.model, self.active = model, active
+        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, kinds)}
+        self.handles: list = []
+
+    def __enter__(self):
+        if self.active:
+            self.handles += [m.register_forward_pre_hook(self._called) for m in self.model.modules()
+                             if id(m) in self.names]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _called(self, module: torch.nn.Module, args: tuple) -> None:
+        raise NotImplementedError
+
+
+class RnnWatch(_ModuleWatch):
     """Watches the ``nn.RNN``/``nn.GRU``/``nn.LSTM`` modules a trace calls and refuses, with a
     ``TraceError`` naming the module and a remedy, the cases whose traced step would not be
     eager PyTorch's:
@@ -125,21 +150,8 @@ class RnnWatch:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, _RECURRENT)}
+        super().__init__(model, _RECURRENT)
         self.called: dict[str, torch.nn.Module] = {}
-        self.handles: list = []
-
-    def __enter__(self) -> RnnWatch:
-        for m in self.model.modules():
-            if id(m) in self.names:
-                self.handles.append(m.register_forward_pre_hook(self._called))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
 
     def _called(self, module: torch.nn.RNNBase | torch.nn.GRUCell, args: tuple) -> None:
         name = self.names[id(module)]
@@ -206,7 +218,7 @@ def eager_runs_cudnn_batch_norm(module: torch.nn.Module, x: object) -> bool:
     return affine and module.eps >= CUDNN_MIN_EPS and x.dim() >= 3
 
 
-class BatchNormWatch:
+class BatchNormWatch(_ModuleWatch):
     """Refuses, with a ``TraceError`` naming the module, a batch norm that eager PyTorch runs
     with cuDNN: traced, a batch norm becomes PyTorch's native kernels (as under
     ``torch.compile``), which reduce in another order than cuDNN's, so the traced step's
@@ -219,23 +231,10 @@ class BatchNormWatch:
     step's inputs."""
 
     def __init__(self, model: torch.nn.Module, allow: bool = False) -> None:
-        self.model, self.allow = model, allow
-        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, _BATCH_NORMS)}
+        super().__init__(model, _BATCH_NORMS, active=not allow)
+        self.allow = allow
         self.refused: list[str] = []
         self.calls = 0  # batch-norm modules called while tracing (each traces to one forward node)
-        self.handles: list = []
-
-    def __enter__(self) -> BatchNormWatch:
-        if not self.allow:
-            for m in self.model.modules():
-                if id(m) in self.names:
-                    self.handles.append(m.register_forward_pre_hook(self._called))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
 
     def _called(self, module: torch.nn.Module, args: tuple) -> None:
         name = self.names[id(module)]
