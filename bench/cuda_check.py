@@ -515,7 +515,7 @@ def markdown(results: dict) -> str:
     ]
     if results.get("notes"):  # what the run's operator recorded beside the tables (JSON "notes")
         lines += [*(f"- {note}" for note in results["notes"]), ""]
-    for key, record in results.get("models", {}).items():
+    for key, record in sorted(results.get("models", {}).items(), key=lambda kv: _model_order(kv[0])):
         variants = dict(sorted(record.get("variants", {}).items(), key=lambda kv: _order(kv[0])))
         eager = variants.get("eager", {})
         lines += [f"### {key}", "", "| variant | peak MiB | vs eager | predicted MiB | error | step ms | vs eager | "
@@ -557,6 +557,13 @@ def markdown(results: dict) -> str:
         lines.append("")
     lines += [summary(results), ""]
     return "\n".join(lines)
+
+
+def _model_order(key: str) -> tuple:
+    """Tables in the order of ``MODELS`` (the JSON keeps its keys sorted), then by batch."""
+    name, _, batch = key.partition("@")
+    names = list(MODELS)
+    return (names.index(name) if name in names else len(names), name, int(batch) if batch.isdigit() else 0)
 
 
 def _order(variant: str) -> tuple:

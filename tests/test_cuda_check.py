@@ -169,6 +169,14 @@ def test_the_check_fails_on_remat_gradients_that_agree_with_no_reference():
         "them).")
 
 
+def test_tables_follow_the_models_order_not_the_json_keys():
+    results = recorded_gpu_run()
+    results["models"] = {"fcn8@8": results["models"]["resnet50@64"], "gpt2@8": {"variants": {}},
+                         "resnet50@64": results["models"]["resnet50@64"], "vgg16@64": {"variants": {}}}
+    headings = [line for line in cuda_check.markdown(results).splitlines() if line.startswith("### ")]
+    assert headings == ["### vgg16@64", "### resnet50@64", "### fcn8@8", "### gpt2@8"]
+
+
 def test_gradient_comparison_reports_the_relative_difference():
     ref = [torch.tensor([1.0, -4.0]), None, torch.zeros(2)]
     assert cuda_check.compare_grads([t.clone() if t is not None else None for t in ref], ref) == {
