@@ -582,32 +582,45 @@ def agrees(c: dict, noise: float) -> bool:
     return c["grads_allclose"] or c["grad_max_abs_diff"] <= NOISE_FACTOR * noise
 
 
+def verdicts(results: dict) -> list[tuple[str, str, str]]:
+    """Each remat row with gradients (or an error) as ``(key, name, verdict)``: the verdict is
+    ``"eager"``, ``COMPILED`` or ``EAGER_OFF``, the reference its gradients agree with (a row run
+    with cuDNN off must agree with ``EAGER_OFF``; a ``remat.backend`` row may agree with
+    ``COMPILED`` instead of eager), or else the problem, in words."""
+    out = []
+    for key, record in results.get("models", {}).items():
+        variants = record.get("variants", {})
+        noise = variants.get("eager again", {}).get("grad_max_abs_diff") or 0.0
+        for name, v in variants.items():
+            if not name.startswith("remat") or not ("error" in v or "grads_allclose" in v):
+                continue
+            if "error" in v:
+                verdict = v["error"][:200]
+            elif "vs_eager_off" in v and not agrees(v["vs_eager_off"], noise):
+                verdict = (f"gradients differ from {EAGER_OFF}'s by up to "
+                           f"{v['vs_eager_off']['grad_max_abs_diff']:.3g}")
+            elif agrees(v, noise):
+                verdict = "eager"
+            elif "vs_eager_off" in v:
+                verdict = EAGER_OFF
+            elif v.get("vs_compiled") is not None and agrees(v["vs_compiled"], noise):
+                verdict = COMPILED  # remat changed nothing that compiling alone does not
+            else:
+                compiled = v.get("vs_compiled")
+                verdict = (f"gradients differ from eager's by up to {v['grad_max_abs_diff']:.3g}"
+                           + (f" and from {COMPILED}'s by up to {compiled['grad_max_abs_diff']:.3g}"
+                              if compiled is not None else ""))
+            out.append((key, name, verdict))
+    return out
+
+
 def problems(results: dict) -> list[str]:
     """What makes the check fail: a remat variant that raised, or whose gradients agree neither
     with eager's nor, for ``remat.backend``, with PyTorch's compiler's on the same graph
     (fallbacks, skipped variants and peak errors are reported, not failures; PyTorch's own
     variants differing is a finding, not a failure)."""
-    found = []
-    for key, record in results.get("models", {}).items():
-        variants = record.get("variants", {})
-        noise = variants.get("eager again", {}).get("grad_max_abs_diff") or 0.0
-        for name, v in variants.items():
-            if not name.startswith("remat"):
-                continue
-            if "error" in v:
-                found.append(f"{key} {name}: {v['error'][:200]}")
-            elif "vs_eager_off" in v:
-                if not agrees(v["vs_eager_off"], noise):
-                    found.append(f"{key} {name}: gradients differ from {EAGER_OFF}'s by up to "
-                                 f"{v['vs_eager_off']['grad_max_abs_diff']:.3g}")
-            elif "grads_allclose" in v and not agrees(v, noise):
-                compiled = v.get("vs_compiled")
-                if compiled is not None and agrees(compiled, noise):
-                    continue  # remat changed nothing that compiling alone does not
-                found.append(f"{key} {name}: gradients differ from eager's by up to {v['grad_max_abs_diff']:.3g}"
-                             + (f" and from {COMPILED}'s by up to {compiled['grad_max_abs_diff']:.3g}"
-                                if compiled is not None else ""))
-    return found
+    return [f"{key} {name}: {verdict}" for key, name, verdict in verdicts(results)
+            if verdict not in ("eager", COMPILED, EAGER_OFF)]
 
 
 def summary(results: dict) -> str:
@@ -616,19 +629,15 @@ def summary(results: dict) -> str:
             if name.startswith("remat") and "peak_error" in v]
     within = sum(1 for v in runs if abs(v["peak_error"]) <= PEAK_TOLERANCE)
     worst = max((abs(v["peak_error"]) for v in runs), default=0.0)
-    bad = problems(results)
-    flagged = {b.split(":")[0] for b in bad}
-    apart: dict[str, list[str]] = {COMPILED: [], EAGER_OFF: []}  # remat rows agreeing with another reference
-    for key, r in results.get("models", {}).items():
-        noise = r["variants"].get("eager again", {}).get("grad_max_abs_diff") or 0.0
-        for name, v in r.get("variants", {}).items():
-            if (name.startswith("remat") and "grads_allclose" in v and not agrees(v, noise)
-                    and f"{key} {name}" not in flagged):
-                apart[EAGER_OFF if "vs_eager_off" in v else COMPILED].append(f"{key} {name}")
     text = (f"{len(runs)} planned remat steps: measured peak within {PEAK_TOLERANCE:.0%} of the prediction in "
             f"{within} (largest |error| {worst:.2%}); ")
+    bad = problems(results)
     if bad:
         return text + "PROBLEMS: " + "; ".join(bad)
+    apart: dict[str, list[str]] = {COMPILED: [], EAGER_OFF: []}  # rows agreeing with another reference
+    for key, name, verdict in verdicts(results):
+        if verdict in apart:
+            apart[verdict].append(f"{key} {name}")
     if not any(apart.values()):
         return text + "gradients agree with eager's in every remat step."
     why = {COMPILED: f"agree with {COMPILED}'s on the same graph (compiling alone changes them)",
