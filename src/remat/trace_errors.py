@@ -232,7 +232,6 @@ class BatchNormWatch(_ModuleWatch):
 
     def __init__(self, model: torch.nn.Module, allow: bool = False) -> None:
         super().__init__(model, _BATCH_NORMS, active=not allow)
-        self.allow = allow
         self.refused: list[str] = []
         self.calls = 0  # batch-norm modules called while tracing (each traces to one forward node)
 
@@ -246,7 +245,7 @@ class BatchNormWatch(_ModuleWatch):
         """Raise for the batch-norm modules seen running with cuDNN while tracing, or for a
         batch-norm node no module accounts for (``F.batch_norm`` called directly) in a step
         whose tensors are on a CUDA device with cuDNN on."""
-        if self.allow:
+        if not self.active:  # allowed
             return
         if self.refused:
             first = _describe_module(self.model, self.refused[0])
