@@ -6,8 +6,8 @@ Each adapter only translates arrays, settings and the MIP start, and reports bac
 
 from __future__ import annotations
 
-import enum
 import dataclasses
+import enum
 import importlib.util
 import logging
 import math
