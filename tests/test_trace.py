@@ -445,20 +445,40 @@ def cudnn_everywhere(monkeypatch):
     monkeypatch.setattr(te, "cudnn_active", lambda device: True)
 
 
-def test_batch_norm_that_eager_runs_with_cudnn_is_refused_naming_the_module(cudnn_everywhere):
-    """On a GPU, eager PyTorch ran ResNet50's batch norms with cuDNN and the traced step with
-    PyTorch's native kernels: the first convolution's weight gradient came out 39% apart in
-    norm (the same as torch.compile's), silently."""
+def test_training_batch_norms_run_eager_kernels_on_cuda_and_plan(cudnn_everywhere):
+    """On a GPU, eager PyTorch ran ResNet50's batch norms with cuDNN and a step traced to
+    PyTorch's native kernels did not: the first convolution's weight gradient came out 39% apart
+    in norm. A training-mode norm is now traced to the ops eager's kernels run behind."""
+    from remat.batch_norm import EAGER_BACKWARD, EAGER_FORWARD
+
     torch.manual_seed(0)
     model, batch = _ConvNet(), (torch.randn(2, 3, 6, 6), torch.tensor([0, 3]))
     model(batch[0])  # materialize the lazy layer
+    step = remat.optimize(model, batch, _classify, budget=1.0, method="chen_greedy", cost_model=None)
+    targets = [step.traced.fx_node(i).target for i in range(step.traced.graph.n)]
+    assert targets.count(EAGER_FORWARD) == 2 and targets.count(EAGER_BACKWARD) == 2
+    assert not any("native_batch_norm" in str(t) for t in targets)
+    got, _ = verify.planned_step(model, batch, step.traced, step.planned)
+    want, _ = verify.eager_step(model, batch, _classify)
+    assert verify.compare(got, want).bitwise
+
+
+def test_batch_norm_left_on_native_kernels_is_refused_naming_the_module(cudnn_everywhere):
+    """A norm in eval mode (frozen statistics, as in fine-tuning) or without running statistics
+    still traces to PyTorch's native kernels, which eager with cuDNN does not run."""
+    torch.manual_seed(0)
+    model, batch = _ConvNet(), (torch.randn(2, 3, 6, 6), torch.tensor([0, 3]))
+    model(batch[0])
+    model.stem[1].eval()
+    model.head[1].eval()
     with pytest.raises(TraceError) as info:
         trace(model, batch, _classify, cost_model=None)
     text = str(info.value)
-    assert text.startswith("module 'stem.1' (BatchNorm2d) and 1 more batch-norm module run on CUDA with cuDNN on: "
-                           "eager PyTorch uses cuDNN's batch-norm kernels there")
+    assert text.startswith("module 'stem.1' (BatchNorm2d) and 1 more batch-norm module run on CUDA with cuDNN on, "
+                           "in eval mode or without running statistics: eager PyTorch uses cuDNN's")
     assert "Pass allow_native_batch_norm=True" in text and "torch.backends.cudnn.flags(enabled=False)" in text
-    with pytest.raises(TraceError, match="module 'stem.1' \\(BatchNorm2d\\) and 1 more"):
+    model.head[1].train()  # the other one alone
+    with pytest.raises(TraceError, match="^module 'stem.1' \\(BatchNorm2d\\) runs on CUDA"):
         remat.optimize(model, batch, _classify, budget=1.0, method="chen_greedy", cost_model=None)
     # accepted when asked for: the step plans and (here, on CPU, the same kernels) equals eager bitwise
     step = remat.optimize(model, batch, _classify, budget=1.0, method="chen_greedy", cost_model=None,
@@ -475,6 +495,10 @@ def test_batch_norm_that_eager_runs_with_cudnn_is_refused_naming_the_module(cudn
         assert remat.TrainingStep.load(path, model, batch, _classify, allow_native_batch_norm=True).report.n_nodes > 0
     finally:
         os.remove(path)
+    untracked = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False), nn.Flatten(),
+                              nn.Linear(64, 4))
+    with pytest.raises(TraceError, match="^module '1' \\(BatchNorm2d\\) runs on CUDA with cuDNN on"):
+        trace(untracked, batch, _classify, cost_model=None)
 
 
 def test_batch_norms_eager_runs_natively_are_traced(cudnn_everywhere):
@@ -502,8 +526,15 @@ def test_functional_batch_norm_on_cuda_is_refused_naming_the_node(monkeypatch):
     model, x = Functional(), torch.randn(4, 3, 5)
     loss = lambda m, x: m(x).square().mean()  # noqa: E731
     assert trace(model, (x,), loss, cost_model=None).graph.n > 0  # on CPU: eager's kernels
+    with_stats = nn.Module()
+    with_stats.w, with_stats.b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))
+    with_stats.register_buffer("mean", torch.zeros(3))
+    with_stats.register_buffer("var", torch.ones(3))
+    with_stats.forward = lambda x: F.batch_norm(x, with_stats.mean, with_stats.var, with_stats.w, with_stats.b,
+                                                training=True)
     monkeypatch.setattr(te, "cudnn_active", lambda device: True)
     with pytest.raises(TraceError, match="^a batch norm \\(aten\\..*batch_norm.* at node '.*'\\) in model Functional "
                                          "runs on CUDA with cuDNN on"):
         trace(model, (x,), loss, cost_model=None)
     assert trace(model, (x,), loss, cost_model=None, allow_native_batch_norm=True).graph.n > 0
+    assert trace(with_stats, (x,), loss, cost_model=None).graph.n > 0  # with running statistics: eager's kernels

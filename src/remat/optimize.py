@@ -328,8 +328,9 @@ def optimize(
     under DistributedDataParallel or FSDP (compile those with ``remat.backend``).
 
     ``allow_native_batch_norm``: on a CUDA device with cuDNN on, eager PyTorch runs batch norms
-    with cuDNN, while the traced step runs PyTorch's native kernels (as ``torch.compile`` does),
-    which round differently; such a model is refused unless this is True.
+    with cuDNN. The traced step does too for a norm in training mode with running statistics;
+    one in eval mode or without running statistics would run PyTorch's native kernels (as
+    ``torch.compile`` does), which round differently, and is refused unless this is True.
     """
     budget = _budget_argument(budget, budget_bytes, solver_options)
     refuse_wrapped(model)

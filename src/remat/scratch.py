@@ -210,8 +210,8 @@ def _embedding_backward(args: list) -> int:
 #: - ``native_layer_norm``: a contiguous copy of a non-contiguous input (channels-last
 #:   ConvNext blocks); its backward: two float accumulators of the normalized size, plus
 #:   contiguous copies.
-#: - batch norm: its backward, a temporary of the input's size; its forward, two float
-#:   accumulators per channel.
+#: - batch norm (native or ``remat.batch_norm``'s eager ops): its backward, a temporary of the
+#:   input's size; its forward, two float accumulators per channel.
 #: - ``convolution`` and its backward: the kernel depends on the shapes (oneDNN reorders its
 #:   operands and result, the fallback unfolds one sample at a time, depthwise kernels unfold
 #:   every channel), so the rule is a cover of all of them: operands, result (the weight
@@ -231,6 +231,8 @@ SCRATCH_RULES: dict[object, Callable[[list, object], int]] = {
     torch.ops.aten.native_layer_norm.default: lambda a, out: _noncontiguous_bytes(a[0]),
     torch.ops.aten.native_layer_norm_backward.default: lambda a, out: _layer_norm_backward(a),
     torch.ops.aten.native_batch_norm_backward.default: lambda a, out: _nbytes(a[1]),
+    torch.ops.aten.batch_norm_backward.default: lambda a, out: _nbytes(a[1]),
+    torch.ops.aten._batch_norm_with_update_functional.default: lambda a, out: _batch_norm_stats(a),
     torch.ops.aten._native_batch_norm_legit_functional.default: lambda a, out: _batch_norm_stats(a),
     torch.ops.aten._native_batch_norm_legit.default: lambda a, out: _batch_norm_stats(a),
     torch.ops.aten._native_batch_norm_legit_no_training.default: lambda a, out: 0,

@@ -34,6 +34,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._pytree import tree_leaves
 
 from remat import cost as cost_mod
+from remat.batch_norm import use_eager_kernels as use_eager_batch_norm_kernels
 from remat.errors import TraceError
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
@@ -211,9 +212,11 @@ def trace(
     ``scratch`` picks how each node's kernel scratch memory (its ``temp_bytes``) is found
     (``remat.scratch``); by default it is measured when costs are profiled, estimated by
     per-op rules otherwise, and not modelled for a model on the meta device (it runs nowhere).
-    A batch norm that eager PyTorch runs with cuDNN (on a CUDA device) is refused with a
-    ``TraceError`` naming the module, since the traced step runs PyTorch's native kernels, which
-    round differently; ``allow_native_batch_norm=True`` accepts them (``remat.trace_errors``).
+    Batch norms in training mode run the kernels eager PyTorch runs (cuDNN's on a CUDA device,
+    ``remat.batch_norm``); one in eval mode or without running statistics that eager would run
+    with cuDNN is refused with a ``TraceError`` naming the module, since the traced step would
+    run PyTorch's native kernels, which round differently; ``allow_native_batch_norm=True``
+    accepts them (``remat.trace_errors``).
 
     >>> import torch
     >>> m = torch.nn.Linear(4, 2)
@@ -246,7 +249,6 @@ def trace(
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms:
         gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), fakes, kinds_by_name)
     rnns.check_graph(gm)
-    norms.check_graph(gm, flat)
 
     roles = [InputRole.PARAM] * len(params) + [InputRole.BUFFER] * len(buffers) + [InputRole.INPUT] * len(batch)
     slot_keys = keys + [f"batch[{i}]" for i in range(len(batch))]
@@ -255,6 +257,8 @@ def trace(
     constants = _lift_constants(gm, inputs)
     outputs = _output_slots(gm, trainable, inputs)
     dead_code_elimination(gm)
+    use_eager_batch_norm_kernels(gm, kinds_by_name)
+    norms.check_graph(gm)
     split_multi_outputs(gm, kinds_by_name)
     outputs = _rename_outputs(gm, outputs)
     gm.graph.lint()

@@ -208,66 +208,67 @@ def cudnn_active(device: torch.device) -> bool:
     return device.type == "cuda" and torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()
 
 
-def eager_runs_cudnn_batch_norm(module: torch.nn.Module, x: object) -> bool:
-    """Whether eager PyTorch runs cuDNN's batch norm for ``module`` on input ``x``: ATen's choice
-    of backend (on CUDA with cuDNN on: affine, ``eps`` at least cuDNN's least, 3 or more
+def runs_cudnn_in_eager(node: torch.fx.Node) -> bool:
+    """Whether eager PyTorch would run the batch norm of forward node ``node`` with cuDNN: ATen's
+    choice of backend (on CUDA with cuDNN on: affine, ``eps`` at least cuDNN's least, 3 or more
     dimensions), taken broadly so that no such case is missed."""
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(x, torch.Tensor) or not cudnn_active(x.device):
         return False
-    affine = getattr(module, "weight", None) is not None and getattr(module, "bias", None) is not None
-    return affine and module.eps >= CUDNN_MIN_EPS and x.dim() >= 3
+    affine = node.args[1] is not None and node.args[2] is not None
+    return affine and node.args[-1] >= CUDNN_MIN_EPS and x.dim() >= 3
 
 
 class BatchNormWatch(_ModuleWatch):
     """Refuses, with a ``TraceError`` naming the module, a batch norm that eager PyTorch runs
-    with cuDNN: traced, a batch norm becomes PyTorch's native kernels (as under
-    ``torch.compile``), which reduce in another order than cuDNN's, so the traced step's
-    gradients are not eager's (on a GPU, ResNet50's first convolution's weight gradient came out
-    39% apart in norm; with cuDNN off, eager and traced agree bitwise). ``allow``: accept the
-    native kernels instead. A ``functional`` batch norm (no module) is refused by
-    ``check_graph`` when its tensors are on a CUDA device with cuDNN on.
+    with cuDNN but the traced step would not. ``remat.batch_norm`` rewrites a training-mode
+    batch norm with running statistics to the ops eager's kernels run behind; the others (in
+    eval mode, or without running statistics: ``track_running_stats=False``, instance norm)
+    stay PyTorch's native kernels once traced (as under ``torch.compile``), which reduce in
+    another order than cuDNN's, so the traced step's gradients would not be eager's (on a GPU,
+    ResNet50's first convolution's weight gradient came out 39% apart in norm). ``allow``:
+    accept the native kernels instead.
 
-    Use as a context manager around tracing, then ``check_graph`` the traced module with the
-    step's inputs."""
+    Use as a context manager around tracing (it records the order in which batch-norm modules
+    are called, to name them), then ``check_graph`` the traced module after the rewrite."""
 
     def __init__(self, model: torch.nn.Module, allow: bool = False) -> None:
         super().__init__(model, _BATCH_NORMS, active=not allow)
-        self.refused: list[str] = []
-        self.calls = 0  # batch-norm modules called while tracing (each traces to one forward node)
+        self.order: list[str] = []  # the batch-norm modules called while tracing, in order
 
     def _called(self, module: torch.nn.Module, args: tuple) -> None:
-        name = self.names[id(module)]
-        self.calls += 1
-        if args and eager_runs_cudnn_batch_norm(module, args[0]) and name not in self.refused:
-            self.refused.append(name)
+        self.order.append(self.names[id(module)])
 
-    def check_graph(self, gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> None:
-        """Raise for the batch-norm modules seen running with cuDNN while tracing, or for a
-        batch-norm node no module accounts for (``F.batch_norm`` called directly) in a step
-        whose tensors are on a CUDA device with cuDNN on."""
+    def check_graph(self, gm: torch.fx.GraphModule) -> None:
+        """Raise for the forward batch-norm nodes left on PyTorch's native kernels that eager
+        PyTorch would run with cuDNN, naming their modules (each module call traces to one
+        forward node, in order) or, with ``F.batch_norm`` called directly, the first node."""
+        from remat.batch_norm import EAGER_FORWARD
+
         if not self.active:  # allowed
             return
-        if self.refused:
-            first = _describe_module(self.model, self.refused[0])
-            more = len(self.refused) - 1
-            what = first + (f" and {more} more batch-norm module{'s' if more > 1 else ''}" if more else "")
+        forward = [n for n in gm.graph.nodes if n.op == "call_function" and "batch_norm" in str(n.target)
+                   and "backward" not in str(n.target)]
+        native = [i for i, n in enumerate(forward) if n.target is not EAGER_FORWARD and runs_cudnn_in_eager(n)]
+        if not native:
+            return
+        if len(forward) == len(self.order):
+            names = list(dict.fromkeys(self.order[i] for i in native))
+            more = len(names) - 1
+            what = _describe_module(self.model, names[0]) + (
+                f" and {more} more batch-norm module{'s' if more > 1 else ''}" if more else "")
             verb = "run" if more else "runs"
         else:
-            if not any(isinstance(t, torch.Tensor) and cudnn_active(t.device) for t in inputs):
-                return
-            nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "batch_norm" in str(n.target)
-                     and "backward" not in str(n.target)]
-            if len(nodes) <= self.calls:
-                return
-            node = nodes[-1]
+            node = forward[native[0]]
             what = f"a batch norm ({node.target} at node {node.name!r}) in model {type(self.model).__name__}"
             verb = "runs"
         raise TraceError(
-            f"{what} {verb} on CUDA with cuDNN on: eager PyTorch uses cuDNN's batch-norm kernels there, "
-            f"but a traced step runs PyTorch's native ones (as torch.compile does), which round "
-            f"differently, so remat's gradients would not be eager's. Pass {ALLOW_OPTION} to accept "
-            f"the native kernels (torch.compile's numerics); or trace and train under "
-            f"`torch.backends.cudnn.flags(enabled=False)` (eager then runs the native kernels too, "
-            f"and remat equals it bitwise; convolutions get slower); or compile the model with "
-            f"remat.backend"
+            f"{what} {verb} on CUDA with cuDNN on, in eval mode or without running statistics: eager "
+            f"PyTorch uses cuDNN's batch-norm kernels there, but a traced step runs PyTorch's native "
+            f"ones for such a norm (as torch.compile does), which round differently, so remat's "
+            f"gradients would not be eager's (a training-mode norm with running statistics runs "
+            f"eager's kernels). Pass {ALLOW_OPTION} to accept the native kernels (torch.compile's "
+            f"numerics); or trace and train under `torch.backends.cudnn.flags(enabled=False)` "
+            f"(eager then runs the native kernels too, and remat equals it bitwise; convolutions get "
+            f"slower); or compile the model with remat.backend"
         )

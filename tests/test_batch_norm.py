@@ -1,0 +1,111 @@
+"""remat.batch_norm: training-mode batch norms traced to the ops eager PyTorch's kernels run behind.
+
+On a CUDA device these ops run cuDNN's kernels, as eager does (measured on a GPU: ResNet50's
+gradients bitwise eager's); on a CPU they run the same native kernels as the ops they replace,
+so here the rewrite must change nothing a step computes, recomputed or not."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat import verify
+from remat.batch_norm import EAGER_BACKWARD, EAGER_FORWARD, NATIVE_BACKWARD, NATIVE_FORWARD, use_eager_kernels
+from remat.execute import build_module
+from remat.graph import NodeKind
+from remat.trace import trace
+
+
+class _Shared(nn.Module):
+    """One batch norm called twice (two forward nodes and two backward nodes share its buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.norm(F.relu(self.norm(self.conv(x))))
+
+
+def _cases():
+    image = torch.randn(4, 3, 6, 6)
+    yield "2d", nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), image, 1
+    yield "1d over a sequence", nn.Sequential(nn.Conv1d(3, 5, 3), nn.BatchNorm1d(5, momentum=0.3)), torch.randn(4, 3, 9), 1
+    yield "1d over features", nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5)), torch.randn(8, 6), 1
+    yield "3d", nn.Sequential(nn.Conv3d(2, 3, 2), nn.BatchNorm3d(3, eps=1e-3)), torch.randn(2, 2, 4, 4, 4), 1
+    yield "shared module", _Shared(), image, 2
+    yield "channels last", nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), image.to(
+        memory_format=torch.channels_last), 1
+    yield "no affine (left native)", nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False)), image, 0
+    yield "no running stats (left native)", nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)), image, 0
+
+
+def _loss(m, x):
+    return m(x).sin().mean()
+
+
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
+def test_rewritten_steps_equal_eager_bitwise_when_every_node_is_recomputed(case):
+    _name, model, x, rewritten = case
+    torch.manual_seed(0)
+    t = trace(model, (x,), _loss, cost_model=None)
+    targets = [t.fx_node(i).target for i in range(t.graph.n)]
+    assert targets.count(EAGER_FORWARD) == rewritten and targets.count(EAGER_BACKWARD) == rewritten
+    if rewritten:
+        assert NATIVE_FORWARD not in targets and NATIVE_BACKWARD not in targets
+    want, _ = verify.eager_step(model, (x,), _loss)
+    for method in ("checkpoint_all", "recompute_all"):
+        step = build_module(t, remat.solve(t.graph, 10**15, method=method).plan)
+        got, _ = verify.planned_step(model, (x,), t, step)
+        agreement = verify.compare(got, want)
+        assert agreement.bitwise, (method, agreement)
+
+
+def _native_trace(model, x, monkeypatch):
+    """The step traced without the rewrite (PyTorch's native batch-norm ops)."""
+    monkeypatch.setattr(importlib.import_module("remat.trace"), "use_eager_batch_norm_kernels", lambda gm, kinds: [])
+    t = trace(model, (x,), _loss, cost_model=None)
+    monkeypatch.undo()
+    return t
+
+
+def test_the_rewrite_changes_no_value_of_a_native_graph(monkeypatch):
+    torch.manual_seed(0)
+    model, x = _Shared(), torch.randn(4, 3, 6, 6)
+    native = _native_trace(model, x, monkeypatch)
+    flat = native.flat_inputs(model, (x,))
+    want = native.module(*flat)
+    gm, kinds = copy.deepcopy(native.module), {}
+    names = use_eager_kernels(gm, kinds)
+    gm.recompile()
+    assert len(names) == 2 and all(kinds[n] is NodeKind.FORWARD for n in names)
+    assert sum(k is NodeKind.BACKWARD for k in kinds.values()) == 2
+    got = gm(*flat)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for n in gm.graph.nodes:  # every new node carries a fake value, as traced nodes do
+        if n.op == "call_function" and (n.name in kinds or n.target in (EAGER_FORWARD, EAGER_BACKWARD)):
+            assert "val" in n.meta, n.name
+
+
+def test_a_backward_whose_statistics_cannot_be_traced_to_its_forward_leaves_the_norm_native(monkeypatch):
+    """A backward node reading statistics the pass cannot follow back to one forward node
+    (here: a copy through an op it does not look through) keeps that forward native, so the
+    reserve space never misses its backward."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), torch.randn(4, 3, 6, 6)
+    gm = copy.deepcopy(_native_trace(model, x, monkeypatch).module)
+    backward = next(n for n in gm.graph.nodes if n.target is NATIVE_BACKWARD)
+    with gm.graph.inserting_before(backward):
+        moved = gm.graph.call_function(torch.ops.aten.mul.Tensor, (backward.args[5], 1.0))
+    backward.args = (*backward.args[:5], moved, *backward.args[6:])
+    assert use_eager_kernels(gm, {}) == []
+    assert [n.target for n in gm.graph.nodes if n.target in (NATIVE_FORWARD, NATIVE_BACKWARD)] == [
+        NATIVE_FORWARD, NATIVE_BACKWARD]
