@@ -18,9 +18,10 @@ SegNet, and GPT-2 small; batch sizes below), one training step (forward, loss, b
 
 A budget remat finds infeasible is planned again at the smallest feasible budget it states (the
 row says so): that is the budget a user is told to ask for, so it must plan. ``remat.optimize``
-refuses a model whose batch norms eager PyTorch runs with cuDNN (its traced step would run
-PyTorch's native kernels, as ``torch.compile`` does); the row then runs it with
-``allow_native_batch_norm=True`` and is compared with the ``torch.compile`` row too.
+runs training-mode batch norms with the kernels eager PyTorch runs (cuDNN's); it refuses a model
+with a batch norm left on PyTorch's native kernels (eval mode, no running statistics) that eager
+runs with cuDNN; the row then runs it with ``allow_native_batch_norm=True`` and is compared with
+the ``torch.compile`` row too (which runs the native kernels).
 
 Recorded per variant: the peak memory of one step (``torch.cuda.max_memory_allocated`` above
 what was allocated before the step, plus the parameters, buffers and batch, as remat counts
@@ -87,7 +88,8 @@ DEADLINE_S = 480.0
 NOISE_FACTOR = 4.0
 #: The row of PyTorch's compiler without a memory budget: the reference of the compiled variants.
 COMPILED = "torch.compile"
-#: Rows run with cuDNN off: eager PyTorch then runs PyTorch's native batch norm, as a traced step does.
+#: Rows run with cuDNN off (forward and backward): eager PyTorch and remat's traced step then run
+#: PyTorch's native kernels, as ``torch.compile`` does.
 OFF = ", cuDNN off"
 EAGER_OFF = "eager" + OFF
 #: A measured peak further than this from remat's prediction is flagged in the report.
@@ -206,7 +208,7 @@ def prepare(variant: str, model, loss_fn, batch, args: argparse.Namespace, facts
 
         def off(*b):
             with torch.backends.cudnn.flags(enabled=False):
-                return inner(*b)
+                return _CudnnOff(inner(*b))
 
         return off
 
@@ -263,6 +265,24 @@ class _Applied:
 
     def backward(self) -> None:
         pass
+
+    def detach(self):
+        return self.loss.detach()
+
+
+class _CudnnOff:
+    """A loss whose backward runs with cuDNN off too: the step's caller calls ``backward()``
+    after the step function returns, outside the flag the forward ran under (an eager row with
+    only its forward off ran cuDNN's backward kernels)."""
+
+    def __init__(self, loss) -> None:
+        self.loss = loss
+
+    def backward(self) -> None:
+        import torch
+
+        with torch.backends.cudnn.flags(enabled=False):
+            self.loss.backward()
 
     def detach(self):
         return self.loss.detach()

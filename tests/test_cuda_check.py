@@ -251,9 +251,13 @@ def test_dry_run_on_cpu_measures_writes_renders_and_resumes(tmp_path, capsys, mo
 
 
 def test_a_refused_batch_norm_model_runs_with_native_batch_norms_against_the_compiled_row(tmp_path, monkeypatch):
+    import importlib
+
     import remat.trace_errors as te
 
     monkeypatch.setattr(te, "cudnn_active", lambda device: True)  # as on a CUDA device with cuDNN on
+    # batch norms left on the native kernels (as one in eval mode would be): refused by default
+    monkeypatch.setattr(importlib.import_module("remat.trace"), "use_eager_batch_norm_kernels", lambda gm, kinds: [])
     out = tmp_path / "bn.json"
     assert cuda_check.main(["--device", "cpu", "--quick", "--models", "mobilenet", "--budgets", "0.7", "--out",
                             str(out), "--rounds", "1"]) == 0
@@ -262,3 +266,34 @@ def test_a_refused_batch_norm_model_runs_with_native_batch_norms_against_the_com
     assert "allow_native_batch_norm=True" in row["refused"] and row["refused"].startswith("module '")
     assert row["grads_bitwise"] and row["vs_compiled"]["grads_bitwise"], row  # on CPU the kernels are eager's
     assert "refused by default (cuDNN batch norm)" in cuda_check.markdown(json.loads(out.read_text()))
+
+
+def test_a_cudnn_off_row_runs_its_backward_with_cudnn_off_too():
+    """The caller of a row's step function calls ``backward()`` after it returns: an eager row
+    whose forward alone ran with cuDNN off ran cuDNN's backward kernels (on a GPU its gradients
+    and time were neither eager's nor cuDNN-off's)."""
+    import argparse
+
+    import torch
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(("forward", torch.backends.cudnn.enabled))
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("backward", torch.backends.cudnn.enabled))
+            return g
+
+    model = torch.nn.Linear(3, 2)
+    loss_fn = lambda m, x: Probe.apply(m(x)).sum()  # noqa: E731
+    fn = cuda_check.prepare(cuda_check.EAGER_OFF, model, loss_fn, (torch.randn(4, 3),), argparse.Namespace(), {})
+    assert torch.backends.cudnn.enabled
+    loss = fn(torch.randn(4, 3))
+    loss.backward()
+    assert seen == [("forward", False), ("backward", False)]
+    assert torch.backends.cudnn.enabled and model.weight.grad is not None
