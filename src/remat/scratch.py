@@ -200,6 +200,15 @@ def _embedding_backward(args: list) -> int:
     return args[1].numel() * 8  # the indices, sorted as int64
 
 
+#: The upsampling ops (forward; both overloads: output size, or scale factors).
+UPSAMPLE_OPS = tuple(
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+                 "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+                 "upsample_bicubic2d", "upsample_trilinear3d")
+    for overload in ("default", "vec")
+)
+
 #: Scratch bytes of an op on CPU, from its argument and output fake tensors. Each rule is what
 #: torch 2.13's CPU kernel was measured to allocate (``measure``) on BERT, GPT-2, ConvNext,
 #: ResNet-50, MobileNet and small CNNs, exact to a few bytes unless noted:
@@ -219,6 +228,10 @@ def _embedding_backward(args: list) -> int:
 #:   below what was measured on those models, and 1.1-4x above it where the kernel needed
 #:   scratch; kernels that needed none (1x1 convolutions through oneDNN) are over-estimated
 #:   by all of it. Measure (``CostModel.PROFILE`` or ``ScratchModel.MEASURE``) to plan tight.
+#: - upsampling (nearest, linear, cubic): the kernel may run on channels-last copies of its input
+#:   and output (small images: on ``(1, 512, 26, 38)`` it allocated both, 5x the input; on
+#:   ``(1, 512, 52, 76)`` nothing), so the rule is the cover, input and output; the backward
+#:   allocated nothing.
 #: - ``embedding``: a contiguous copy of non-contiguous indices (an expanded ``token_type_ids``);
 #:   its backward sorts the indices as int64.
 #:
@@ -239,6 +252,7 @@ SCRATCH_RULES: dict[object, Callable[[list, object], int]] = {
     torch.ops.aten.convolution.default: lambda a, out: _convolution(a, out),
     torch.ops.aten.convolution_backward.default: lambda a, out: _convolution_backward(a),
     torch.ops.aten.embedding.default: lambda a, out: _noncontiguous_bytes(a[1]),
+    **{op: (lambda a, out: _nbytes(a[0]) + _nbytes(out)) for op in UPSAMPLE_OPS},
     torch.ops.aten.embedding_dense_backward.default: lambda a, out: _embedding_backward(a),
 }
 
