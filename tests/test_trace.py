@@ -583,3 +583,14 @@ def test_upsampling_traces_to_eager_kernels_and_equals_eager(dims, options):
         trace(model, (x,), lambda m, x: m(x).sum().item(), cost_model=None)
     assert {op: dict(op.py_kernels) for op in UPSAMPLE_OPS} == kernels_before
     assert any(op.py_kernels for op in UPSAMPLE_OPS)
+
+
+def test_cumulative_average_batch_norm_is_refused_with_its_own_remedy():
+    """momentum=None reads num_batches_tracked as a Python number each step: the generic
+    data-dependent advice (torch.where, masks) does not apply to it."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None))
+    with pytest.raises(TraceError, match="in module '1' \\(BatchNorm2d\\).*momentum=None \\(a cumulative "
+                                         "average\\).*give it a fixed momentum \\(e.g. momentum=0.1\\)$"):
+        trace(model, (torch.randn(2, 3, 6, 6),), lambda m, x: m(x).mean(), cost_model=None)
+    model[1].momentum = 0.1
+    assert trace(model, (torch.randn(2, 3, 6, 6),), lambda m, x: m(x).mean(), cost_model=None).graph.n > 0

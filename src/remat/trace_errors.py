@@ -30,14 +30,14 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     modules = {id(m): name for name, m in model.named_modules()}
-    module_desc, user_line = None, None
+    module_desc, module, user_line = None, None, None
     for e in chain:
         for frame, lineno in traceback.walk_tb(e.__traceback__):
             code = frame.f_code
             obj = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
             filename = code.co_filename
             if obj is not None and id(obj) in modules and code.co_name not in _MODULE_MACHINERY:
-                module_desc = _describe_module(model, modules[id(obj)])
+                module_desc, module = _describe_module(model, modules[id(obj)]), obj
             if not any(d in filename for d in _LIBRARY_DIRS):
                 code = _source_line(filename, lineno)
                 user_line = f"{os.path.basename(filename)}:{lineno}" + (f" `{code}`" if code else "")
@@ -54,6 +54,12 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
             "control flow and shapes must not depend on tensor values; use torch.where or "
             "arithmetic masks instead of Python branches, and keep values as tensors"
         )
+        if isinstance(module, _BATCH_NORMS) and module.momentum is None:
+            remedy = (
+                "this batch norm has momentum=None (a cumulative average), which reads its "
+                "num_batches_tracked counter as a Python number on every step, so a traced step "
+                "would keep the first step's factor; give it a fixed momentum (e.g. momentum=0.1)"
+            )
     elif any(isinstance(e, DynamicOutputShapeException) for e in chain):
         what = f"op {op} whose output shape depends on tensor values (nonzero, unique, boolean masks)"
         remedy = "use a fixed-shape formulation (torch.where, multiplying by a mask) instead"
