@@ -3,9 +3,10 @@
 The step is traced as one functional, aten-level fx graph: ``torch.func.functional_call`` with
 parameters, buffers and the batch as inputs, ``torch.autograd.grad`` of the loss, ``make_fx``
 with fake tensors under the python dispatcher (so batch norm shows its running-stat update and
-dropout is one ``native_dropout``; upsampling keeps its own kernels, ``EAGER_KERNEL_OPS``), then
-a second pass of ``functionalize(remove="mutations")``; batch norms are then rewritten to the
-ops eager's kernels run behind (``remat.batch_norm``).
+dropout is one ``native_dropout``; where that would differ from eager PyTorch,
+``remat.eager_ops`` keeps eager's ops), then a second pass of
+``functionalize(remove="mutations")``; batch norms are then rewritten to the ops eager's kernels
+run behind (``remat.batch_norm``).
 Mutated buffers (batch-norm running stats) come out as extra outputs holding the new values;
 whoever runs the step copies them into the buffers once, after the step.
 
@@ -20,7 +21,6 @@ model itself, so any signature works (keyword arguments, several calls, labels i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.experimental.proxy_tensor as proxy_tensor
-from torch._C import DispatchKey
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -39,9 +38,10 @@ from torch.utils._pytree import tree_leaves
 
 from remat import cost as cost_mod
 from remat.batch_norm import use_eager_kernels as use_eager_batch_norm_kernels
+from remat.eager_ops import autocast_cache, tracing_as_eager
 from remat.errors import TraceError
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
-from remat.scratch import UPSAMPLE_OPS, ScratchModel, node_scratch
+from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
 from remat.trace_errors import BatchNormWatch, RnnWatch, explain_trace_failure
 
@@ -405,11 +405,14 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, flat, kind
         if depth[0] == 0:  # the end of (the last) model call: what follows is the loss
             marks["forward_end"] = _last_node_name()
 
+    cache_enabled = torch.is_autocast_cache_enabled()  # make_fx turns it off; eager has it as the user set it
+
     def step(*tensors):
         for t in tensors[:n_train]:
             t.requires_grad_(True)
         state = dict(zip(names, tensors[: n_train + n_frozen + n_buf]))
-        loss = torch.func.functional_call(wrapper, state, tuple(tensors[n_train + n_frozen + n_buf :]))
+        with autocast_cache(cache_enabled):
+            loss = torch.func.functional_call(wrapper, state, tuple(tensors[n_train + n_frozen + n_buf :]))
         _check_loss(loss)
         marks["backward_start"] = _last_node_name()
         grads = torch.autograd.grad(loss, tensors[:n_train], allow_unused=True)
@@ -422,7 +425,7 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, flat, kind
 
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     try:
-        with enable_python_dispatcher(), _eager_kernels_for(EAGER_KERNEL_OPS):
+        with enable_python_dispatcher(), tracing_as_eager():
             # detached aliases per pass: pass 1 marks its inputs requires_grad
             first = proxy_tensor.make_fx(step, tracing_mode="fake")(*(t.detach() for t in flat))
             phase_of = _phases(first, marks)
@@ -437,34 +440,6 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, flat, kind
     finally:
         for h in handles:
             h.remove()
-
-
-#: Ops the python dispatcher would decompose while tracing (PyTorch's own decompositions, for
-#: compilers) but that eager PyTorch runs as one kernel each way: traced as themselves, the step
-#: runs eager's kernels. Upsampling decomposes into indexing, and its backward into an
-#: accumulating ``index_put`` (on a GPU the two upsampling models, VGG-U-Net and SegNet, ran
-#: 1.5-1.9x eager with it).
-EAGER_KERNEL_OPS = UPSAMPLE_OPS
-_DECOMPOSING_KEYS = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
-
-
-@contextlib.contextmanager
-def _eager_kernels_for(ops: Sequence[torch._ops.OpOverload]):
-    """While tracing, ``ops`` dispatch to their ATen kernels and autograd formulas instead of
-    the Python decompositions registered for the python dispatcher (restored afterwards)."""
-    suspended = []
-    try:
-        for op in ops:
-            for key in _DECOMPOSING_KEYS:
-                if key in op.py_kernels:
-                    suspended.append((op, key, op.py_kernels.pop(key)))
-            op._dispatch_cache.clear()
-        yield
-    finally:
-        for op, key, kernel in suspended:
-            op.py_kernels[key] = kernel
-        for op in ops:
-            op._dispatch_cache.clear()
 
 
 def _phases(gm: fx.GraphModule, marks: dict[str, str | None]) -> dict[str, NodeKind]:

@@ -19,7 +19,7 @@ __all__ = ["SolveResult", "SolveStatus", "SolverStats", "finish", "methods", "pl
 #: Beside this package: the modules whose code decides the graph a traced step becomes and the
 #: plan a graph gets.
 _PLANNER_SOURCES = ("graph.py", "schedule.py", "simulate.py", "coarsen.py", "cuts.py", "planning.py", "trace.py",
-                    "trace_errors.py", "fx_graph.py", "batch_norm.py", "cost.py", "scratch.py")
+                    "trace_errors.py", "fx_graph.py", "batch_norm.py", "eager_ops.py", "cost.py", "scratch.py")
 
 
 @functools.cache

@@ -1,0 +1,86 @@
+"""remat.eager_ops: a traced step computes what eager PyTorch computes where PyTorch's tracing
+alone would not (half-precision dropout on a CPU, autocast's cast cache), bitwise, whether its
+values are kept or recomputed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import verify
+from remat.eager_ops import EAGER_KERNEL_OPS
+from remat.execute import build_module
+from remat.models import get_workload
+from remat.trace import trace
+
+
+def _agree_with_eager(model, batch, loss_fn, methods=("checkpoint_all", "recompute_all")):
+    t = trace(model, batch, loss_fn, cost_model=None)
+    want, _ = verify.eager_step(model, batch, loss_fn)
+    for method in methods:
+        step = build_module(t, remat.solve(t.graph, 10**15, method=method).plan)
+        got, _ = verify.planned_step(model, batch, t, step)
+        agreement = verify.compare(got, want)
+        assert agreement.bitwise, (method, agreement.mismatches[:3])
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.7])
+def test_dropout_in_any_precision_equals_eager(dtype, p):
+    """Eager divides a noise tensor of the input's dtype by 1 - p; native_dropout scales in
+    float: in half precision they rounded differently for p = 0.1, 0.3, 0.7 (1e-3 on a gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(p), nn.Linear(64, 8)).to(dtype)
+    t = _agree_with_eager(model, (torch.randn(8, 16, dtype=dtype),), lambda m, x: m(x).float().square().mean())
+    targets = {str(t.fx_node(i).target) for i in range(t.graph.n)}
+    expected = "aten.native_dropout.default" if dtype is torch.float32 else "aten.bernoulli.p"
+    assert expected in targets, targets
+    assert t.random_nodes  # one random node either way, replayed when recomputed
+
+
+class _TwiceUsed(nn.Module):
+    """One linear layer applied twice: under autocast eager casts its weight once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(self.linear(x)) + self.linear(x)
+
+
+@pytest.mark.parametrize("cache_enabled", [None, False])
+def test_autocast_steps_equal_eager(cache_enabled):
+    """Traced with autocast's cast cache off (make_fx's default), each use of a weight had its
+    own cast and their gradients added up in float32; eager adds them in bfloat16 first."""
+    torch.manual_seed(0)
+
+    def amp(loss_fn):
+        def wrapped(m, *batch):
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled):
+                return loss_fn(m, *batch)
+        return wrapped
+
+    t = _agree_with_eager(_TwiceUsed(), (torch.randn(4, 16),), amp(lambda m, x: m(x).float().square().mean()))
+    weight = next(s.fx_name for s in t.inputs if s.key == "linear.weight")
+    casts = [i for i in range(t.graph.n) if str(t.fx_node(i).target) == "aten._to_copy.default"
+             and t.fx_node(i).args[0].name == weight]
+    assert len(casts) == (1 if cache_enabled is None else 2)  # as eager: one cast of the weight when cached
+    w = get_workload("gpt2-tiny", 2)  # dropout, tied embeddings, attention, cross-entropy
+    _agree_with_eager(w.model, w.batch, amp(w.loss_fn))
+    assert torch.is_autocast_cache_enabled()  # the user's setting, untouched
+
+
+def test_tracing_restores_pytorch_decompositions_even_when_it_fails():
+    ops = [*EAGER_KERNEL_OPS, torch.ops.aten.dropout.default]
+    before = {op: dict(op.py_kernels) for op in ops}
+    assert before[torch.ops.aten.dropout.default]  # there is something to restore
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), torch.randn(2, 4)
+    trace(model, (x,), lambda m, x: m(x).sum(), cost_model=None)
+    assert {op: dict(op.py_kernels) for op in ops} == before
+    with pytest.raises(remat.TraceError):
+        trace(model, (x,), lambda m, x: m(x).sum() * int(x.sum() > 0), cost_model=None)
+    assert {op: dict(op.py_kernels) for op in ops} == before
