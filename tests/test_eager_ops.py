@@ -84,3 +84,60 @@ def test_tracing_restores_pytorch_decompositions_even_when_it_fails():
     with pytest.raises(remat.TraceError):
         trace(model, (x,), lambda m, x: m(x).sum() * int(x.sum() > 0), cost_model=None)
     assert {op: dict(op.py_kernels) for op in ops} == before
+
+
+class _Checkpointed(nn.Module):
+    """Blocks under torch.utils.checkpoint, dropout inside (the recomputation replays it)."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.stem = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.2)) for _ in range(3))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=self.use_reentrant)
+        return h
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_model_that_checkpoints_itself_traces_and_equals_eager(use_reentrant):
+    """Its recomputation ran in the backward pass out of the trace's reach: the non-reentrant
+    kind failed on the real parameters, the reentrant kind cut the trace."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    before = (checkpoint_module.CheckpointFunction, checkpoint_module._checkpoint_without_reentrant_generator)
+    torch.manual_seed(0)
+    t = _agree_with_eager(_Checkpointed(use_reentrant), (torch.randn(4, 8),), lambda m, x: m(x).square().mean())
+    assert len(t.random_nodes) == 3
+    assert (checkpoint_module.CheckpointFunction, checkpoint_module._checkpoint_without_reentrant_generator) == before
+    w = get_workload("gpt2-tiny", 2)  # Hugging Face's own switch
+    if hasattr(w.model, "activation_checkpointing_enable"):  # transformers 5
+        w.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        w.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    _agree_with_eager(w.model, w.batch, w.loss_fn, methods=("recompute_all",))
+
+
+def test_a_reentrant_checkpoint_without_an_input_that_requires_grad_gives_nothing_a_gradient_as_in_eager():
+    from torch.utils.checkpoint import checkpoint
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.outer(checkpoint(self.inner, x, use_reentrant=True))
+
+    model, x = Model(), torch.randn(2, 4)
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        want, _ = verify.eager_step(model, (x,), loss)
+    assert want.grads["inner.weight"] is None and want.grads["outer.weight"] is not None
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        _agree_with_eager(model, (x,), loss)

@@ -18,11 +18,20 @@ eager's behaviour while tracing:
   copy, so the gradients of its uses add up in the low precision before one cast back; traced
   with the cache off, each use cast on its own and the gradients added up in float32. The cache
   is on while the step runs (as the user had it), so the trace shares the cast as eager does.
+* **The model's own activation checkpointing** (``torch.utils.checkpoint``, as Hugging Face's
+  ``gradient_checkpointing_enable()`` uses it): it recomputes a block in the backward pass, out
+  of the trace's reach (the non-reentrant kind met the real parameters there and failed; the
+  reentrant kind cut the trace). A checkpointed call traces as a plain call: the recomputation
+  gives the values the first computation gave, so the gradients are eager's, and remat's plan
+  decides what to recompute. One exception keeps eager's behaviour: a reentrant checkpoint
+  none of whose tensor inputs requires grad gives the parameters inside it no gradient in eager
+  PyTorch (with a warning), so it traces under ``no_grad`` to the same effect.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -76,12 +85,50 @@ def _replaced_py_kernels(replacements: dict[torch._ops.OpOverload, Callable | No
             op._dispatch_cache.clear()
 
 
-def tracing_as_eager() -> contextlib.AbstractContextManager:
+class _PlainReentrantCheckpoint:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` while tracing."""
+
+    @staticmethod
+    def apply(function: Callable, preserve_rng_state: bool, *args: object) -> object:
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return function(*args)
+        warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=3)
+        with torch.no_grad():  # as eager: no input requires grad, so nothing inside gets a gradient
+            return function(*args)
+
+
+def _plain_checkpoint_generator(*args: object, **kwargs: object) -> Iterator[None]:
+    """Stands in for ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``: what
+    ``checkpoint`` runs before (the first ``next``) and after the function: nothing."""
+    yield
+
+
+@contextlib.contextmanager
+def _plain_checkpoints() -> Iterator[None]:
+    """``torch.utils.checkpoint.checkpoint`` calls the function plainly while in use. The module's
+    helpers are replaced, not ``checkpoint`` itself, which models bind at import."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    names = {"CheckpointFunction": _PlainReentrantCheckpoint,
+             "_checkpoint_without_reentrant_generator": _plain_checkpoint_generator}
+    saved = {name: getattr(checkpoint_module, name) for name in names if hasattr(checkpoint_module, name)}
+    try:
+        for name in saved:
+            setattr(checkpoint_module, name, names[name])
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(checkpoint_module, name, original)
+
+
+@contextlib.contextmanager
+def tracing_as_eager() -> Iterator[None]:
     """Around ``make_fx`` under the python dispatcher: upsampling traces as itself, half-precision
-    dropout off CUDA as eager's arithmetic."""
+    dropout off CUDA as eager's arithmetic, checkpointed calls as plain calls."""
     replacements: dict[torch._ops.OpOverload, Callable | None] = dict.fromkeys(EAGER_KERNEL_OPS)
     replacements[torch.ops.aten.dropout.default] = _eager_dropout
-    return _replaced_py_kernels(replacements)
+    with _replaced_py_kernels(replacements), _plain_checkpoints():
+        yield
 
 
 @contextlib.contextmanager
