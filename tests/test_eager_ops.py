@@ -41,6 +41,24 @@ def test_dropout_in_any_precision_equals_eager(dtype, p):
     assert t.random_nodes  # one random node either way, replayed when recomputed
 
 
+class _TransposedDropout(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16).to(dtype)
+
+    def forward(self, x):
+        return nn.functional.dropout(self.linear(x).transpose(0, 1), 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dropout_of_a_transposed_tensor_draws_its_noise_in_eager_order(dtype):
+    """Eager draws the noise in place into empty_like(x), in memory order; functionalized, the
+    draw came out contiguous and, for a transposed x, landed on other elements."""
+    torch.manual_seed(0)
+    _agree_with_eager(_TransposedDropout(dtype), (torch.randn(4, 5, 16, dtype=dtype),),
+                      lambda m, x: m(x).float().square().mean())
+
+
 class _TwiceUsed(nn.Module):
     """One linear layer applied twice: under autocast eager casts its weight once."""
 
@@ -71,6 +89,8 @@ def test_autocast_steps_equal_eager(cache_enabled):
     assert len(casts) == (1 if cache_enabled is None else 2)  # as eager: one cast of the weight when cached
     w = get_workload("gpt2-tiny", 2)  # dropout, tied embeddings, attention, cross-entropy
     _agree_with_eager(w.model, w.batch, amp(w.loss_fn))
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True, norm_first=True)
+    _agree_with_eager(layer, (torch.randn(4, 5, 16),), amp(lambda m, x: m(x).float().square().mean()))
     assert torch.is_autocast_cache_enabled()  # the user's setting, untouched
 
 

@@ -12,8 +12,9 @@ eager's behaviour while tracing:
   dtype, divides it by ``1 - p`` and multiplies (``at::_dropout``); the decomposition calls
   ``native_dropout``, which scales in float, so a bfloat16 or float16 step rounded differently
   whenever ``1 / (1 - p)`` is not exact there (p = 0.1: about 1e-3 on a gradient). Such a call
-  traces to eager's arithmetic; on CUDA (eager's fused ``native_dropout``) and in float32 and
-  float64 (bitwise equal) the decomposition stays.
+  traces to eager's arithmetic, its noise drawn in eager's element order (``_noise_like``); on
+  CUDA (eager's fused ``native_dropout``) and in float32 and float64 (bitwise equal) the
+  decomposition stays.
 * **Autocast's cast cache**: eager casts a parameter once per autocast region and reuses the
   copy, so the gradients of its uses add up in the low precision before one cast back; traced
   with the cache off, each use cast on its own and the gradients added up in float32. The cache
@@ -55,12 +56,24 @@ def _eager_dropout(decomposed: Callable) -> Callable:
     def dropout(x: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
         if (train and 0 < p < 1 and x.numel() > 0 and x.dtype in _HALF_DTYPES
                 and x.device.type not in _FUSED_DROPOUT_DEVICES):
-            noise = torch.empty_like(x).bernoulli_(1 - p)
+            noise = _noise_like(x, 1 - p)
             noise.div_(1 - p)
             return x * noise
         return decomposed(x, p, train)
 
     return dropout
+
+
+def _noise_like(x: torch.Tensor, keep: float) -> torch.Tensor:
+    """Eager dropout's noise for ``x``: ``torch.empty_like(x).bernoulli_(keep)``, drawn as eager
+    draws it. Eager draws in place, in memory order; functionalized, the draw becomes the
+    out-of-place ``bernoulli``, whose result is contiguous, so for a transposed ``x`` (attention's
+    output) the draws landed on other elements. So the draw goes into a contiguous tensor holding
+    ``empty_like(x)``'s memory order, then permuted to its layout."""
+    like = torch.empty_like(x)
+    order = sorted(range(like.dim()), key=lambda d: (like.stride(d), like.size(d)), reverse=True)
+    base = torch.empty([like.size(d) for d in order], dtype=x.dtype, device=x.device).bernoulli_(keep)
+    return base.permute([order.index(d) for d in range(like.dim())])
 
 
 @contextlib.contextmanager
