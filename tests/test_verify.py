@@ -30,3 +30,28 @@ def test_each_difference_is_named():
 def test_shape_mismatch():
     a = compare(state(grad=(1.0,)), state())
     assert a.mismatches == ("grad w: shape (1,) vs (2,)",)
+
+
+def test_check_step_compares_a_planned_step_with_eager_and_leaves_the_model_alone():
+    import copy
+
+    import remat
+    from remat.verify import check_step
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.2),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 12 * 12, 3))
+    x, y = torch.randn(2, 3, 12, 12), torch.tensor([0, 2])
+    loss_fn = lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=0.85, method="milp", cost_model=remat.CostModel.ESTIMATE)
+    assert step.report.overhead > 1.0  # something is recomputed
+    before = copy.deepcopy(model.state_dict())
+    agreement = check_step(step, loss_fn, x, y)
+    assert agreement.bitwise, agreement.mismatches
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    # another loss than the planned one: every difference is named
+    other = check_step(step, lambda m, x, y: 2 * loss_fn(m, x, y), (x, y))
+    assert not other.bitwise and "loss: max |diff|" in other.mismatches[0]

@@ -112,3 +112,22 @@ def compare(got: StepState, want: StepState) -> Agreement:
         check(f"buffer {key}", got.buffers.get(key), want.buffers.get(key))
     check("random generator state", got.rng_state, want.rng_state)
     return Agreement(bitwise=not mismatches, max_abs_diff=worst, mismatches=tuple(mismatches))
+
+
+def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch.Tensor, seed: int = 0) -> Agreement:
+    """Run one eager PyTorch step and one step of ``step`` (a ``remat.TrainingStep``) from copies
+    of its model, with the same seed, and compare loss, gradients, buffers and the random
+    generator's state. ``step.model`` is left as it was; it needs the memory of an eager step.
+
+    >>> import torch, remat
+    >>> from remat.verify import check_step
+    >>> model, x = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 2)), torch.randn(3, 4)
+    >>> loss_fn = lambda m, x: m(x).square().mean()
+    >>> step = remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    >>> check_step(step, loss_fn, x).bitwise
+    True
+    """
+    batch = step._batch(batch)
+    want, _ = eager_step(step.model, batch, loss_fn, seed=seed)
+    got, _ = planned_step(step.model, batch, step.traced, step.planned, seed=seed)
+    return compare(got, want)
