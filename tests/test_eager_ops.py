@@ -161,3 +161,21 @@ def test_a_reentrant_checkpoint_without_an_input_that_requires_grad_gives_nothin
     assert want.grads["inner.weight"] is None and want.grads["outer.weight"] is not None
     with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
         _agree_with_eager(model, (x,), loss)
+
+
+def test_tracing_inside_the_callers_autocast_region_empties_the_cast_cache(monkeypatch):
+    """The cache empties when the outermost region exits: inside a caller's region, the trace's
+    casts of fake parameters would stay cached, under addresses real tensors may reuse."""
+    cleared = []
+    clear = torch.clear_autocast_cache
+    monkeypatch.setattr(torch, "clear_autocast_cache", lambda: (cleared.append(torch.is_autocast_enabled("cpu")), clear()))
+    torch.manual_seed(0)
+
+    def loss(m, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x).float().square().mean()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        t = trace(_TwiceUsed(), (torch.randn(4, 16),), loss, cost_model=None)
+        assert True in cleared  # emptied while the caller's region is still open
+    assert t.graph.n > 0

@@ -154,3 +154,6 @@ def autocast_cache(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(before)
+        # the cache empties when the outermost autocast region exits; inside a caller's region
+        # it would keep the trace's fake casts, whose addresses real tensors may later reuse
+        torch.clear_autocast_cache()
