@@ -93,8 +93,7 @@ def use_eager_kernels(gm: fx.GraphModule, kinds: dict[str, NodeKind]) -> list[st
             _set_fake_value(get)
         gm.graph.erase_node(fwd)
         if backwards.get(fwd):
-            last_get = max(eager.users, key=_position(gm))
-            with gm.graph.inserting_after(last_get):
+            with gm.graph.inserting_after(eager):
                 reserve = gm.graph.call_function(operator.getitem, (eager, _RESERVE))
             kinds[reserve.name] = kinds[eager.name]
             _set_fake_value(reserve)
@@ -124,8 +123,3 @@ def _set_fake_value(n: fx.Node) -> None:
     if mode is not None:
         with mode:
             n.meta["val"] = n.target(*args)
-
-
-def _position(gm: fx.GraphModule):
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return order.__getitem__
