@@ -315,8 +315,8 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
         if abs(actual - result.objective) > 1e-6 * max(1.0, abs(actual)):
             # HiGHS 1.16, given a start, was seen to report an improved objective with the start's
             # values as the solution (and its bound then cannot be trusted either): solve again
-            # from scratch with the time left
-            (log.info if settings.quiet else log.warning)(
+            # from scratch with the time left (handled here: nothing for the user to act on)
+            log.info(
                 "%s: HiGHS reported objective %g for a solution whose objective is %g; solving again without the "
                 "start", settings.label, result.objective, actual)
             left = max(settings.time_limit_s - (time.perf_counter() - started), 1.0)

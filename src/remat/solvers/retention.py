@@ -838,8 +838,9 @@ def _run(model: _Model, structure: RetentionStructure, budget_bytes: int, stages
         actual = float(col_cost @ x)
         if abs(reported - actual) > 1e-6 * max(1.0, abs(actual)):
             # HiGHS 1.16, given a start, was seen to report an improved objective with the start's
-            # values as the solution: solve again from scratch (see milp_backends._run_highs)
-            log.warning("retention: HiGHS reported objective %g for a solution whose objective is %g; solving again "
+            # values as the solution: solve again from scratch (see milp_backends._run_highs); handled
+            # here, so nothing for the user to act on
+            log.info("retention: HiGHS reported objective %g for a solution whose objective is %g; solving again "
                         "without the start", reported / scale, actual / scale)
             left = max(time_limit_s - (time.perf_counter() - run_started), 0.1)
             return _solve(structure, budget_bytes, stages, relax=False, threads=threads, time_limit_s=left,
