@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -594,3 +595,46 @@ def test_cumulative_average_batch_norm_is_refused_with_its_own_remedy():
         trace(model, (torch.randn(2, 3, 6, 6),), lambda m, x: m(x).mean(), cost_model=None)
     model[1].momentum = 0.1
     assert trace(model, (torch.randn(2, 3, 6, 6),), lambda m, x: m(x).mean(), cost_model=None).graph.n > 0
+
+
+class _LayerDropEncoder(nn.Module):
+    """LayerDrop as transformers' speech encoders write it: a random number decides, in
+    Python, whether a layer runs."""
+
+    def __init__(self, on_config: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        if on_config:
+            self.config = type("Config", (), {"layerdrop": 0.1})()
+        else:
+            self.layerdrop = 0.1
+
+    def forward(self, x):
+        p = self.config.layerdrop if hasattr(self, "config") else self.layerdrop
+        for layer in self.layers:
+            skip = False
+            if self.training and p > 0.0:
+                skip = torch.rand([]) < p
+            if not skip:
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("on_config", [True, False])
+def test_layer_drop_is_refused_with_its_own_remedy(on_config):
+    """A random Python branch cannot be traced; the remedy names the setting to turn off, not the
+    generic advice about masks. With it at 0 (or in eval mode) the model traces."""
+    model = nn.Sequential(_LayerDropEncoder(on_config))
+    setting = "config.layerdrop=0.1" if on_config else "layerdrop=0.1"
+    with pytest.raises(TraceError, match=f"in module '0' \\(_LayerDropEncoder\\).*it sets {re.escape(setting)}: "
+                                         "in training it skips a layer.*set it to 0.0"):
+        trace(model, (torch.randn(2, 4),), lambda m, x: m(x).sum(), cost_model=None)
+    model.eval()
+    with pytest.raises(TraceError, match="use torch.where or arithmetic masks"):  # eval: no LayerDrop to blame
+        trace(model, (torch.randn(2, 4),), lambda m, x: (m(x).sum() * torch.rand([]).item()), cost_model=None)
+    model.train()
+    if on_config:
+        model[0].config.layerdrop = 0.0
+    else:
+        model[0].layerdrop = 0.0
+    assert trace(model, (torch.randn(2, 4),), lambda m, x: m(x).sum(), cost_model=None).graph.n > 0

@@ -54,7 +54,15 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
             "control flow and shapes must not depend on tensor values; use torch.where or "
             "arithmetic masks instead of Python branches, and keep values as tensors"
         )
-        if isinstance(module, _BATCH_NORMS) and module.momentum is None:
+        drops = _layer_drop_settings(module) if module is not None and module.training else []
+        if drops:
+            remedy = (
+                f"it sets {', '.join(drops)}: in training it skips a layer whenever a random number falls "
+                "below that probability, a Python branch on a random value that a traced step cannot take "
+                "anew each step; set it to 0.0 to train with remat, which then runs every layer "
+                "(transformers models read it from model.config at every step)"
+            )
+        elif isinstance(module, _BATCH_NORMS) and module.momentum is None:
             remedy = (
                 "this batch norm has momentum=None (a cumulative average), which reads its "
                 "num_batches_tracked counter as a Python number on every step, so a traced step "
@@ -73,6 +81,22 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
         what = f"{type(exc).__name__}: {_first_line(exc)}"
         remedy = "check that loss_fn(model, *batch) runs eagerly and uses only traceable tensor operations"
     return TraceError(f"cannot trace the training step: {what} in {where}; {remedy}")
+
+
+#: Attributes of a module, or of its ``config``, that are a LayerDrop probability (transformers'
+#: speech encoders default to 0.1; fairseq-style models name it the same way).
+_LAYER_DROP_NAMES = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "layer_drop")
+
+
+def _layer_drop_settings(module: torch.nn.Module) -> list[str]:
+    """``"name=p"`` for each LayerDrop probability above 0 that ``module`` or its config sets."""
+    found: dict[str, float] = {}
+    for owner, prefix in ((module, ""), (getattr(module, "config", None), "config.")):
+        for name in _LAYER_DROP_NAMES:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                found.setdefault(f"{prefix}{name}", float(value))
+    return [f"{name}={value:g}" for name, value in found.items()]
 
 
 def _first_line(exc: BaseException) -> str:
