@@ -179,3 +179,80 @@ def test_tracing_inside_the_callers_autocast_region_empties_the_cast_cache(monke
         t = trace(_TwiceUsed(), (torch.randn(4, 16),), loss, cost_model=None)
         assert True in cleared  # emptied while the caller's region is still open
     assert t.graph.n > 0
+
+
+# ---------------------------------------------------------------------------- values that depend on no input
+def _constants_seen(fn, *args, device="cpu"):
+    """Trace ``fn`` with make_fx; ``fn`` puts tensors in the list it is given, and this returns
+    ``constant_value`` of each, taken while tracing."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remat.eager_ops import constant_value
+
+    seen = []
+
+    def traced(*xs):
+        tensors = fn(*xs)
+        seen.extend(constant_value(t) for t in tensors)
+        return tensors[-1]
+
+    make_fx(traced, tracing_mode="fake")(*(a.to(device) for a in args))
+    return seen
+
+
+def test_a_value_that_depends_on_no_input_is_computed_for_real_and_any_other_is_not():
+    def fn(x):
+        positions = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1) + 0
+        mutated = torch.zeros(3)
+        mutated.add_(1)
+        through_view = torch.zeros(4)
+        through_view[:2].fill_(1)
+        return [positions, x + 1, torch.rand(3), mutated, through_view, torch.ones(2) * 2, x]
+
+    positions, from_input, random, mutated, through_view, doubled, _ = _constants_seen(fn, torch.randn(2, 5))
+    assert torch.equal(positions, torch.arange(5).expand(2, 5)) and torch.equal(doubled, torch.full((2,), 2.0))
+    assert from_input is None and random is None  # an input of the step; a random draw
+    assert mutated is None and through_view is None  # written to, directly or through a view
+    # traced on the meta device, the value is computed on the CPU
+    (on_meta,) = _constants_seen(lambda x: [torch.arange(x.shape[0], device=x.device)], torch.randn(3), device="meta")
+    assert torch.equal(on_meta, torch.arange(3))
+
+
+def _mistral(**config):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.MistralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, intermediate_size=64, **config)
+    return transformers.MistralForCausalLM(cfg).train()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_causal_language_model_without_a_cache_takes_eagers_attention_branch(autocast):
+    """Without a cache, transformers checks the default position ids for packed sequences;
+    traced, the check took its general branch (an explicit mask instead of SDPA's is_causal),
+    7e-9 off eager in float32 and 1e-4 under bfloat16 autocast. The ids depend on no input, so
+    the check is answered as eager answers it, and the steps are bitwise eager's."""
+    import transformers.masking_utils as masking
+
+    torch.manual_seed(0)
+    model, ids = _mistral(), torch.randint(0, 128, (2, 16))
+
+    def loss_fn(m, ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return m(input_ids=ids, labels=ids, use_cache=False).loss
+
+    original = masking.find_packed_sequence_indices
+    t = _agree_with_eager(model, (ids,), loss_fn)
+    assert masking.find_packed_sequence_indices is original  # put back after tracing
+    assert not any("cumsum" in str(t.fx_node(i).target) for i in range(t.graph.n))  # no packed-sequence mask
+
+
+def test_position_ids_given_as_input_keep_the_general_branch_and_equal_eager():
+    """Position ids the batch carries can differ from step to step (packed sequences): the check
+    on them keeps its traced, general branch, which computes what eager computes."""
+    torch.manual_seed(0)
+    model, ids = _mistral(), torch.randint(0, 128, (2, 16))
+    packed = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, -1).contiguous()  # two sequences a row
+    t = _agree_with_eager(model, (ids, packed),
+                          lambda m, ids, pos: m(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss)
+    assert any("cumsum" in str(t.fx_node(i).target) for i in range(t.graph.n))

@@ -27,11 +27,22 @@ eager's behaviour while tracing:
   decides what to recompute. One exception keeps eager's behaviour: a reentrant checkpoint
   none of whose tensor inputs requires grad gives the parameters inside it no gradient in eager
   PyTorch (with a warning), so it traces under ``no_grad`` to the same effect.
+* **Branches on values that depend on no input** (transformers' packed-sequence check): model
+  code that tests a tensor's values takes its general branch when the tensor is being traced,
+  since a traced step must serve every batch. Where the tensor depends on no input of the step
+  (transformers' default position ids, ``arange(sequence)``), its value is the same in every
+  step, so it is computed for real (``constant_value``) and the branch eager PyTorch takes is
+  taken. transformers' ``find_packed_sequence_indices`` is such a check: traced, every causal
+  language model built its attention mask explicitly instead of passing ``is_causal=True`` to
+  SDPA, and its gradients differed from eager's in the last bits (Mistral with
+  ``use_cache=False``: 7e-9 in float32, 1e-4 under bfloat16 autocast).
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -135,12 +146,107 @@ def _plain_checkpoints() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """While in use, the trace's modes are set aside: tensors made are real, nothing is recorded."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), unset_fake_temporarily(), torch.no_grad():
+        yield
+
+
+def constant_value(t: object) -> torch.Tensor | None:
+    """The value of ``t``, a tensor of the step ``make_fx`` is tracing, computed for real when it
+    depends on no input of the step (only on constants and shapes, like ``torch.arange(n)``); None
+    when it depends on an input, a parameter, a random draw or a tensor some op wrote to, or is
+    not being traced. A value traced on the meta device is computed on the CPU."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor) or not proxy_tensor.has_proxy_slot(t, mode.tracer):
+        return None
+    target = proxy_tensor.get_proxy_slot(t, mode.tracer).proxy.node
+    needed: set[torch.fx.Node] = set()
+    stack = [target]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        if node.op == "call_function" and node.target is not operator.getitem:
+            op = node.target
+            if not isinstance(op, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in op.tags:
+                return None
+        elif node.op not in ("get_attr", "call_function"):
+            return None  # an input of the step (a placeholder), or something else
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    # a tensor an op wrote to, itself or through a view, holds what the copy below does not replay
+    aliases = set(needed)
+    for node in target.graph.nodes:
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        reads = node.all_input_nodes
+        if op._schema.is_mutable and any(a in aliases for a in reads):
+            return None
+        if reads and reads[0] in aliases and any(r.alias_info is not None for r in op._schema.returns):
+            aliases.add(node)
+    graph = torch.fx.Graph()
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in target.graph.nodes:
+        if node in needed:
+            copies[node] = graph.node_copy(node, copies.__getitem__)
+            if node.kwargs.get("device") == torch.device("meta"):
+                copies[node].kwargs = {**node.kwargs, "device": torch.device("cpu")}
+    graph.output(copies[target])
+    try:
+        with _untraced():
+            value = torch.fx.GraphModule(mode.tracer.root, graph)()
+    except Exception:  # noqa: BLE001 - (a constant stored on the meta device, say): the traced branch stays
+        return None
+    return value if isinstance(value, torch.Tensor) and value.device.type != "meta" else None
+
+
+def _eager_packed_check(original: Callable) -> Callable:
+    """transformers' ``find_packed_sequence_indices`` taking eager's branch for position ids that
+    depend on no input (see the module); the traced, general one otherwise."""
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor, *args: object, **kwargs: object) -> object:
+        value = constant_value(position_ids)
+        if value is not None:
+            with _untraced():
+                packed = original(value, *args, **kwargs)
+            if packed is None:  # one sequence per row: eager skips the packed-sequence mask
+                return None
+        return original(position_ids, *args, **kwargs)
+
+    return find_packed_sequence_indices
+
+
+@contextlib.contextmanager
+def _transformers_as_eager() -> Iterator[None]:
+    """transformers' value checks that eager answers from values depending on no input answer
+    the same way while tracing (a model module imports nothing of transformers otherwise)."""
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    module.find_packed_sequence_indices = _eager_packed_check(original)
+    try:
+        yield
+    finally:
+        module.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
 def tracing_as_eager() -> Iterator[None]:
     """Around ``make_fx`` under the python dispatcher: upsampling traces as itself, half-precision
-    dropout off CUDA as eager's arithmetic, checkpointed calls as plain calls."""
+    dropout off CUDA as eager's arithmetic, checkpointed calls as plain calls, transformers'
+    checks of values that depend on no input as eager answers them."""
     replacements: dict[torch._ops.OpOverload, Callable | None] = dict.fromkeys(EAGER_KERNEL_OPS)
     replacements[torch.ops.aten.dropout.default] = _eager_dropout
-    with _replaced_py_kernels(replacements), _plain_checkpoints():
+    with _replaced_py_kernels(replacements), _plain_checkpoints(), _transformers_as_eager():
         yield
 
 
