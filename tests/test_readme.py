@@ -29,6 +29,7 @@ SLOW = {
     "python bench/spot_checks.py": "--help",
     "python bench/vs_pytorch.py": "--help",
     "python bench/holdout.py": "--help",
+    "python bench/zoo.py": "--help",
     "python bench/distributed.py": "--help",
     "torchrun --nproc-per-node 2 examples/distributed.py --check --ddp": "--help",
     "torchrun --nproc-per-node 2 examples/distributed.py --check --fsdp": "--help",
