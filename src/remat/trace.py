@@ -267,7 +267,7 @@ def trace(
     outputs = _rename_outputs(gm, outputs)
     gm.graph.lint()
     gm.recompile()
-    FakeTensorProp(gm, fake_mode).propagate(*fakes, *constants)
+    KernelDtypeProp(gm, fake_mode).propagate(*fakes, *constants)
 
     graph, node_names, owners, random_nodes = build_graph(
         gm, kinds_by_name, name or type(model).__name__, replay_rng=replay_rng
@@ -477,6 +477,64 @@ class _PhaseCarrier(fx.Interpreter):
 
 
 # ---------------------------------------------------------------------------- graph rewrites
+#: Norms whose statistics (outputs 1 and 2: mean and rstd) PyTorch's fake kernels give the
+#: input's dtype, while the device's kernel may compute them in float32 (``KernelDtypeProp``).
+_NORM_STATISTICS = (torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_group_norm.default)
+
+
+class KernelDtypeProp(FakeTensorProp):
+    """``FakeTensorProp`` whose norm statistics have the dtype the device's kernel gives them.
+
+    PyTorch's fake kernels of ``native_layer_norm`` and ``native_group_norm`` give a half-precision
+    input's mean and rstd the input's dtype; the CPU kernels compute them in float32 whenever the
+    weight is float32 (a bfloat16 activation under autocast meeting a float32 norm), twice the
+    bytes. Counted at the fake dtype, a planned step's measured peak exceeded its prediction, and
+    its budget, by a few KiB (ALBERT under bfloat16 autocast: 0.3%). Each such node's true dtypes
+    are read off the kernel itself, run once on the device on a one-row input of the same dtypes
+    (cached); the nodes reading the statistics (their clones, the backward) follow. A trace on
+    the meta device keeps the fake dtypes: no kernel there says what the real device would do."""
+
+    _probed: dict[tuple, tuple[torch.dtype, ...]] = {}
+
+    def call_function(self, target, args, kwargs):
+        result = super().call_function(target, args, kwargs)
+        if target not in _NORM_STATISTICS or not isinstance(result, tuple) or len(result) != 3:
+            return result
+        dtypes = self._kernel_dtypes(target, args)
+        if dtypes is None or all(r.dtype == d for r, d in zip(result[1:], dtypes)):
+            return result
+        with self._mode:
+            return (result[0], *(torch.empty_like(r, dtype=d) for r, d in zip(result[1:], dtypes)))
+
+    @classmethod
+    def _kernel_dtypes(cls, target, args) -> tuple[torch.dtype, ...] | None:
+        layer_norm = target is _NORM_STATISTICS[0]
+        # native_layer_norm(x, normalized_shape, weight, bias, eps);
+        # native_group_norm(x, weight, bias, N, C, HxW, groups, eps)
+        x, weight, bias = (args[0], args[2], args[3]) if layer_norm else args[:3]
+        if not isinstance(x, torch.Tensor) or x.device.type == "meta":
+            return None
+        key = (target, x.device, x.dtype, *(None if t is None else (t.dtype, tuple(t.shape)) for t in (weight, bias)),
+               tuple(args[1]) if layer_norm else args[4])
+        if key not in cls._probed:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            def real(t):
+                return None if t is None else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+            with unset_fake_temporarily(), torch.no_grad():
+                if layer_norm:
+                    shape = list(args[1])
+                    out = target(torch.zeros([1, *shape], dtype=x.dtype, device=x.device), shape, real(weight),
+                                 real(bias), args[4])
+                else:
+                    channels, groups = args[4], args[6]
+                    out = target(torch.zeros([1, channels, 1], dtype=x.dtype, device=x.device), real(weight),
+                                 real(bias), 1, channels, 1, groups, args[7])
+            cls._probed[key] = (out[1].dtype, out[2].dtype)
+        return cls._probed[key]
+
+
 def _lift_constants(gm: fx.GraphModule, inputs: list[InputSlot]) -> list[torch.Tensor]:
     """Turn ``get_attr`` tensor constants into trailing placeholders (role CONSTANT), so every
     tensor a step reads is an input whose bytes count in ``fixed_bytes``."""
