@@ -252,3 +252,35 @@ def test_a_failing_block_solve_leaves_the_prefix_options(monkeypatch, caplog):
         model.refine()
     assert [[(need, extra) for need, extra, _ in menu] for menu in model.menus] == before
     assert "the backend is gone" in caplog.text
+
+
+def test_a_leafs_block_reads_its_outside_values_as_inputs_freed_after_their_last_reader():
+    """The exact model of a segment's leaf sees the values the block reads from outside (the
+    segment's input, the incoming gradients) as leading inputs, live from the start and freed
+    after their last reader there, not as bytes fixed for the whole block."""
+    g = mlp_stack(8)
+    model = ChainModel(g)
+    s = next(k for k in range(model.L) if model._leaf_graph(k) is not None and model._stages_of[k])
+    block = model._leaf_graph(s)
+    own = model.members[s].tolist() + list(model._stages_of[s])
+    lead = block.n - len(own)
+    outside = sorted({d for v in own for d in g.nodes[v].deps if d not in set(own)})
+    assert block.fixed_bytes == 0 and lead == len(outside) > 0
+    assert [n.name for n in block.nodes] == [g.nodes[v].name for v in outside + own]
+    for node, v in zip(block.nodes[:lead], outside):
+        assert (node.deps, node.cost, node.recomputable, node.out_bytes) == ((), 0.0, False, g.nodes[v].out_bytes)
+    # freed once read, they leave room: the block's least budget is below what counting them as
+    # fixed bytes gives (the exact model of both)
+    as_fixed = _block_with_fixed_outside(g, own, outside)
+    assert min_budget(block, "milp") < min_budget(as_fixed, "milp")
+
+
+def _block_with_fixed_outside(g, own, outside):
+    from remat.graph import Graph, Node
+
+    index = {v: k for k, v in enumerate(own)}
+    nodes = [Node(g.nodes[v].name, g.nodes[v].kind, tuple(index[d] for d in g.nodes[v].deps if d in index),
+                  g.nodes[v].out_bytes, g.nodes[v].cost, g.nodes[v].recomputable) for v in own]
+    outputs = tuple(k for k, v in enumerate(own) if g.nodes[v].kind is not NodeKind.FORWARD
+                    and (v in g.outputs or any(u not in index for u in g.users[v])))
+    return Graph(tuple(nodes), sum(g.nodes[v].out_bytes for v in outside), outputs or (len(own) - 1,), "as fixed")

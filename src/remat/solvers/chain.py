@@ -289,6 +289,7 @@ class ChainModel:
         if block is None:
             return []
         m, stages = self.members[s].size, len(self._stages_of[s])
+        lead = block.n - m - stages  # the values read from outside come first
         low = peak_lower_bound_bytes(block)
         high = int(order_memory(block, np.arange(block.n)).max())
         out: list[np.ndarray] = []
@@ -307,38 +308,41 @@ class ChainModel:
                 break
             live = np.asarray(schedule.S)
             rows = np.zeros((stages, m), dtype=bool)
-            rows[:-1] = live[m + 1:m + stages, :m]  # held after stage k: live entering k + 1
+            rows[:-1] = live[lead + m + 1:lead + m + stages, lead:lead + m]  # held after stage k: live entering k + 1
             out.append(rows)
         return out
 
     def _leaf_graph(self, s: int) -> Graph | None:
-        """Segment ``s``'s block: its members (forward) and backward stages, in order; values
-        from outside are fixed bytes, and what a later stage reads, an output. None if it
-        has more than ``EXACT_MENU_MAX_NODES`` nodes."""
+        """Segment ``s``'s block: the values it reads from outside first (not recomputable, at no
+        cost: live when the block starts, freed after their last reader in it unless read after
+        it), then its members (forward) and backward stages, in order; what a later stage reads
+        is an output. None if the block has more than ``EXACT_MENU_MAX_NODES`` nodes. (Counted as
+        fixed bytes instead, the incoming gradients and the layer's input stayed for the whole
+        block: a transformer layer's least-memory options needed 8-10 MB more than its plans.)"""
         graph = self.graph
-        ids = self.members[s].tolist() + list(self._stages_of[s])
-        if len(ids) > EXACT_MENU_MAX_NODES or not self._stages_of[s]:
+        own = self.members[s].tolist() + list(self._stages_of[s])
+        if len(own) > EXACT_MENU_MAX_NODES or not self._stages_of[s]:
             return None
+        inside = set(own)
+        outside = sorted({d for v in own for d in graph.nodes[v].deps if d not in inside})
+        ids = outside + own
         index = {v: k for k, v in enumerate(ids)}
-        m = self.members[s].size
-        outside: set[int] = set()
+        lead, m, last = len(outside), self.members[s].size, max(own)
         nodes, outputs = [], []
         for k, v in enumerate(ids):
             node = graph.nodes[v]
-            deps = []
-            for d in node.deps:
-                if d in index:
-                    deps.append(index[d])
-                else:
-                    outside.add(d)
-            nodes.append(Node(node.name, NodeKind.FORWARD if k < m else NodeKind.BACKWARD, tuple(deps),
-                              node.out_bytes, node.cost, node.recomputable, node.temp_bytes, node.kept_bytes))
-            if k >= m and (v in graph.outputs or any(u not in index for u in graph.users[v])):
+            read_later = v in graph.outputs or any(u not in inside and u > last for u in graph.users[v])
+            if k < lead:
+                nodes.append(Node(node.name, NodeKind.FORWARD, (), node.out_bytes, 0.0, False, 0, 0))
+            else:
+                nodes.append(Node(node.name, NodeKind.FORWARD if k < lead + m else NodeKind.BACKWARD,
+                                  tuple(index[d] for d in node.deps), node.out_bytes, node.cost, node.recomputable,
+                                  node.temp_bytes, node.kept_bytes))
+            if read_later and (k < lead or k >= lead + m):
                 outputs.append(k)
-        if not outputs:
+        if not any(k >= lead + m for k in outputs):
             outputs.append(len(ids) - 1)
-        fixed = sum(graph.nodes[d].out_bytes for d in outside)
-        return Graph(tuple(nodes), fixed, tuple(outputs), f"{graph.name} segment {s}")
+        return Graph(tuple(nodes), 0, tuple(outputs), f"{graph.name} segment {s}")
 
     def _measure_leaf(self, s: int, held: np.ndarray) -> tuple[float, float]:
         """Need (bytes, as ``_needs`` counts it) and cost of the plan that keeps every value
