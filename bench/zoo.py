@@ -3,7 +3,9 @@ bfloat16 autocast, each step checked against eager PyTorch tensor by tensor.
 
 Every architecture is built from its transformers config at a size a CPU steps in about a
 second (2 layers, width 64, random weights, no download), with the dropout its family has.
-Each step is planned with `remat.optimize(model, batch, loss_fn, budget="50%", method="milp")`;
+Each step is planned with `remat.optimize(model, batch, loss_fn, budget="50%", method="milp")`,
+its defaults otherwise: costs profiled and kernel scratch measured on this machine (so the
+overhead column varies a little between runs; memory and gradients do not);
 where no plan fits 50% of the step's checkpoint-all peak (small models are mostly parameters),
 it is planned at the smallest budget the error states, as a user would. The planned step and an
 eager step then run once each from copies of the same weights with the same seed:
@@ -303,7 +305,7 @@ def markdown(results: dict) -> str:
         "## Model zoo: transformers architectures in float32 and bfloat16 autocast (`bench/zoo.py`)",
         "",
         f"Command: `python bench/zoo.py` (torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}, "
-        f"`milp` with a {meta.get('time_limit_s', '?')} s limit). Each architecture is built from its transformers "
+        f"`milp` with a {meta.get('time_limit_s', '?')} s limit, profiled costs, measured kernel scratch). Each architecture is built from its transformers "
         f"config (2 layers, width 64, random weights, its family's dropout; batch {BATCH}, {SEQUENCE} tokens or "
         f"32-64 pixel images) and planned with `remat.optimize(..., budget=\"{FRACTION:.0%}\", method=\"milp\")`; "
         f"where no plan fits {FRACTION:.0%} of the step's checkpoint-all peak (\\* in the budget column: small models "
