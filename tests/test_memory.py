@@ -125,17 +125,19 @@ def test_profiled_measurements_print_nothing():
 
 class _MixedPrecisionNorms(torch.nn.Module):
     """Under bfloat16 autocast on a CPU, a linear layer or convolution hands bfloat16 to a norm
-    whose weight stays float32: the CPU kernels compute its mean and rstd in float32."""
+    whose weight stays float32: the CPU kernels compute its statistics in float32."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin, self.ln = torch.nn.Linear(16, 32), torch.nn.LayerNorm(32)
         self.conv, self.gn = torch.nn.Conv1d(8, 8, 3, padding=1), torch.nn.GroupNorm(4, 8)
+        self.conv2, self.bn = torch.nn.Conv1d(8, 8, 3, padding=1), torch.nn.BatchNorm1d(8)
         self.head = torch.nn.Linear(32, 4)
 
     def forward(self, x):
         h = self.ln(self.lin(x))  # (batch, 8, 32)
         h = self.gn(self.conv(h))
+        h = self.bn(self.conv2(h))
         return self.head(h).float()
 
 
@@ -156,9 +158,10 @@ def test_mixed_precision_norm_statistics_count_at_the_kernels_dtype(autocast):
             return m(x).square().mean()
 
     t = trace(model, (x,), loss_fn, cost_model=None, scratch=ScratchModel.MEASURE)
-    stats = [n for n in t.module.graph.nodes if n.op == "call_function" and n.target in (
-        torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_group_norm.default)]
-    assert len(stats) == 2 and all(s.meta["val"][i].dtype == torch.float32 for s in stats for i in (1, 2))
+    aten = torch.ops.aten
+    norms = (aten.native_layer_norm.default, aten.native_group_norm.default, aten._batch_norm_with_update_functional.default)
+    stats = [n for n in t.module.graph.nodes if n.op == "call_function" and n.target in norms]
+    assert len(stats) == 3 and all(s.meta["val"][i].dtype == torch.float32 for s in stats for i in (1, 2))
     for method in ("checkpoint_all", "chen_sqrtn"):  # (both measured 1-2% above the simulator before)
         step = build_module(t, remat.solve(t.graph, 10**15, method=method).plan)
         _, report = verify.planned_step(model, (x,), t, step)

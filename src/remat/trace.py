@@ -477,60 +477,75 @@ class _PhaseCarrier(fx.Interpreter):
 
 
 # ---------------------------------------------------------------------------- graph rewrites
-#: Norms whose statistics (outputs 1 and 2: mean and rstd) PyTorch's fake kernels give the
-#: input's dtype, while the device's kernel may compute them in float32 (``KernelDtypeProp``).
-_NORM_STATISTICS = (torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_group_norm.default)
+def _one_row(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor of ``t``'s dtype and device, one row of it (its first dimension 1)."""
+    return torch.zeros([1, *t.shape[1:]] if t.dim() else [], dtype=t.dtype, device=t.device)
+
+
+def _same(t: object) -> object:
+    """A real tensor of ``t``'s shape, dtype and device (other arguments as they are)."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
+
+
+_aten = torch.ops.aten
+#: Norms whose statistics (outputs 1 and 2: mean and rstd, or batch norm's saved mean and
+#: inverse std) PyTorch's fake kernels give a half-precision input's dtype, while the device's
+#: kernel may compute them in float32 (``KernelDtypeProp``); per op, its arguments for a one-row
+#: probe of the kernel.
+_NORM_PROBES: dict[object, Callable[[tuple], tuple]] = {
+    # native_layer_norm(x, normalized_shape, weight, bias, eps)
+    _aten.native_layer_norm.default: lambda a: (_one_row(a[0]), *map(_same, a[1:])),
+    # native_group_norm(x, weight, bias, N, C, HxW, groups, eps): one sample, one position
+    _aten.native_group_norm.default: lambda a: (
+        torch.zeros([1, a[4], 1], dtype=a[0].dtype, device=a[0].device), _same(a[1]), _same(a[2]), 1, a[4], 1,
+        a[6], a[7]),
+    **{op: (lambda a: (_one_row(a[0]), *map(_same, a[1:]))) for op in (
+        _aten._batch_norm_with_update_functional.default, _aten._batch_norm_with_update.default,
+        _aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit.default,
+        _aten.native_batch_norm.default)},
+}
 
 
 class KernelDtypeProp(FakeTensorProp):
     """``FakeTensorProp`` whose norm statistics have the dtype the device's kernel gives them.
 
-    PyTorch's fake kernels of ``native_layer_norm`` and ``native_group_norm`` give a half-precision
-    input's mean and rstd the input's dtype; the CPU kernels compute them in float32 whenever the
-    weight is float32 (a bfloat16 activation under autocast meeting a float32 norm), twice the
-    bytes. Counted at the fake dtype, a planned step's measured peak exceeded its prediction, and
-    its budget, by a few KiB (ALBERT under bfloat16 autocast: 0.3%). Each such node's true dtypes
-    are read off the kernel itself, run once on the device on a one-row input of the same dtypes
-    (cached); the nodes reading the statistics (their clones, the backward) follow. A trace on
-    the meta device keeps the fake dtypes: no kernel there says what the real device would do."""
+    PyTorch's fake kernels of layer, group and batch norm give a half-precision input's
+    statistics (mean and rstd; batch norm's saved mean and inverse std) the input's dtype; the
+    CPU kernels compute them in float32 whenever the weight is float32 (a bfloat16 activation
+    under autocast meeting a float32 norm), twice the bytes. Counted at the fake dtype, a planned
+    step's measured peak exceeded its prediction, and its budget, by a few KiB (ALBERT under
+    bfloat16 autocast: 0.3%; MobileViT's batch norms: 0.05%). Each such node's true dtypes are
+    read off the kernel itself, run once on the device on one row of its input with the same
+    dtypes (cached); the nodes reading the statistics (their clones, the backward) follow. A
+    trace on the meta device keeps the fake dtypes: no kernel there says what the real device
+    would do."""
 
-    _probed: dict[tuple, tuple[torch.dtype, ...]] = {}
+    _probed: dict[tuple, tuple[torch.dtype, torch.dtype]] = {}
 
     def call_function(self, target, args, kwargs):
         result = super().call_function(target, args, kwargs)
-        if target not in _NORM_STATISTICS or not isinstance(result, tuple) or len(result) != 3:
+        if target not in _NORM_PROBES or kwargs or not isinstance(result, tuple) or len(result) < 3:
             return result
         dtypes = self._kernel_dtypes(target, args)
-        if dtypes is None or all(r.dtype == d for r, d in zip(result[1:], dtypes)):
+        if dtypes is None or (result[1].dtype, result[2].dtype) == dtypes:
             return result
         with self._mode:
-            return (result[0], *(torch.empty_like(r, dtype=d) for r, d in zip(result[1:], dtypes)))
+            stats = tuple(torch.empty_like(r, dtype=d) for r, d in zip(result[1:3], dtypes))
+        return (result[0], *stats, *result[3:])
 
     @classmethod
-    def _kernel_dtypes(cls, target, args) -> tuple[torch.dtype, ...] | None:
-        layer_norm = target is _NORM_STATISTICS[0]
-        # native_layer_norm(x, normalized_shape, weight, bias, eps);
-        # native_group_norm(x, weight, bias, N, C, HxW, groups, eps)
-        x, weight, bias = (args[0], args[2], args[3]) if layer_norm else args[:3]
+    def _kernel_dtypes(cls, target, args) -> tuple[torch.dtype, torch.dtype] | None:
+        x = args[0]
         if not isinstance(x, torch.Tensor) or x.device.type == "meta":
             return None
-        key = (target, x.device, x.dtype, *(None if t is None else (t.dtype, tuple(t.shape)) for t in (weight, bias)),
-               tuple(args[1]) if layer_norm else args[4])
+        key = (target, *((a.dtype, a.device, tuple(a.shape[1:] if k == 0 else a.shape)) if isinstance(a, torch.Tensor)
+                         else a if isinstance(a, (int, float, bool, type(None))) else tuple(a)
+                         for k, a in enumerate(args)))
         if key not in cls._probed:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            def real(t):
-                return None if t is None else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-
             with unset_fake_temporarily(), torch.no_grad():
-                if layer_norm:
-                    shape = list(args[1])
-                    out = target(torch.zeros([1, *shape], dtype=x.dtype, device=x.device), shape, real(weight),
-                                 real(bias), args[4])
-                else:
-                    channels, groups = args[4], args[6]
-                    out = target(torch.zeros([1, channels, 1], dtype=x.dtype, device=x.device), real(weight),
-                                 real(bias), 1, channels, 1, groups, args[7])
+                out = target(*_NORM_PROBES[target](args))
             cls._probed[key] = (out[1].dtype, out[2].dtype)
         return cls._probed[key]
 
