@@ -620,6 +620,11 @@ class _LayerDropEncoder(nn.Module):
         return x
 
 
+class _ReadsAValue(_LayerDropEncoder):
+    def forward(self, x):
+        return self.layers[0](x) * x.sum().item()
+
+
 @pytest.mark.parametrize("on_config", [True, False])
 def test_layer_drop_is_refused_with_its_own_remedy(on_config):
     """A random Python branch cannot be traced; the remedy names the setting to turn off, not the
@@ -633,6 +638,9 @@ def test_layer_drop_is_refused_with_its_own_remedy(on_config):
     with pytest.raises(TraceError, match="use torch.where or arithmetic masks"):  # eval: no LayerDrop to blame
         trace(model, (torch.randn(2, 4),), lambda m, x: (m(x).sum() * torch.rand([]).item()), cost_model=None)
     model.train()
+    # a value read elsewhere in a module that sets LayerDrop: the generic remedy, not LayerDrop
+    with pytest.raises(TraceError, match="in module '0' \\(_ReadsAValue\\).*use torch.where or arithmetic masks"):
+        trace(nn.Sequential(_ReadsAValue(on_config)), (torch.randn(2, 4),), lambda m, x: m(x).sum(), cost_model=None)
     if on_config:
         model[0].config.layerdrop = 0.0
     else:

@@ -225,8 +225,8 @@ def _eager_packed_check(original: Callable) -> Callable:
 
 @contextlib.contextmanager
 def _transformers_as_eager() -> Iterator[None]:
-    """transformers' value checks that eager answers from values depending on no input answer
-    the same way while tracing (a model module imports nothing of transformers otherwise)."""
+    """While in use, transformers' checks of values that depend on no input are answered as eager
+    answers them; nothing happens unless the model's code has imported transformers."""
     module = sys.modules.get("transformers.masking_utils")
     original = getattr(module, "find_packed_sequence_indices", None)
     if original is None:

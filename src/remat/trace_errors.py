@@ -31,6 +31,7 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
         cause = cause.__cause__ or cause.__context__
     modules = {id(m): name for name, m in model.named_modules()}
     module_desc, module, user_line = None, None, None
+    module_names: frozenset[str] = frozenset()  # the names the module's failing method uses
     for e in chain:
         for frame, lineno in traceback.walk_tb(e.__traceback__):
             code = frame.f_code
@@ -38,6 +39,7 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
             filename = code.co_filename
             if obj is not None and id(obj) in modules and code.co_name not in _MODULE_MACHINERY:
                 module_desc, module = _describe_module(model, modules[id(obj)]), obj
+                module_names = frozenset(code.co_names)
             if not any(d in filename for d in _LIBRARY_DIRS):
                 code = _source_line(filename, lineno)
                 user_line = f"{os.path.basename(filename)}:{lineno}" + (f" `{code}`" if code else "")
@@ -54,7 +56,10 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
             "control flow and shapes must not depend on tensor values; use torch.where or "
             "arithmetic masks instead of Python branches, and keep values as tensors"
         )
-        drops = _layer_drop_settings(module) if module is not None and module.training else []
+        # LayerDrop only where the failing method reads its setting (a module, or a config its
+        # submodules share, may set it while something else reads a value)
+        drops = (_layer_drop_settings(module) if module is not None and module.training
+                 and module_names & set(_LAYER_DROP_NAMES) else [])
         if drops:
             remedy = (
                 f"it sets {', '.join(drops)}: in training it skips a layer whenever a random number falls "
