@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import functools
 import itertools
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -46,6 +47,7 @@ from remat.graph import Graph, NodeKind
 from remat.trace_errors import BatchNormWatch, RnnWatch, explain_trace_failure
 
 LossFn = Callable[..., torch.Tensor]
+log = logging.getLogger("remat.trace")
 
 
 class InputRole(enum.Enum):
@@ -544,8 +546,12 @@ class KernelDtypeProp(FakeTensorProp):
         if key not in cls._probed:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            with unset_fake_temporarily(), torch.no_grad():
-                out = target(*_NORM_PROBES[target](args))
+            try:
+                with unset_fake_temporarily(), torch.no_grad():
+                    out = target(*_NORM_PROBES[target](args))
+            except Exception as exc:  # noqa: BLE001 - an unusual call: its fake dtypes stay
+                log.debug("trace: probing %s for its statistics' dtype failed (%s)", target, exc)
+                return None
             cls._probed[key] = (out[1].dtype, out[2].dtype)
         return cls._probed[key]
 
