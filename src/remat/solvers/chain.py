@@ -327,11 +327,13 @@ class ChainModel:
         outside = sorted({d for v in own for d in graph.nodes[v].deps if d not in inside})
         ids = outside + own
         index = {v: k for k, v in enumerate(ids)}
-        lead, m, last = len(outside), self.members[s].size, max(own)
+        lead, m, first = len(outside), self.members[s].size, min(own)
         nodes, outputs = [], []
         for k, v in enumerate(ids):
             node = graph.nodes[v]
-            read_later = v in graph.outputs or any(u not in inside and u > last for u in graph.users[v])
+            # read by a node outside the block once it has begun (between its stages, or after
+            # it): held to its end, as the block cannot see when
+            read_later = v in graph.outputs or any(u not in inside and u > first for u in graph.users[v])
             if k < lead:
                 nodes.append(Node(node.name, NodeKind.FORWARD, (), node.out_bytes, 0.0, False, 0, 0))
             else:
