@@ -128,25 +128,31 @@ def _plain_checkpoint_generator(*args: object, **kwargs: object) -> Iterator[Non
 
 
 @contextlib.contextmanager
-def _plain_checkpoints() -> Iterator[None]:
+def _replaced_attributes(module: object, replacements: dict[str, Callable[[object], object]]) -> Iterator[None]:
+    """While in use, each attribute ``name`` of ``module`` that exists is ``replacement(original)``;
+    restored afterwards, whatever happens."""
+    saved = {name: getattr(module, name) for name in replacements if hasattr(module, name)}
+    try:
+        for name, original in saved.items():
+            setattr(module, name, replacements[name](original))
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(module, name, original)
+
+
+def _plain_checkpoints() -> contextlib.AbstractContextManager[None]:
     """``torch.utils.checkpoint.checkpoint`` calls the function plainly while in use. The module's
     helpers are replaced, not ``checkpoint`` itself, which models bind at import."""
     import torch.utils.checkpoint as checkpoint_module
 
-    names = {"CheckpointFunction": _PlainReentrantCheckpoint,
-             "_checkpoint_without_reentrant_generator": _plain_checkpoint_generator}
-    saved = {name: getattr(checkpoint_module, name) for name in names if hasattr(checkpoint_module, name)}
-    try:
-        for name in saved:
-            setattr(checkpoint_module, name, names[name])
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(checkpoint_module, name, original)
+    return _replaced_attributes(checkpoint_module, {
+        "CheckpointFunction": lambda _original: _PlainReentrantCheckpoint,
+        "_checkpoint_without_reentrant_generator": lambda _original: _plain_checkpoint_generator})
 
 
 @contextlib.contextmanager
-def _untraced() -> Iterator[None]:
+def untraced() -> Iterator[None]:
     """While in use, the trace's modes are set aside: tensors made are real, nothing is recorded."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._python_dispatch import _disable_current_modes
@@ -200,7 +206,7 @@ def constant_value(t: object) -> torch.Tensor | None:
                 copies[node].kwargs = {**node.kwargs, "device": torch.device("cpu")}
     graph.output(copies[target])
     try:
-        with _untraced():
+        with untraced():
             value = torch.fx.GraphModule(mode.tracer.root, graph)()
     except Exception:  # noqa: BLE001 - (a constant stored on the meta device, say): the traced branch stays
         return None
@@ -214,7 +220,7 @@ def _eager_packed_check(original: Callable) -> Callable:
     def find_packed_sequence_indices(position_ids: torch.Tensor, *args: object, **kwargs: object) -> object:
         value = constant_value(position_ids)
         if value is not None:
-            with _untraced():
+            with untraced():
                 packed = original(value, *args, **kwargs)
             if packed is None:  # one sequence per row: eager skips the packed-sequence mask
                 return None
@@ -223,20 +229,11 @@ def _eager_packed_check(original: Callable) -> Callable:
     return find_packed_sequence_indices
 
 
-@contextlib.contextmanager
-def _transformers_as_eager() -> Iterator[None]:
+def _transformers_as_eager() -> contextlib.AbstractContextManager[None]:
     """While in use, transformers' checks of values that depend on no input are answered as eager
     answers them; nothing happens unless the model's code has imported transformers."""
-    module = sys.modules.get("transformers.masking_utils")
-    original = getattr(module, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    module.find_packed_sequence_indices = _eager_packed_check(original)
-    try:
-        yield
-    finally:
-        module.find_packed_sequence_indices = original
+    return _replaced_attributes(sys.modules.get("transformers.masking_utils"),
+                                {"find_packed_sequence_indices": _eager_packed_check})
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat import cost as cost_mod
 from remat.batch_norm import use_eager_kernels as use_eager_batch_norm_kernels
-from remat.eager_ops import autocast_cache, tracing_as_eager
+from remat.eager_ops import autocast_cache, tracing_as_eager, untraced
 from remat.errors import TraceError
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
@@ -489,6 +489,11 @@ def _same(t: object) -> object:
     return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
 
 
+def _one_row_probe(args: tuple) -> tuple:
+    """A norm's arguments for a probe of its kernel: one row of its input, the rest as they are."""
+    return (_one_row(args[0]), *map(_same, args[1:]))
+
+
 _aten = torch.ops.aten
 #: Norms whose statistics (outputs 1 and 2: mean and rstd, or batch norm's saved mean and
 #: inverse std) PyTorch's fake kernels give a half-precision input's dtype, while the device's
@@ -496,15 +501,14 @@ _aten = torch.ops.aten
 #: probe of the kernel.
 _NORM_PROBES: dict[object, Callable[[tuple], tuple]] = {
     # native_layer_norm(x, normalized_shape, weight, bias, eps)
-    _aten.native_layer_norm.default: lambda a: (_one_row(a[0]), *map(_same, a[1:])),
+    _aten.native_layer_norm.default: _one_row_probe,
     # native_group_norm(x, weight, bias, N, C, HxW, groups, eps): one sample, one position
     _aten.native_group_norm.default: lambda a: (
         torch.zeros([1, a[4], 1], dtype=a[0].dtype, device=a[0].device), _same(a[1]), _same(a[2]), 1, a[4], 1,
         a[6], a[7]),
-    **{op: (lambda a: (_one_row(a[0]), *map(_same, a[1:]))) for op in (
-        _aten._batch_norm_with_update_functional.default, _aten._batch_norm_with_update.default,
-        _aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit.default,
-        _aten.native_batch_norm.default)},
+    **dict.fromkeys((_aten._batch_norm_with_update_functional.default, _aten._batch_norm_with_update.default,
+                     _aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit.default,
+                     _aten.native_batch_norm.default), _one_row_probe),
 }
 
 
@@ -544,10 +548,8 @@ class KernelDtypeProp(FakeTensorProp):
                          else a if isinstance(a, (int, float, bool, type(None))) else tuple(a)
                          for k, a in enumerate(args)))
         if key not in cls._probed:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
             try:
-                with unset_fake_temporarily(), torch.no_grad():
+                with untraced():
                     out = target(*_NORM_PROBES[target](args))
             except Exception as exc:  # noqa: BLE001 - an unusual call: its fake dtypes stay
                 log.debug("trace: probing %s for its statistics' dtype failed (%s)", target, exc)
