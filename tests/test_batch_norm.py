@@ -44,8 +44,11 @@ def _cases():
     yield "channels last", nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), image.to(
         memory_format=torch.channels_last), 1
     yield "no affine (left native)", nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False)), image, 0
-    yield "no running stats (left native)", nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)), image, 0
+    yield "no running stats", nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)), image, 1
+    yield "instance norm", nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True)), image, 1
+    yield "no running stats, channels last", nn.Sequential(
+        nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, track_running_stats=False)), image.to(memory_format=torch.channels_last), 1
+    yield "eval mode (left native)", nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval(), image, 0
 
 
 def _loss(m, x):
@@ -77,9 +80,23 @@ def _native_trace(model, x, monkeypatch):
     return t
 
 
-def test_the_rewrite_changes_no_value_of_a_native_graph(monkeypatch):
+class _NoStats(nn.Module):
+    """A norm without running statistics and an instance norm (a batch norm over the reshaped
+    input once traced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.batch, self.instance = nn.BatchNorm2d(4, track_running_stats=False), nn.InstanceNorm2d(4, affine=True)
+
+    def forward(self, x):
+        return self.instance(F.relu(self.batch(self.conv(x))))
+
+
+@pytest.mark.parametrize("make", [_Shared, _NoStats], ids=["running statistics", "no running statistics"])
+def test_the_rewrite_changes_no_value_of_a_native_graph(monkeypatch, make):
     torch.manual_seed(0)
-    model, x = _Shared(), torch.randn(4, 3, 6, 6)
+    model, x = make(), torch.randn(4, 3, 6, 6)
     native = _native_trace(model, x, monkeypatch)
     flat = native.flat_inputs(model, (x,))
     want = native.module(*flat)
@@ -88,6 +105,11 @@ def test_the_rewrite_changes_no_value_of_a_native_graph(monkeypatch):
     gm.recompile()
     assert len(names) == 2 and all(kinds[n] is NodeKind.FORWARD for n in names)
     assert sum(k is NodeKind.BACKWARD for k in kinds.values()) == 2
+    new_statistics = [n for n in gm.graph.nodes if n.target is torch.ops.aten.full.default]
+    assert len(new_statistics) == (4 if make is _NoStats else 0)
+    for n in new_statistics:  # read by eager's forward alone; its updated copies are read by nothing
+        assert [u.target for u in n.users] == [EAGER_FORWARD] and kinds[n.name] is NodeKind.FORWARD
+        assert {g.args[1] for g in next(iter(n.users)).users} == {0, 1, 2, 3}
     got = gm(*flat)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     for n in gm.graph.nodes:  # every new node carries a fake value, as traced nodes do

@@ -464,22 +464,48 @@ def test_training_batch_norms_run_eager_kernels_on_cuda_and_plan(cudnn_everywher
     assert verify.compare(got, want).bitwise
 
 
-def test_batch_norm_left_on_native_kernels_is_refused_naming_the_module(cudnn_everywhere):
-    """A norm in eval mode (frozen statistics, as in fine-tuning) or without running statistics
-    still traces to PyTorch's native kernels, which eager with cuDNN does not run."""
+def _without_the_rewrite(monkeypatch):
+    """Trace as if ``remat.batch_norm`` could not rewrite any norm (as for a backward it cannot
+    match to its forward): training-mode norms stay on PyTorch's native kernels."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("remat.trace"), "use_eager_batch_norm_kernels", lambda gm, kinds: [])
+
+
+def test_eval_mode_and_statistics_free_norms_trace_on_cuda(cudnn_everywhere):
+    """A norm in eval mode (frozen statistics, as in fine-tuning) stays on the native kernels,
+    which measured bitwise eager's cuDNN ones on an H100; one without running statistics (and an
+    instance norm) is rewritten to eager's ops. Both plan and equal eager here."""
+    from remat.batch_norm import EAGER_FORWARD, NATIVE_EVAL
+
     torch.manual_seed(0)
     model, batch = _ConvNet(), (torch.randn(2, 3, 6, 6), torch.tensor([0, 3]))
     model(batch[0])
     model.stem[1].eval()
-    model.head[1].eval()
+    model.head[1] = nn.BatchNorm2d(8, track_running_stats=False)
+    step = remat.optimize(model, batch, _classify, budget=1.0, method="chen_greedy", cost_model=None)
+    targets = [step.traced.fx_node(i).target for i in range(step.traced.graph.n)]
+    assert targets.count(NATIVE_EVAL) == 1 and targets.count(EAGER_FORWARD) == 1
+    got, _ = verify.planned_step(model, batch, step.traced, step.planned)
+    want, _ = verify.eager_step(model, batch, _classify)
+    assert verify.compare(got, want).bitwise
+
+
+def test_batch_norm_left_on_native_kernels_is_refused_naming_the_module(cudnn_everywhere, monkeypatch):
+    """A training-mode norm the rewrite could not take would run PyTorch's native kernels,
+    which eager with cuDNN does not run."""
+    torch.manual_seed(0)
+    model, batch = _ConvNet(), (torch.randn(2, 3, 6, 6), torch.tensor([0, 3]))
+    model(batch[0])
+    _without_the_rewrite(monkeypatch)
     with pytest.raises(TraceError) as info:
         trace(model, batch, _classify, cost_model=None)
     text = str(info.value)
     assert text.startswith("module 'stem.1' (BatchNorm2d) and 1 more batch-norm module run on CUDA with cuDNN on, "
-                           "in eval mode or without running statistics: eager PyTorch uses cuDNN's")
+                           "where eager PyTorch uses cuDNN's batch-norm kernels, but remat could not trace them")
     assert "Pass allow_native_batch_norm=True" in text and "torch.backends.cudnn.flags(enabled=False)" in text
-    model.head[1].train()  # the other one alone
-    with pytest.raises(TraceError, match="^module 'stem.1' \\(BatchNorm2d\\) runs on CUDA"):
+    model.head[1].eval()  # the other one alone (an eval-mode norm is not refused)
+    with pytest.raises(TraceError, match="^module 'stem.1' \\(BatchNorm2d\\) runs on CUDA.* could not trace it "):
         remat.optimize(model, batch, _classify, budget=1.0, method="chen_greedy", cost_model=None)
     # accepted when asked for: the step plans and (here, on CPU, the same kernels) equals eager bitwise
     step = remat.optimize(model, batch, _classify, budget=1.0, method="chen_greedy", cost_model=None,
@@ -527,6 +553,9 @@ def test_functional_batch_norm_on_cuda_is_refused_naming_the_node(monkeypatch):
     model, x = Functional(), torch.randn(4, 3, 5)
     loss = lambda m, x: m(x).square().mean()  # noqa: E731
     assert trace(model, (x,), loss, cost_model=None).graph.n > 0  # on CPU: eager's kernels
+    monkeypatch.setattr(te, "cudnn_active", lambda device: True)
+    assert trace(model, (x,), loss, cost_model=None).graph.n > 0  # on CUDA: rewritten to eager's ops
+    _without_the_rewrite(monkeypatch)  # as for a norm whose backward the rewrite cannot match
     with_stats = nn.Module()
     with_stats.w, with_stats.b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))
     with_stats.register_buffer("mean", torch.zeros(3))
@@ -538,7 +567,12 @@ def test_functional_batch_norm_on_cuda_is_refused_naming_the_node(monkeypatch):
                                          "runs on CUDA with cuDNN on"):
         trace(model, (x,), loss, cost_model=None)
     assert trace(model, (x,), loss, cost_model=None, allow_native_batch_norm=True).graph.n > 0
-    assert trace(with_stats, (x,), loss, cost_model=None).graph.n > 0  # with running statistics: eager's kernels
+    import importlib  # the rewrite back: the norm with running statistics traces to eager's kernels
+
+    from remat.batch_norm import use_eager_kernels
+
+    monkeypatch.setattr(importlib.import_module("remat.trace"), "use_eager_batch_norm_kernels", use_eager_kernels)
+    assert trace(with_stats, (x,), loss, cost_model=None).graph.n > 0
 
 
 class _Upsampler(nn.Module):

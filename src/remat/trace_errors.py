@@ -257,12 +257,13 @@ def runs_cudnn_in_eager(node: torch.fx.Node) -> bool:
 class BatchNormWatch(_ModuleWatch):
     """Refuses, with a ``TraceError`` naming the module, a batch norm that eager PyTorch runs
     with cuDNN but the traced step would not. ``remat.batch_norm`` rewrites a training-mode
-    batch norm with running statistics to the ops eager's kernels run behind; the others (in
-    eval mode, or without running statistics: ``track_running_stats=False``, instance norm)
-    stay PyTorch's native kernels once traced (as under ``torch.compile``), which reduce in
-    another order than cuDNN's, so the traced step's gradients would not be eager's (on a GPU,
-    ResNet50's first convolution's weight gradient came out 39% apart in norm). ``allow``:
-    accept the native kernels instead.
+    batch norm (with running statistics or without: ``track_running_stats=False``, instance
+    norm) to the ops eager's kernels run behind, and an eval-mode norm's native kernels measured
+    bitwise cuDNN's; what is left is a training-mode norm the rewrite could not take (a backward
+    it could not match to its forward), which PyTorch's native kernels would run (as under
+    ``torch.compile``), reducing in another order than cuDNN's, so the traced step's gradients
+    would not be eager's (on a GPU, ResNet50's first convolution's weight gradient came out 39%
+    apart in norm). ``allow``: accept the native kernels instead.
 
     Use as a context manager around tracing (it records the order in which batch-norm modules
     are called, to name them), then ``check_graph`` the traced module after the rewrite."""
@@ -278,13 +279,14 @@ class BatchNormWatch(_ModuleWatch):
         """Raise for the forward batch-norm nodes left on PyTorch's native kernels that eager
         PyTorch would run with cuDNN, naming their modules (each module call traces to one
         forward node, in order) or, with ``F.batch_norm`` called directly, the first node."""
-        from remat.batch_norm import EAGER_FORWARD
+        from remat.batch_norm import EAGER_FORWARD, NATIVE_EVAL
 
         if not self.active:  # allowed
             return
         forward = [n for n in gm.graph.nodes if n.op == "call_function" and "batch_norm" in str(n.target)
                    and "backward" not in str(n.target)]
-        native = [i for i, n in enumerate(forward) if n.target is not EAGER_FORWARD and runs_cudnn_in_eager(n)]
+        native = [i for i, n in enumerate(forward)
+                  if n.target not in (EAGER_FORWARD, NATIVE_EVAL) and runs_cudnn_in_eager(n)]
         if not native:
             return
         if len(forward) == len(self.order):
@@ -298,11 +300,11 @@ class BatchNormWatch(_ModuleWatch):
             what = f"a batch norm ({node.target} at node {node.name!r}) in model {type(self.model).__name__}"
             verb = "runs"
         raise TraceError(
-            f"{what} {verb} on CUDA with cuDNN on, in eval mode or without running statistics: eager "
-            f"PyTorch uses cuDNN's batch-norm kernels there, but a traced step runs PyTorch's native "
-            f"ones for such a norm (as torch.compile does), which round differently, so remat's "
-            f"gradients would not be eager's (a training-mode norm with running statistics runs "
-            f"eager's kernels). Pass {ALLOW_OPTION} to accept the native kernels (torch.compile's "
+            f"{what} {verb} on CUDA with cuDNN on, where eager PyTorch uses cuDNN's batch-norm kernels, "
+            f"but remat could not trace {'them' if verb == 'run' else 'it'} to the ops those kernels run "
+            f"behind (a backward it could not match to its forward), so the traced step would run "
+            f"PyTorch's native ones (as torch.compile does), which round differently, and remat's "
+            f"gradients would not be eager's. Pass {ALLOW_OPTION} to accept the native kernels (torch.compile's "
             f"numerics); or trace and train under `torch.backends.cudnn.flags(enabled=False)` "
             f"(eager then runs the native kernels too, and remat equals it bitwise; convolutions get "
             f"slower); or compile the model with remat.backend"
