@@ -15,6 +15,11 @@ SegNet, and GPT-2 small; batch sizes below), one training step (forward, loss, b
   lists (GPT-2's layers, the segmentation encoders' stages) or, for a plain ``nn.Sequential``,
   its top-level children;
 * ``torch.compile`` with PyTorch's min-cut partitioner at ``activation_memory_budget`` 0.5.
+* eager PyTorch and ``remat.optimize`` at the smaller budget with cuDNN off (forward and
+  backward), compared with each other;
+* eager PyTorch and ``remat.optimize`` at the smaller budget with the loss function's forward
+  under ``torch.autocast(dtype=torch.bfloat16)`` (mixed precision, as users train), compared
+  with each other.
 
 A budget remat finds infeasible is planned again at the smallest feasible budget it states (the
 row says so): that is the budget a user is told to ask for, so it must plan. ``remat.optimize``
@@ -92,6 +97,15 @@ COMPILED = "torch.compile"
 #: PyTorch's native kernels, as ``torch.compile`` does.
 OFF = ", cuDNN off"
 EAGER_OFF = "eager" + OFF
+#: Rows run under ``torch.autocast(device, dtype=torch.bfloat16)`` (the loss function's forward;
+#: the backward outside it, as users write it); remat traces and plans the autocast step.
+AMP = ", bf16 autocast"
+EAGER_AMP = "eager" + AMP
+#: Eager under autocast against itself: the noise the autocast rows are judged by (bfloat16
+#: turns a nondeterministic kernel's last-bit differences into whole bfloat16 steps).
+EAGER_AMP_AGAIN = "eager again" + AMP
+#: Row suffixes that change how a step runs; each has its own eager row as the reference.
+MODES = (OFF, AMP)
 #: A measured peak further than this from remat's prediction is flagged in the report.
 PEAK_TOLERANCE = 0.05
 MIB = 2**20
@@ -178,9 +192,15 @@ def block_slots(model) -> list[tuple[object, int]]:
 
 # ---------------------------------------------------------------------------- variants
 def variant_names(budgets: list[float]) -> list[str]:
-    return ["eager", "eager again", EAGER_OFF, COMPILED, *(f"remat.backend {b:.0%}" for b in budgets),
-            *(f"remat.optimize {b:.0%}" for b in budgets), f"remat.optimize {min(budgets):.0%}{OFF}",
+    return ["eager", "eager again", EAGER_OFF, EAGER_AMP, EAGER_AMP_AGAIN, COMPILED, *(f"remat.backend {b:.0%}" for b in budgets),
+            *(f"remat.optimize {b:.0%}" for b in budgets), *(f"remat.optimize {min(budgets):.0%}{m}" for m in MODES),
             "checkpoint every block", f"activation_memory_budget {AOT_BUDGET:g}"]
+
+
+def own_eager(variant: str) -> str | None:
+    """The eager row run the way ``variant`` runs (``EAGER_OFF`` for a row with cuDNN off,
+    ``EAGER_AMP`` under autocast), or None for a row run as plain eager runs."""
+    return next(("eager" + m for m in MODES if variant.endswith(m)), None)
 
 
 def budget_of(variant: str) -> float:
@@ -199,9 +219,13 @@ def prepare(variant: str, model, loss_fn, batch, args: argparse.Namespace, facts
     """The step function of ``variant`` on ``model`` (a fresh copy): ``fn(*batch) -> loss``.
     ``budget``: bytes instead of the variant's fraction (a remat variant planned again at the
     smallest feasible budget); ``allow_native_batch_norm``: passed to ``remat.optimize``. A
-    variant ending in ``OFF`` is its base variant prepared and run with cuDNN off."""
+    variant ending in ``OFF`` is its base variant prepared and run with cuDNN off; one ending in
+    ``AMP``, its base variant with the loss function under bfloat16 autocast."""
     import torch
 
+    if variant.endswith(AMP):
+        return prepare(variant[: -len(AMP)], model, _autocast(loss_fn), batch, args, facts, budget,
+                       allow_native_batch_norm)
     if variant.endswith(OFF):
         with torch.backends.cudnn.flags(enabled=False):
             inner = prepare(variant[: -len(OFF)], model, loss_fn, batch, args, facts, budget, allow_native_batch_norm)
@@ -255,6 +279,18 @@ def prepare(variant: str, model, loss_fn, batch, args: argparse.Namespace, facts
             return compiled(*b)
 
     return step
+
+
+def _autocast(loss_fn):
+    """``loss_fn`` with its forward under bfloat16 autocast on the batch's device."""
+
+    def under_autocast(model, *batch):
+        import torch
+
+        with torch.autocast(batch[0].device.type, dtype=torch.bfloat16):
+            return loss_fn(model, *batch)
+
+    return under_autocast
 
 
 class _Applied:
@@ -382,8 +418,9 @@ def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, references: 
         record.update(compare_grads(grads, references["eager"]))
     if (is_compiled(variant) and variant != COMPILED or allow) and COMPILED in references:
         record["vs_compiled"] = compare_grads(grads, references[COMPILED])
-    if variant.endswith(OFF) and variant != EAGER_OFF and EAGER_OFF in references:
-        record["vs_eager_off"] = compare_grads(grads, references[EAGER_OFF])
+    own = own_eager(variant)
+    if own is not None and variant != own and own in references:
+        record["vs_own_eager"] = {"row": own, **compare_grads(grads, references[own])}
     record["warnings"] = sorted({str(w.message)[:300] for w in caught if "remat" in str(w.message)})
     if "backend" in facts:
         reports = facts["backend"].reports
@@ -453,7 +490,7 @@ def check_model(spec: Spec, args, record: dict, save, deadline: float) -> None:
         print(f"{spec.key}: done already", flush=True)
         return
     needed = {"eager"} | ({COMPILED} if any(is_compiled(v) or v.startswith("remat.optimize") for v in pending)
-                          else set()) | ({EAGER_OFF} if any(v.endswith(OFF) for v in pending) else set())
+                          else set()) | {own_eager(v) for v in pending if own_eager(v)}
     device = torch.device(args.device)
     with torch.device(device):
         torch.manual_seed(0)
@@ -494,8 +531,8 @@ def _summary(r: dict) -> str:
         text += f", grads vs eager {_verdict(r)}"
     if "vs_compiled" in r:
         text += f", vs {COMPILED} {_verdict(r['vs_compiled'])}"
-    if "vs_eager_off" in r:
-        text += f", vs {EAGER_OFF} {_verdict(r['vs_eager_off'])}"
+    if own_reference(r) is not None:
+        text += f", vs {own_reference(r)['row']} {_verdict(own_reference(r))}"
     if r.get("planned_at_bytes"):
         text += f", planned at the smallest feasible budget {r['planned_at_bytes'] / MIB:.1f} MiB"
     if r.get("fell_back"):
@@ -554,8 +591,8 @@ def markdown(results: dict) -> str:
             notes = []
             if "vs_compiled" in v:
                 notes.append(f"vs {COMPILED}: {_verdict(v['vs_compiled'])}")
-            if "vs_eager_off" in v:
-                notes.append(f"vs {EAGER_OFF}: {_verdict(v['vs_eager_off'])}")
+            if own_reference(v) is not None:
+                notes.append(f"vs {own_reference(v)['row']}: {_verdict(own_reference(v))}")
             if v.get("refused"):
                 notes.append("refused by default (cuDNN batch norm); run with allow_native_batch_norm=True")
             if v.get("planned_at_bytes"):
@@ -589,11 +626,19 @@ def _model_order(key: str) -> tuple:
 def _order(variant: str) -> tuple:
     """Table order: eager, eager again, torch.compile, remat.backend and then remat.optimize from
     the largest budget down, checkpoint, min-cut."""
-    for rank, prefix in ((4, "remat.backend"), (5, "remat.optimize")):
+    for rank, prefix in ((6, "remat.backend"), (7, "remat.optimize")):
         if variant.startswith(prefix):
-            return rank, -budget_of(variant), variant.endswith(OFF)
-    kinds = ("eager", "eager again", EAGER_OFF, COMPILED, "", "", "checkpoint every block")
-    return (kinds.index(variant), 0, False) if variant in kinds else (7, 0, variant)
+            return rank, -budget_of(variant), next((i + 1 for i, m in enumerate(MODES) if variant.endswith(m)), 0)
+    kinds = ("eager", "eager again", EAGER_OFF, EAGER_AMP, EAGER_AMP_AGAIN, COMPILED, "", "", "checkpoint every block")
+    return (kinds.index(variant) if variant in kinds else len(kinds), 0, 0)
+
+
+def own_reference(v: dict) -> dict | None:
+    """A row's comparison with its own eager row (``own_eager``), with that row's name as
+    ``"row"`` (results written before autocast rows kept it as ``vs_eager_off``)."""
+    if "vs_own_eager" in v:
+        return v["vs_own_eager"]
+    return {"row": EAGER_OFF, **v["vs_eager_off"]} if "vs_eager_off" in v else None
 
 
 def agrees(c: dict, noise: float) -> bool:
@@ -604,9 +649,10 @@ def agrees(c: dict, noise: float) -> bool:
 
 def verdicts(results: dict) -> list[tuple[str, str, str]]:
     """Each remat row with gradients (or an error) as ``(key, name, verdict)``: the verdict is
-    ``"eager"``, ``COMPILED`` or ``EAGER_OFF``, the reference its gradients agree with (a row run
-    with cuDNN off must agree with ``EAGER_OFF``; a ``remat.backend`` row may agree with
-    ``COMPILED`` instead of eager), or else the problem, in words."""
+    ``"eager"``, ``COMPILED``, ``EAGER_OFF`` or ``EAGER_AMP``, the reference its gradients agree
+    with (a row run with cuDNN off or under autocast must agree with its own eager row; a
+    ``remat.backend`` row may agree with ``COMPILED`` instead of eager), or else the problem, in
+    words."""
     out = []
     for key, record in results.get("models", {}).items():
         variants = record.get("variants", {})
@@ -616,13 +662,12 @@ def verdicts(results: dict) -> list[tuple[str, str, str]]:
                 continue
             if "error" in v:
                 verdict = v["error"][:200]
-            elif "vs_eager_off" in v and not agrees(v["vs_eager_off"], noise):
-                verdict = (f"gradients differ from {EAGER_OFF}'s by up to "
-                           f"{v['vs_eager_off']['grad_max_abs_diff']:.3g}")
+            elif (own := own_reference(v)) is not None and not agrees(own, _noise(variants, own["row"], noise)):
+                verdict = f"gradients differ from {own['row']}'s by up to {own['grad_max_abs_diff']:.3g}"
             elif agrees(v, noise):
                 verdict = "eager"
-            elif "vs_eager_off" in v:
-                verdict = EAGER_OFF
+            elif own is not None:
+                verdict = own["row"]
             elif v.get("vs_compiled") is not None and agrees(v["vs_compiled"], noise):
                 verdict = COMPILED  # remat changed nothing that compiling alone does not
             else:
@@ -634,13 +679,21 @@ def verdicts(results: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+def _noise(variants: dict, row: str, default: float) -> float:
+    """How far eager row ``row`` is from itself: the "eager again" row run its way, compared with
+    it (``default``, eager's own noise, where there is none)."""
+    again = variants.get("eager again" + row[len("eager"):], {})
+    own = own_reference(again)
+    return own["grad_max_abs_diff"] if own is not None and own["row"] == row else default
+
+
 def problems(results: dict) -> list[str]:
     """What makes the check fail: a remat variant that raised, or whose gradients agree neither
     with eager's nor, for ``remat.backend``, with PyTorch's compiler's on the same graph
     (fallbacks, skipped variants and peak errors are reported, not failures; PyTorch's own
     variants differing is a finding, not a failure)."""
     return [f"{key} {name}: {verdict}" for key, name, verdict in verdicts(results)
-            if verdict not in ("eager", COMPILED, EAGER_OFF)]
+            if verdict not in ("eager", COMPILED, EAGER_OFF, EAGER_AMP)]
 
 
 def summary(results: dict) -> str:
@@ -654,14 +707,15 @@ def summary(results: dict) -> str:
     bad = problems(results)
     if bad:
         return text + "PROBLEMS: " + "; ".join(bad)
-    apart: dict[str, list[str]] = {COMPILED: [], EAGER_OFF: []}  # rows agreeing with another reference
+    apart: dict[str, list[str]] = {COMPILED: [], EAGER_OFF: [], EAGER_AMP: []}  # rows agreeing with another reference
     for key, name, verdict in verdicts(results):
         if verdict in apart:
             apart[verdict].append(f"{key} {name}")
     if not any(apart.values()):
         return text + "gradients agree with eager's in every remat step."
     why = {COMPILED: f"agree with {COMPILED}'s on the same graph (compiling alone changes them)",
-           EAGER_OFF: f"agree with {EAGER_OFF}'s (run as eager runs them)"}
+           EAGER_OFF: f"agree with {EAGER_OFF}'s (run as eager runs them)",
+           EAGER_AMP: f"agree with {EAGER_AMP}'s (run as eager runs them)"}
     return text + ("gradients agree with eager's in every remat step except "
                    + "; ".join(f"{', '.join(rows)}, which {why[ref]}" for ref, rows in apart.items() if rows) + ".")
 
@@ -715,6 +769,12 @@ def check_device(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:  # no device needed: the section from what the JSON holds
+        if not args.out.exists():
+            print(f"cuda_check: --replot: {args.out} does not exist; run the check first", file=sys.stderr)
+            return 2
+        print(markdown(json.loads(args.out.read_text())))
+        return 0
     try:
         check_device(args)
     except NoCudaError as exc:

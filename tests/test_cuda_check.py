@@ -167,6 +167,23 @@ def test_the_check_fails_on_remat_gradients_that_agree_with_no_reference():
     assert cuda_check.summary(results).endswith(
         "except resnet50@64 remat.optimize 70%, cuDNN off, which agree with eager, cuDNN off's (run as eager runs "
         "them).")
+    # ... and one under autocast with eager under autocast
+    amp = {**off, "variant": "remat.optimize 70%, bf16 autocast", "vs_own_eager": {
+        **apart, "row": cuda_check.EAGER_AMP, "grad_max_abs_diff": 0.0625}}
+    del amp["vs_eager_off"]
+    variants["remat.optimize 70%, bf16 autocast"] = amp
+    assert cuda_check.problems(results) == [
+        "resnet50@64 remat.optimize 70%, bf16 autocast: gradients differ from eager, bf16 autocast's by up to 0.0625"]
+    # ... unless eager under autocast is as far from itself (bfloat16 magnifies nondeterministic kernels)
+    variants[cuda_check.EAGER_AMP_AGAIN] = {"variant": cuda_check.EAGER_AMP_AGAIN, **apart, "vs_own_eager": {
+        **apart, "row": cuda_check.EAGER_AMP, "grad_max_abs_diff": 0.0625 / cuda_check.NOISE_FACTOR}}
+    assert cuda_check.problems(results) == []
+    variants[cuda_check.EAGER_AMP_AGAIN]["vs_own_eager"]["grad_max_abs_diff"] = 0.01
+    assert len(cuda_check.problems(results)) == 1
+    amp["vs_own_eager"] = dict(amp["vs_own_eager"], grads_bitwise=True, grads_allclose=True, grad_max_abs_diff=0.0)
+    assert cuda_check.problems(results) == []
+    assert cuda_check.summary(results).endswith(
+        "remat.optimize 70%, bf16 autocast, which agree with eager, bf16 autocast's (run as eager runs them).")
 
 
 def test_tables_follow_the_models_order_not_the_json_keys():
@@ -213,11 +230,20 @@ def test_dry_run_on_cpu_measures_writes_renders_and_resumes(tmp_path, capsys, mo
             assert v["peak_bytes"] > v["resident_bytes"] > 0 and v["step_s"] > 0, (key, name)
             # on CPU eager, compiling, remat and checkpointing give eager's gradients bitwise (PyTorch's
             # min-cut partitioner below budget 1 recomputes dropout with new random numbers: not asserted)
-            if name != "eager" and not name.startswith("activation_memory_budget"):
+            # (rows under bfloat16 autocast are compared with eager under autocast)
+            if name != "eager" and not name.startswith("activation_memory_budget") and cuda_check.AMP not in name:
                 assert v["grads_bitwise"] and v["grads_allclose"] and v["grad_max_abs_diff"] == 0, (key, name, v)
             assert "grad_max_abs_diff" in v or name == "eager"
             assert ("vs_compiled" in v) == (name.startswith(("remat.backend", "activation_memory_budget"))), (key, name)
-            assert ("vs_eager_off" in v) == (name == "remat.optimize 70%, cuDNN off"), (key, name)
+            own = {"remat.optimize 70%, cuDNN off": cuda_check.EAGER_OFF,
+                   "remat.optimize 70%, bf16 autocast": cuda_check.EAGER_AMP,
+                   cuda_check.EAGER_AMP_AGAIN: cuda_check.EAGER_AMP}.get(name)
+            assert v.get("vs_own_eager", {}).get("row") == own, (key, name)
+            if own is not None:
+                assert v["vs_own_eager"]["grads_bitwise"], (key, name, v)
+        # autocast changes the gradients: the check compares such rows with eager under autocast
+        assert not variants[cuda_check.EAGER_AMP]["grads_bitwise"]
+        assert not variants["remat.optimize 70%, bf16 autocast"]["grads_bitwise"]
         assert variants["checkpoint every block"]["checkpointed_blocks"] >= 2
         assert variants["activation_memory_budget 0.5"]["partitions"] >= 1
     for name in ("remat.backend 70%", "remat.optimize 70%"):
@@ -237,8 +263,10 @@ def test_dry_run_on_cpu_measures_writes_renders_and_resumes(tmp_path, capsys, mo
     assert "## CUDA check on CPU (dry run)" in shown and "### gpt2@8" in shown and "### mobilenet@2" in shown
     table = shown[shown.index("### gpt2@8"):].split("\n\n")[1]
     assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:] == [
-        "| eager", "| eager again", "| eager, cuDNN off", "| torch.compile", "| remat.backend 70%",
-        "| remat.optimize 70%", "| remat.optimize 70%, cuDNN off", "| checkpoint every block",
+        "| eager", "| eager again", "| eager, cuDNN off", "| eager, bf16 autocast",
+        "| eager again, bf16 autocast", "| torch.compile",
+        "| remat.backend 70%", "| remat.optimize 70%", "| remat.optimize 70%, cuDNN off",
+        "| remat.optimize 70%, bf16 autocast", "| checkpoint every block",
         "| activation_memory_budget 0.5"]
 
     # a third run has nothing left to measure
@@ -297,3 +325,12 @@ def test_a_cudnn_off_row_runs_its_backward_with_cudnn_off_too():
     loss.backward()
     assert seen == [("forward", False), ("backward", False)]
     assert torch.backends.cudnn.enabled and model.weight.grad is not None
+
+
+def test_replot_prints_the_section_from_the_json_without_a_device(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    out.write_text(json.dumps(recorded_gpu_run()))
+    assert cuda_check.main(["--replot", "--out", str(out)]) == 0
+    assert "### resnet50@64" in capsys.readouterr().out
+    assert cuda_check.main(["--replot", "--out", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist; run the check first" in capsys.readouterr().err
