@@ -489,26 +489,50 @@ def _same(t: object) -> object:
     return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
 
 
-def _one_row_probe(args: tuple) -> tuple:
-    """A norm's arguments for a probe of its kernel: one row of its input, the rest as they are."""
-    return (_one_row(args[0]), *map(_same, args[1:]))
+def _one_row_probe(args: tuple, rows: tuple[int, ...] = (0,)) -> tuple:
+    """A norm's arguments for a probe of its kernel: one row of the arguments at ``rows`` (its
+    input; in a backward, the gradient and the input too), the others as they are."""
+    return tuple(_one_row(a) if k in rows else _same(a) for k, a in enumerate(args))
 
 
 _aten = torch.ops.aten
-#: Norms whose statistics (outputs 1 and 2: mean and rstd, or batch norm's saved mean and
-#: inverse std) PyTorch's fake kernels give a half-precision input's dtype, while the device's
-#: kernel may compute them in float32 (``KernelDtypeProp``); per op, its arguments for a one-row
-#: probe of the kernel.
-_NORM_PROBES: dict[object, Callable[[tuple], tuple]] = {
-    # native_layer_norm(x, normalized_shape, weight, bias, eps)
-    _aten.native_layer_norm.default: _one_row_probe,
-    # native_group_norm(x, weight, bias, N, C, HxW, groups, eps): one sample, one position
-    _aten.native_group_norm.default: lambda a: (
-        torch.zeros([1, a[4], 1], dtype=a[0].dtype, device=a[0].device), _same(a[1]), _same(a[2]), 1, a[4], 1,
-        a[6], a[7]),
+_STATISTICS = (1, 2)
+_GRADIENTS = (0, 1, 2)
+
+
+def _group_norm_probe(a: tuple) -> tuple:
+    """native_group_norm(x, weight, bias, N, C, HxW, groups, eps): one sample, one position."""
+    return (torch.zeros([1, a[4], 1], dtype=a[0].dtype, device=a[0].device), _same(a[1]), _same(a[2]), 1, a[4], 1,
+            a[6], a[7])
+
+
+def _group_norm_backward_probe(a: tuple) -> tuple:
+    """native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, groups, mask): one
+    sample, one position."""
+    def sample(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=t.dtype, device=t.device)
+
+    return (sample(a[0], [1, a[6], 1]), sample(a[1], [1, a[6], 1]), sample(a[2], [1, a[8]]), sample(a[3], [1, a[8]]),
+            _same(a[4]), 1, a[6], 1, a[8], a[9])
+
+
+#: Norms whose outputs PyTorch's fake kernels type otherwise than the device's kernels: per op,
+#: its arguments for a one-row probe of the kernel and the outputs whose dtype the probe gives
+#: (``KernelDtypeProp``). The forwards' statistics (mean and rstd; batch norm's saved mean and
+#: inverse std) get a half-precision input's dtype, where the CPU kernels compute them in
+#: float32 when the weight is float32; the backwards, reading those float32 statistics, type
+#: the input's gradient float32 where the kernels give the input's dtype.
+_NORM_PROBES: dict[object, tuple[Callable[[tuple], tuple], tuple[int, ...]]] = {
+    _aten.native_layer_norm.default: (_one_row_probe, _STATISTICS),
+    _aten.native_group_norm.default: (_group_norm_probe, _STATISTICS),
     **dict.fromkeys((_aten._batch_norm_with_update_functional.default, _aten._batch_norm_with_update.default,
                      _aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit.default,
-                     _aten.native_batch_norm.default), _one_row_probe),
+                     _aten.native_batch_norm.default), (_one_row_probe, _STATISTICS)),
+    # native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, mask)
+    _aten.native_layer_norm_backward.default: (lambda a: _one_row_probe(a, rows=(0, 1, 3, 4)), _GRADIENTS),
+    _aten.native_group_norm_backward.default: (_group_norm_backward_probe, _GRADIENTS),
+    **dict.fromkeys((_aten.native_batch_norm_backward.default, _aten.batch_norm_backward.default),
+                    (lambda a: _one_row_probe(a, rows=(0, 1)), _GRADIENTS)),
 }
 
 
@@ -522,39 +546,55 @@ class KernelDtypeProp(FakeTensorProp):
     step's measured peak exceeded its prediction, and its budget, by a few KiB (ALBERT under
     bfloat16 autocast: 0.3%; MobileViT's batch norms: 0.05%). Each such node's true dtypes are
     read off the kernel itself, run once on the device on one row of its input with the same
-    dtypes (cached); the nodes reading the statistics (their clones, the backward) follow. A
-    trace on the meta device keeps the fake dtypes: no kernel there says what the real device
-    would do."""
+    dtypes (cached); the nodes reading the statistics (their clones, the backward) follow. The
+    norms' backwards are probed too: reading float32 statistics, the fake group-norm backward
+    typed the input's gradient float32 where the kernel gives the input's dtype, and a plan
+    recomputing everything measured 10% below its prediction. A trace on the meta device keeps
+    the fake dtypes: no kernel there says what the real device would do."""
 
-    _probed: dict[tuple, tuple[torch.dtype, torch.dtype]] = {}
+    _probed: dict[tuple, tuple[torch.dtype | None, ...]] = {}
 
     def call_function(self, target, args, kwargs):
         result = super().call_function(target, args, kwargs)
-        if target not in _NORM_PROBES or kwargs or not isinstance(result, tuple) or len(result) < 3:
+        if target not in _NORM_PROBES or kwargs or not isinstance(result, tuple):
+            return result
+        outputs = _NORM_PROBES[target][1]
+        if len(result) <= max(outputs):
             return result
         dtypes = self._kernel_dtypes(target, args)
-        if dtypes is None or (result[1].dtype, result[2].dtype) == dtypes:
+        if dtypes is None or all(d is None or result[k] is None or result[k].dtype == d for k, d in zip(outputs, dtypes)):
             return result
+        fixed = list(result)
         with self._mode:
-            stats = tuple(torch.empty_like(r, dtype=d) for r, d in zip(result[1:3], dtypes))
-        return (result[0], *stats, *result[3:])
+            for k, d in zip(outputs, dtypes):
+                if d is not None and isinstance(result[k], torch.Tensor) and result[k].dtype != d:
+                    fixed[k] = torch.empty_like(result[k], dtype=d)
+        return tuple(fixed)
 
     @classmethod
-    def _kernel_dtypes(cls, target, args) -> tuple[torch.dtype, torch.dtype] | None:
+    def _kernel_dtypes(cls, target, args) -> tuple[torch.dtype | None, ...] | None:
+        """The dtypes the device's kernel gives ``target``'s probed outputs (None for an output
+        it does not compute), or None when they cannot be known."""
         x = args[0]
         if not isinstance(x, torch.Tensor) or x.device.type == "meta":
             return None
-        key = (target, *((a.dtype, a.device, tuple(a.shape[1:] if k == 0 else a.shape)) if isinstance(a, torch.Tensor)
-                         else a if isinstance(a, (int, float, bool, type(None))) else tuple(a)
-                         for k, a in enumerate(args)))
+        build, outputs = _NORM_PROBES[target]
+        try:
+            with untraced():
+                probe = build(args)
+        except Exception as exc:  # noqa: BLE001 - an unusual call: its fake dtypes stay
+            log.debug("trace: building a probe of %s failed (%s)", target, exc)
+            return None
+        key = (target, *((a.dtype, a.device, tuple(a.shape)) if isinstance(a, torch.Tensor)
+                         else a if isinstance(a, (int, float, bool, type(None))) else tuple(a) for a in probe))
         if key not in cls._probed:
             try:
                 with untraced():
-                    out = target(*_NORM_PROBES[target](args))
+                    out = target(*probe)
             except Exception as exc:  # noqa: BLE001 - an unusual call: its fake dtypes stay
-                log.debug("trace: probing %s for its statistics' dtype failed (%s)", target, exc)
+                log.debug("trace: probing %s for its outputs' dtypes failed (%s)", target, exc)
                 return None
-            cls._probed[key] = (out[1].dtype, out[2].dtype)
+            cls._probed[key] = tuple(out[k].dtype if isinstance(out[k], torch.Tensor) else None for k in outputs)
         return cls._probed[key]
 
 
