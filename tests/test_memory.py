@@ -166,3 +166,62 @@ def test_mixed_precision_norm_statistics_count_at_the_kernels_dtype(autocast):
         step = build_module(t, remat.solve(t.graph, 10**15, method=method).plan)
         _, report = verify.planned_step(model, (x,), t, step)
         assert report.peak_bytes == step.sim.peak_bytes, method
+
+
+class _ShiftRight(torch.nn.Module):
+    """Decoder inputs shifted right, as BART builds them: ``copy`` into a slice of new zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[1:] = ids[:-1]
+        return self.lin(self.emb(shifted))
+
+
+def _fakes_against_kernels(model, batch, loss_fn) -> list[str]:
+    """Run a checkpoint-all program of the traced step node by node; every output whose dtype
+    or storage size differs from the fake value the plan was counted with."""
+    from remat.execute import Op
+    from remat.trace import trace
+
+    t = trace(model, batch, loss_fn, cost_model=None)
+    step = build_module(t, remat.solve(t.graph, 10**15, method="checkpoint_all").plan)
+    env = [None] * step._n_slots
+    env[: step._n_inputs] = t.flat_inputs(model, batch)
+    wrong = []
+    with torch.no_grad():
+        for (op, slot, fn, call, _rng_slot, _rng), ins in zip(step._compiled, step.program, strict=True):
+            if op is Op.RELEASE:
+                env[slot] = None
+                continue
+            args, kwargs = call(env)
+            env[slot] = out = fn(*args, **kwargs)
+            fake = t.fx_node(ins.node).meta.get("val")
+            for real, counted in zip(out if isinstance(out, (tuple, list)) else [out],
+                                     fake if isinstance(fake, (tuple, list)) else [fake]):
+                if isinstance(real, torch.Tensor) and isinstance(counted, torch.Tensor) and (
+                        real.dtype != counted.dtype
+                        or real.untyped_storage().nbytes() != counted.untyped_storage().nbytes()):
+                    wrong.append(f"{t.node_names[ins.node]}: {real.dtype} {real.untyped_storage().nbytes()} B, "
+                                 f"counted {counted.dtype} {counted.untyped_storage().nbytes()} B")
+    return wrong
+
+
+def test_every_output_is_counted_at_the_kernels_dtype_and_storage_size():
+    """The fake kernels' outputs are what the simulator counts. Two were off: a norm backward
+    reading float32 statistics typed a bfloat16 input's gradient float32 (a plan recomputing
+    everything measured 10% below its prediction), and the functional ``copy`` behind
+    ``x[1:] = y`` allocated the slice, where the kernel copies the whole storage (one row more:
+    counted below what the step holds)."""
+    torch.manual_seed(0)
+
+    def norms_loss(m, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x).square().mean()
+
+    assert _fakes_against_kernels(_MixedPrecisionNorms(), (torch.randn(64, 8, 16),), norms_loss) == []
+    ids = torch.randint(0, 16, (64, 2))
+    assert _fakes_against_kernels(_ShiftRight(), (ids,), lambda m, ids: m(ids).square().mean()) == []

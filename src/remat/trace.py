@@ -556,6 +556,8 @@ class KernelDtypeProp(FakeTensorProp):
 
     def call_function(self, target, args, kwargs):
         result = super().call_function(target, args, kwargs)
+        if target is _aten.copy.default:
+            return self._copy_like_the_kernel(args[0], result)
         if target not in _NORM_PROBES or kwargs or not isinstance(result, tuple):
             return result
         outputs = _NORM_PROBES[target][1]
@@ -570,6 +572,21 @@ class KernelDtypeProp(FakeTensorProp):
                 if d is not None and isinstance(result[k], torch.Tensor) and result[k].dtype != d:
                     fixed[k] = torch.empty_like(result[k], dtype=d)
         return tuple(fixed)
+
+    def _copy_like_the_kernel(self, dst: object, result: object) -> object:
+        """``aten.copy(dst, src)``, functionalization's form of ``dst.copy_(src)``, copies all of
+        ``dst``'s storage and returns the copy with ``dst``'s sizes, strides and offset (ATen's
+        ``clone_preserve_strides``); the fake kernel allocates ``dst``'s elements alone. For
+        ``shifted[:, 1:] = ids[:, :-1]`` (BART's decoder inputs) that was one row short."""
+        if not (isinstance(dst, torch.Tensor) and isinstance(result, torch.Tensor)) or dst.device.type == "meta":
+            return result
+        nbytes = dst.untyped_storage().nbytes()
+        if nbytes == result.untyped_storage().nbytes() or nbytes % dst.element_size() or \
+                torch._debug_has_internal_overlap(dst) == 1:  # 1: MemOverlap::Yes, where ATen clones plainly
+            return result
+        with self._mode:
+            whole = torch.empty(nbytes // dst.element_size(), dtype=dst.dtype, device=dst.device)
+            return whole.as_strided(dst.shape, dst.stride(), dst.storage_offset())
 
     @classmethod
     def _kernel_dtypes(cls, target, args) -> tuple[torch.dtype | None, ...] | None:
