@@ -178,6 +178,7 @@ class _ShiftRight(torch.nn.Module):
     def forward(self, ids):
         shifted = ids.new_zeros(ids.shape)
         shifted[1:] = ids[:-1]
+        shifted[1:][0] = 3  # one row of a view (BEiT's relative position index): a scatter
         return self.lin(self.emb(shifted))
 
 
@@ -214,8 +215,8 @@ def test_every_output_is_counted_at_the_kernels_dtype_and_storage_size():
     """The fake kernels' outputs are what the simulator counts. Two were off: a norm backward
     reading float32 statistics typed a bfloat16 input's gradient float32 (a plan recomputing
     everything measured 10% below its prediction), and the functional ``copy`` behind
-    ``x[1:] = y`` allocated the slice, where the kernel copies the whole storage (one row more:
-    counted below what the step holds)."""
+    ``x[1:] = y`` and the scatter behind ``x[1:][0] = v`` allocated the slice, where the kernels
+    copy the whole storage (counted below what the step holds)."""
     torch.manual_seed(0)
 
     def norms_loss(m, x):

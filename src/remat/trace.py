@@ -496,6 +496,9 @@ def _one_row_probe(args: tuple, rows: tuple[int, ...] = (0,)) -> tuple:
 
 
 _aten = torch.ops.aten
+#: Ops whose kernels copy their first argument's whole storage (``clone_preserve_strides``).
+_PRESERVING_STRIDES = frozenset({_aten.copy.default, _aten.slice_scatter.default, _aten.select_scatter.default,
+                                 _aten.diagonal_scatter.default, _aten.as_strided_scatter.default})
 _STATISTICS = (1, 2)
 _GRADIENTS = (0, 1, 2)
 
@@ -556,7 +559,7 @@ class KernelDtypeProp(FakeTensorProp):
 
     def call_function(self, target, args, kwargs):
         result = super().call_function(target, args, kwargs)
-        if target is _aten.copy.default:
+        if target in _PRESERVING_STRIDES:
             return self._copy_like_the_kernel(args[0], result)
         if target not in _NORM_PROBES or kwargs or not isinstance(result, tuple):
             return result
@@ -574,10 +577,12 @@ class KernelDtypeProp(FakeTensorProp):
         return tuple(fixed)
 
     def _copy_like_the_kernel(self, dst: object, result: object) -> object:
-        """``aten.copy(dst, src)``, functionalization's form of ``dst.copy_(src)``, copies all of
-        ``dst``'s storage and returns the copy with ``dst``'s sizes, strides and offset (ATen's
-        ``clone_preserve_strides``); the fake kernel allocates ``dst``'s elements alone. For
-        ``shifted[:, 1:] = ids[:, :-1]`` (BART's decoder inputs) that was one row short."""
+        """``aten.copy(dst, src)`` (functionalization's form of ``dst.copy_(src)``) and the
+        ``*_scatter`` ops (of ``dst[i] = src`` and the like) copy all of ``dst``'s storage and
+        return the copy with ``dst``'s sizes, strides and offset (ATen's
+        ``clone_preserve_strides``); the fake kernels allocate ``dst``'s elements alone. For
+        ``shifted[:, 1:] = ids[:, :-1]`` (BART's decoder inputs) that was one row short; for
+        BEiT's relative position index, a scatter into one row of a matrix, 1/17 of it."""
         if not (isinstance(dst, torch.Tensor) and isinstance(result, torch.Tensor)) or dst.device.type == "meta":
             return result
         nbytes = dst.untyped_storage().nbytes()
