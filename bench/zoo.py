@@ -140,6 +140,27 @@ def _clip():
                                                                            return_loss=True).loss
 
 
+def _t5():
+    import torch
+    import transformers as tf
+
+    config = tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                         dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0)
+    ids, labels = _ids(), torch.randint(1, VOCAB, (BATCH, SEQUENCE // 2))
+    return (tf.T5ForConditionalGeneration(config), (ids, labels),
+            lambda model, ids, y: model(input_ids=ids, labels=y).loss)
+
+
+def _vit_mae():
+    import torch
+    import transformers as tf
+
+    config = tf.ViTMAEConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                             image_size=32, patch_size=8, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                             decoder_num_attention_heads=4, decoder_intermediate_size=64, mask_ratio=0.75)
+    return tf.ViTMAEForPreTraining(config), (torch.randn(BATCH, 3, 32, 32),), lambda model, x: model(pixel_values=x).loss
+
+
 def _ids():
     import torch
 
@@ -205,6 +226,17 @@ ARCHITECTURES: dict[str, tuple[str, Callable]] = {
                       depths=[1, 1])),
     "deit": ("distillation token, two heads averaged",
              _image("DeiTConfig", "DeiTForImageClassification", image_size=32, patch_size=8, **_NO_HEADS)),
+    "t5": ("relative position buckets, RMS layer norm, encoder-decoder, dropout 0.1", _t5),
+    "mamba": ("selective state-space scan (the reference PyTorch loop), causal depthwise convolution",
+              _causal_lm("MambaConfig", "MambaForCausalLM", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                         state_size=8)),
+    "convnext": ("depthwise convolutions, channels-last layer norm, stochastic depth 0.2 (random per sample)",
+                 _image("ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[16, 32], depths=[1, 1],
+                        num_stages=2, drop_path_rate=0.2, image_size=32)),
+    "beit": ("relative position bias from a cached index, stochastic depth 0.1, layer scale",
+             _image("BeitConfig", "BeitForImageClassification", image_size=32, patch_size=8, drop_path_rate=0.1,
+                    use_relative_position_bias=True, **_NO_HEADS)),
+    "vit-mae": ("random masking (noise, argsort, gather) and a reconstruction loss", _vit_mae),
 }
 
 

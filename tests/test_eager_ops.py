@@ -256,3 +256,34 @@ def test_position_ids_given_as_input_keep_the_general_branch_and_equal_eager():
     t = _agree_with_eager(model, (ids, packed),
                           lambda m, ids, pos: m(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss)
     assert any("cumsum" in str(t.fx_node(i).target) for i in range(t.graph.n))
+
+
+def test_transformers_method_caches_are_bypassed_while_tracing():
+    """transformers caches some methods' results (BEiT's relative position index) except under
+    ``torch.compile``. Filled while tracing, the cache kept a fake tensor: the next trace (another
+    fake mode) failed with "Mixing fake modes", and eager calls got the fake tensor back."""
+    pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers.pytorch_utils import compile_compatible_method_lru_cache
+
+    from remat.verify import check_step
+
+    class Cached(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        @compile_compatible_method_lru_cache(maxsize=2)
+        def scale(self, n: int) -> torch.Tensor:
+            return torch.arange(n, dtype=torch.float32) + 1
+
+        def forward(self, x):
+            return self.lin(x) * self.scale(x.shape[-1])
+
+    torch.manual_seed(0)
+    model, x = Cached(), torch.randn(3, 4)
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    for _ in range(2):  # a second trace has a fake mode of its own
+        step = remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+        assert check_step(step, loss_fn, x).bitwise
+    assert not isinstance(model.scale(4), FakeTensor) and torch.equal(model.scale(4), torch.arange(4.0) + 1)

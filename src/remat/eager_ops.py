@@ -229,11 +229,23 @@ def _eager_packed_check(original: Callable) -> Callable:
     return find_packed_sequence_indices
 
 
-def _transformers_as_eager() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _transformers_as_eager() -> Iterator[None]:
     """While in use, transformers' checks of values that depend on no input are answered as eager
-    answers them; nothing happens unless the model's code has imported transformers."""
-    return _replaced_attributes(sys.modules.get("transformers.masking_utils"),
-                                {"find_packed_sequence_indices": _eager_packed_check})
+    answers them, and its method caches (``compile_compatible_method_lru_cache``: BEiT's relative
+    position index, DETR's and SAM's position embeddings) are bypassed as under
+    ``torch.compile``: filled while tracing, they kept the trace's fake tensors, which the next
+    trace (another fake mode) and every later eager call then got back. Nothing happens unless
+    the model's code has imported transformers."""
+    with _replaced_attributes(sys.modules.get("transformers.masking_utils"),
+                              {"find_packed_sequence_indices": _eager_packed_check}), \
+            _replaced_attributes(sys.modules.get("transformers.pytorch_utils"),
+                                 {"is_torchdynamo_compiling": lambda _original: _always}):
+        yield
+
+
+def _always() -> bool:
+    return True
 
 
 @contextlib.contextmanager
