@@ -182,6 +182,21 @@ class _ShiftRight(torch.nn.Module):
         return self.lin(self.emb(shifted))
 
 
+class _Unfolds(torch.nn.Module):
+    """ConvBERT's span convolution (an unfold over 9 positions: ``col2im`` in its backward, which
+    holds the unfolded size) and a strided unfold (``im2col`` smaller than its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.span = torch.nn.Unfold(kernel_size=[9, 1], padding=[4, 0])
+        self.strided = torch.nn.Unfold(kernel_size=1, stride=2)
+
+    def forward(self, x):  # (batch, positions, channels)
+        h = self.lin(x).transpose(1, 2).unsqueeze(-1)  # (batch, channels, positions, 1)
+        return self.span(h).sum() + self.strided(h.reshape(x.shape[0], 8, 4, -1)).sum()
+
+
 def _fakes_against_kernels(model, batch, loss_fn) -> list[str]:
     """Run a checkpoint-all program of the traced step node by node; every output whose dtype
     or storage size differs from the fake value the plan was counted with."""
@@ -216,7 +231,8 @@ def test_every_output_is_counted_at_the_kernels_dtype_and_storage_size():
     reading float32 statistics typed a bfloat16 input's gradient float32 (a plan recomputing
     everything measured 10% below its prediction), and the functional ``copy`` behind
     ``x[1:] = y`` and the scatter behind ``x[1:][0] = v`` allocated the slice, where the kernels
-    copy the whole storage (counted below what the step holds)."""
+    copy the whole storage, and ``col2im`` and ``im2col`` allocated their output, where the
+    kernels resize a tensor shaped like their input (each counted below what the step holds)."""
     torch.manual_seed(0)
 
     def norms_loss(m, x):
@@ -226,3 +242,4 @@ def test_every_output_is_counted_at_the_kernels_dtype_and_storage_size():
     assert _fakes_against_kernels(_MixedPrecisionNorms(), (torch.randn(64, 8, 16),), norms_loss) == []
     ids = torch.randint(0, 16, (64, 2))
     assert _fakes_against_kernels(_ShiftRight(), (ids,), lambda m, ids: m(ids).square().mean()) == []
+    assert _fakes_against_kernels(_Unfolds(), (torch.randn(2, 16, 8),), lambda m, x: m(x).square()) == []

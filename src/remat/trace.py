@@ -499,6 +499,8 @@ _aten = torch.ops.aten
 #: Ops whose kernels copy their first argument's whole storage (``clone_preserve_strides``).
 _PRESERVING_STRIDES = frozenset({_aten.copy.default, _aten.slice_scatter.default, _aten.select_scatter.default,
                                  _aten.diagonal_scatter.default, _aten.as_strided_scatter.default})
+#: Ops whose kernels allocate their output like their input, then resize it.
+_OUTPUT_LIKE_INPUT = frozenset({_aten.im2col.default, _aten.col2im.default})
 _STATISTICS = (1, 2)
 _GRADIENTS = (0, 1, 2)
 
@@ -561,6 +563,8 @@ class KernelDtypeProp(FakeTensorProp):
         result = super().call_function(target, args, kwargs)
         if target in _PRESERVING_STRIDES:
             return self._copy_like_the_kernel(args[0], result)
+        if target in _OUTPUT_LIKE_INPUT:
+            return self._at_least_the_input(args[0], result)
         if target not in _NORM_PROBES or kwargs or not isinstance(result, tuple):
             return result
         outputs = _NORM_PROBES[target][1]
@@ -592,6 +596,20 @@ class KernelDtypeProp(FakeTensorProp):
         with self._mode:
             whole = torch.empty(nbytes // dst.element_size(), dtype=dst.dtype, device=dst.device)
             return whole.as_strided(dst.shape, dst.stride(), dst.storage_offset())
+
+    def _at_least_the_input(self, x: object, result: object) -> object:
+        """``im2col`` and ``col2im`` (``nn.Unfold``, ``nn.Fold`` and their backwards) allocate their
+        output like their input and resize it, so its storage keeps the input's bytes when the
+        output is smaller; the fake kernels allocate the output's own. ConvBERT's span convolution
+        (an unfold over 9 positions) was counted at 1/9 of what its backward's ``col2im`` holds."""
+        if not (isinstance(x, torch.Tensor) and isinstance(result, torch.Tensor)) or x.device.type == "meta":
+            return result
+        nbytes = x.numel() * x.element_size()
+        if result.untyped_storage().nbytes() >= nbytes or nbytes % result.element_size():
+            return result
+        with self._mode:
+            whole = torch.empty(nbytes // result.element_size(), dtype=result.dtype, device=result.device)
+            return whole.as_strided(result.shape, result.stride(), result.storage_offset())
 
     @classmethod
     def _kernel_dtypes(cls, target, args) -> tuple[torch.dtype | None, ...] | None:
