@@ -680,3 +680,62 @@ def test_layer_drop_is_refused_with_its_own_remedy(on_config):
     else:
         model[0].layerdrop = 0.0
     assert trace(model, (torch.randn(2, 4),), lambda m, x: m(x).sum(), cost_model=None).graph.n > 0
+
+
+class _Reversible(torch.autograd.Function):
+    """A reversible layer's Function: its backward runs the layer again to rebuild its input."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        with torch.no_grad():
+            y = x + layer(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = y.detach() - ctx.layer(y.detach())  # approximately; the point is the call
+            x.requires_grad_()
+            out = x + ctx.layer(x)
+        return torch.autograd.grad(out, x, g)[0], None
+
+
+class _RevNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.f = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Reversible.apply(self.embed(x), self.f)
+
+
+class _Unregistered(nn.Module):
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.borrowed = [other.weight]  # a plain list: not a parameter of this model
+
+    def forward(self, x):
+        return self.lin(x) @ self.borrowed[0]
+
+
+def test_a_real_parameter_reached_while_tracing_is_explained():
+    """A parameter the trace does not substitute reaches an op: either a custom Function's
+    backward calls the modules again (reversible layers: Reformer), or the model holds a
+    parameter it does not register. Either way the error says which, not "runs eagerly"."""
+    x = torch.randn(3, 4, requires_grad=False)
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    with pytest.raises(TraceError) as info:
+        trace(_RevNet(), (x,), loss, cost_model=None)
+    text = str(info.value)
+    assert "module 'f' (Linear)" in text and "a real tensor (a parameter or buffer remat does not trace)" in text
+    assert "the backward of the custom torch.autograd.Function _Reversible calls the model's modules again" in text
+    assert "torch.utils.checkpoint" in text
+    with pytest.raises(TraceError) as info:
+        trace(_Unregistered(nn.Linear(4, 4)), (x,), loss, cost_model=None)
+    text = str(info.value)
+    assert "a real tensor (a parameter or buffer remat does not trace) reached aten." in text
+    assert "not registered on it (kept in a plain list" in text and "_Reversible" not in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import traceback
 
 import torch
@@ -82,6 +83,25 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
     elif any(isinstance(e, UnsupportedOperatorException) for e in chain):
         what = f"op {op}, which has no fake-tensor (meta) implementation"
         remedy = "replace the op, or register a fake implementation for it (torch.library.register_fake)"
+    elif "convert all Tensors to FakeTensors" in str(exc):
+        found = re.search(r"Found in ([\w.]+)\(", str(exc))
+        what = (f"a real tensor (a parameter or buffer remat does not trace) reached "
+                f"{op or (found.group(1) if found else 'an op')}")
+        function = _custom_backward_on_stack(chain)
+        if function is not None:
+            remedy = (
+                f"the backward of the custom torch.autograd.Function {function} calls the model's modules again "
+                f"(as reversible layers and hand-written recomputation do), after the forward that remat traces "
+                f"with the model's parameters; remat cannot trace such a backward: recompute with "
+                f"torch.utils.checkpoint instead (remat traces it as plain calls and plans the recomputation "
+                f"itself), or train this model without remat"
+            )
+        else:
+            remedy = (
+                "the model reaches a parameter or buffer that is not registered on it (kept in a plain list, "
+                "dict or closure, or taken from another model); register it (an nn.Parameter attribute, "
+                "register_buffer or an nn.ModuleList) so that remat traces it as an input of the step"
+            )
     else:
         what = f"{type(exc).__name__}: {_first_line(exc)}"
         remedy = "check that loss_fn(model, *batch) runs eagerly and uses only traceable tensor operations"
@@ -102,6 +122,18 @@ def _layer_drop_settings(module: torch.nn.Module) -> list[str]:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                 found.setdefault(f"{prefix}{name}", float(value))
     return [f"{name}={value:g}" for name, value in found.items()]
+
+
+def _custom_backward_on_stack(chain: list[BaseException]) -> str | None:
+    """The name of the ``torch.autograd.Function`` whose ``backward`` was running when the
+    failure was raised, if one was."""
+    for e in chain:
+        for frame, _lineno in traceback.walk_tb(e.__traceback__):
+            ctx = frame.f_locals.get("ctx")
+            if frame.f_code.co_name == "backward" and ctx is not None:
+                cls = getattr(ctx, "_forward_cls", None)
+                return cls.__name__ if cls is not None else type(ctx).__name__
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
