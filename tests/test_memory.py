@@ -198,32 +198,12 @@ class _Unfolds(torch.nn.Module):
 
 
 def _fakes_against_kernels(model, batch, loss_fn) -> list[str]:
-    """Run a checkpoint-all program of the traced step node by node; every output whose dtype
-    or storage size differs from the fake value the plan was counted with."""
-    from remat.execute import Op
-    from remat.trace import trace
+    """``check_counted_bytes`` of a plan that recomputes everything (every node runs, most of
+    them several times)."""
+    from remat.verify import check_counted_bytes
 
-    t = trace(model, batch, loss_fn, cost_model=None)
-    step = build_module(t, remat.solve(t.graph, 10**15, method="checkpoint_all").plan)
-    env = [None] * step._n_slots
-    env[: step._n_inputs] = t.flat_inputs(model, batch)
-    wrong = []
-    with torch.no_grad():
-        for (op, slot, fn, call, _rng_slot, _rng), ins in zip(step._compiled, step.program, strict=True):
-            if op is Op.RELEASE:
-                env[slot] = None
-                continue
-            args, kwargs = call(env)
-            env[slot] = out = fn(*args, **kwargs)
-            fake = t.fx_node(ins.node).meta.get("val")
-            for real, counted in zip(out if isinstance(out, (tuple, list)) else [out],
-                                     fake if isinstance(fake, (tuple, list)) else [fake]):
-                if isinstance(real, torch.Tensor) and isinstance(counted, torch.Tensor) and (
-                        real.dtype != counted.dtype
-                        or real.untyped_storage().nbytes() != counted.untyped_storage().nbytes()):
-                    wrong.append(f"{t.node_names[ins.node]}: {real.dtype} {real.untyped_storage().nbytes()} B, "
-                                 f"counted {counted.dtype} {counted.untyped_storage().nbytes()} B")
-    return wrong
+    step = remat.optimize(model, batch, loss_fn, budget=1 << 40, method="recompute_all", cost_model=None)
+    return check_counted_bytes(step, *batch)
 
 
 def test_every_output_is_counted_at_the_kernels_dtype_and_storage_size():
@@ -243,3 +223,15 @@ def test_every_output_is_counted_at_the_kernels_dtype_and_storage_size():
     ids = torch.randint(0, 16, (64, 2))
     assert _fakes_against_kernels(_ShiftRight(), (ids,), lambda m, ids: m(ids).square().mean()) == []
     assert _fakes_against_kernels(_Unfolds(), (torch.randn(2, 16, 8),), lambda m, x: m(x).square()) == []
+
+
+def test_check_counted_bytes_names_each_output_counted_otherwise(monkeypatch):
+    """With the count of im2col and col2im as their fake kernels give it (the outputs' own
+    bytes), the check reports both, once each though recompute-all runs them several times."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("remat.trace"), "_OUTPUT_LIKE_INPUT", frozenset())
+    wrong = _fakes_against_kernels(_Unfolds(), (torch.randn(2, 16, 8),), lambda m, x: m(x).square())
+    assert [w.split(" (")[1].split(")")[0] for w in wrong] == ["aten.im2col.default", "aten.col2im.default"]
+    assert wrong[0].endswith("): torch.float32, 1024 B; counted torch.float32, 256 B")
+    assert wrong[1].endswith("): torch.float32, 9216 B; counted torch.float32, 1024 B")

@@ -142,6 +142,12 @@ class PlannedStep:
         self.rebuilt_views = sum(1 for ins in program if ins.rebuild and ins.op is not Op.RELEASE)
 
     def __call__(self, *flat_inputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return self.run(flat_inputs)
+
+    def run(self, flat_inputs: Sequence[torch.Tensor],
+            observe: Callable[[int, object], None] | None = None) -> tuple[torch.Tensor | None, ...]:
+        """Run the plan on ``flat_inputs``; ``observe(node, output)``, when given, is called after
+        each node runs (every computation, recomputations included), with what it returned."""
         if len(flat_inputs) != self._n_inputs:
             raise ScheduleError(
                 f"planned step takes {self._n_inputs} inputs (parameters, buffers, batch, "
@@ -166,6 +172,8 @@ class PlannedStep:
                     rng.set(saved_rng[rng_slot])
                     env[slot] = fn(*args, **kwargs)
                     rng.set(live_state)
+                if observe is not None:
+                    observe(slot - self._n_inputs, env[slot])
                 # Drop the argument lists now: held until the next instruction they would pin
                 # storages the plan has already freed.
                 args = kwargs = None

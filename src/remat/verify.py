@@ -131,3 +131,41 @@ def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch
     want, _ = eager_step(step.model, batch, loss_fn, seed=seed)
     got, _ = planned_step(step.model, batch, step.traced, step.planned, seed=seed)
     return compare(got, want)
+
+
+def check_counted_bytes(step: object, *batch: torch.Tensor, seed: int = 0) -> list[str]:
+    """Run ``step`` (a ``remat.TrainingStep``) once on a copy of its model and list every
+    output, of every node as it runs, whose dtype or storage size is not what the plan was
+    counted with: what remat's simulator, and so the predicted peak, assume each kernel
+    allocates. An empty list: on this device every node's outputs are the bytes counted (kernel
+    scratch aside, which the measured peak covers). Worth running once for a model with custom
+    ops, whose fake implementations size the outputs the plan counts.
+
+    >>> import torch, remat
+    >>> model, x = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), torch.randn(3, 4)
+    >>> loss_fn = lambda m, x: m(x).square().mean()
+    >>> step = remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    >>> check_counted_bytes(step, x)
+    []
+    """
+    batch = step._batch(batch)
+    traced: TracedStep = step.traced
+    model = copy.deepcopy(step.model)
+    wrong: list[str] = []
+
+    def observe(node: int, out: object) -> None:
+        counted = traced.fx_node(node).meta.get("val")
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        fakes = counted if isinstance(counted, (tuple, list)) else [counted]
+        for k, (real, fake) in enumerate(zip(outs, fakes)):
+            if not (isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor)):
+                continue
+            have, want = real.untyped_storage().nbytes(), fake.untyped_storage().nbytes()
+            if real.dtype != fake.dtype or have != want:
+                which = f"[{k}]" if isinstance(out, (tuple, list)) else ""
+                wrong.append(f"{traced.node_names[node]}{which} ({traced.fx_node(node).target}): {real.dtype}, "
+                             f"{have} B; counted {fake.dtype}, {want} B")
+
+    torch.manual_seed(seed)
+    step.planned.run(traced.flat_inputs(model, batch), observe=observe)
+    return list(dict.fromkeys(wrong))  # a recomputed node reports once
