@@ -31,7 +31,9 @@ the ``torch.compile`` row too (which runs the native kernels).
 Recorded per variant: the peak memory of one step (``torch.cuda.max_memory_allocated`` above
 what was allocated before the step, plus the parameters, buffers and batch, as remat counts
 them), remat's predicted peak and their relative difference, the median step time over
-``--rounds`` steps against eager, and every gradient against eager's: the largest absolute
+``--rounds`` steps against eager, the median time the CPU takes to issue a step (until the
+step function returns, before synchronizing: near the step time, the step is bound by the
+host, not the GPU; shown as "issued in" on a CUDA run), and every gradient against eager's: the largest absolute
 difference (and as a fraction of the largest eager gradient of its tensor), bitwise equality,
 and ``torch.allclose(grad, eager_grad, rtol=RTOL, atol=ATOL_SCALE * max|eager_grad|)`` per
 tensor. Compiled variants are compared with the ``torch.compile`` row too. cuDNN's backward
@@ -449,14 +451,16 @@ def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, references: 
     record.update(peak_bytes=peak.peak_bytes, resident_bytes=peak.resident_bytes, memory_method=method.value)
     if record.get("predicted_peak_bytes"):
         record["peak_error"] = peak.peak_bytes / record["predicted_peak_bytes"] - 1
-    times = []
+    times, issued = [], []
     for r in range(args.rounds):
         synchronize(device)
         t0 = time.perf_counter()
         seeded_step(fn, model, batch, seed=3 + r)
+        issued.append(time.perf_counter() - t0)  # the CPU's part: until the step returns, unsynchronized
         synchronize(device)
         times.append(time.perf_counter() - t0)
-    record.update(step_s=statistics.median(times), step_s_all=[round(t, 5) for t in times])
+    record.update(step_s=statistics.median(times), step_s_all=[round(t, 5) for t in times],
+                  host_s=statistics.median(issued))
     record["_grads"] = grads
     return record
 
@@ -572,6 +576,7 @@ def markdown(results: dict) -> str:
     ]
     if results.get("notes"):  # what the run's operator recorded beside the tables (JSON "notes")
         lines += [*(f"- {note}" for note in results["notes"]), ""]
+    device_runs = meta.get("device") == "cuda"  # on a GPU the CPU's part of a step can bound it
     for key, record in sorted(results.get("models", {}).items(), key=lambda kv: _model_order(kv[0])):
         variants = dict(sorted(record.get("variants", {}).items(), key=lambda kv: _order(kv[0])))
         eager = variants.get("eager", {})
@@ -606,6 +611,8 @@ def markdown(results: dict) -> str:
                 notes.append(f"{len(v['graphs'])} graphs")
             if v.get("checkpointed_blocks"):
                 notes.append(f"{v['checkpointed_blocks']} blocks")
+            if v.get("host_s") is not None and device_runs:
+                notes.append(f"issued in {v['host_s'] * 1e3:.1f} ms")
             if v.get("graphs") or v.get("partitions"):
                 notes.append(f"first step {v['first_step_s']:.0f} s ({'trace' if 'optimize' in name else 'compile'} "
                              "and plan)")

@@ -186,6 +186,14 @@ def test_the_check_fails_on_remat_gradients_that_agree_with_no_reference():
         "remat.optimize 70%, bf16 autocast, which agree with eager, bf16 autocast's (run as eager runs them).")
 
 
+def test_a_cuda_run_shows_the_time_the_cpu_takes_to_issue_each_step():
+    results = recorded_gpu_run()
+    results["meta"]["device"] = "cuda"
+    results["models"]["resnet50@64"]["variants"]["remat.optimize 70%"]["host_s"] = 0.0615
+    row = next(line for line in cuda_check.markdown(results).splitlines() if line.startswith("| remat.optimize 70% |"))
+    assert "issued in 61.5 ms" in row
+
+
 def test_tables_follow_the_models_order_not_the_json_keys():
     results = recorded_gpu_run()
     results["models"] = {"fcn8@8": results["models"]["resnet50@64"], "gpt2@8": {"variants": {}},
@@ -227,7 +235,7 @@ def test_dry_run_on_cpu_measures_writes_renders_and_resumes(tmp_path, capsys, mo
         assert sorted(variants) == sorted(names), key
         for name, v in variants.items():
             assert "error" not in v and "skipped" not in v, (key, name, v)
-            assert v["peak_bytes"] > v["resident_bytes"] > 0 and v["step_s"] > 0, (key, name)
+            assert v["peak_bytes"] > v["resident_bytes"] > 0 and v["step_s"] >= v["host_s"] > 0, (key, name)
             # on CPU eager, compiling, remat and checkpointing give eager's gradients bitwise (PyTorch's
             # min-cut partitioner below budget 1 recomputes dropout with new random numbers: not asserted)
             # (rows under bfloat16 autocast are compared with eager under autocast)
@@ -261,6 +269,7 @@ def test_dry_run_on_cpu_measures_writes_renders_and_resumes(tmp_path, capsys, mo
         assert v["predicted_peak_bytes"] <= v["planned_at_bytes"] and abs(v["peak_error"]) <= cuda_check.PEAK_TOLERANCE
     shown = capsys.readouterr().out
     assert "## CUDA check on CPU (dry run)" in shown and "### gpt2@8" in shown and "### mobilenet@2" in shown
+    assert "issued in" not in shown  # the CPU's part of a step is shown for CUDA runs only
     table = shown[shown.index("### gpt2@8"):].split("\n\n")[1]
     assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:] == [
         "| eager", "| eager again", "| eager, cuDNN off", "| eager, bf16 autocast",
