@@ -22,6 +22,7 @@ views and multi-output ops follow the tracer's rules (``fx_graph.build_graph``,
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from dataclasses import dataclass, replace
 
@@ -33,6 +34,8 @@ from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from remat import fx_graph
 from remat.errors import RematError
 from remat.graph import Graph, NodeKind
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedJointGraph(RematError):
@@ -217,6 +220,38 @@ def _fill_missing_vals(gm: fx.GraphModule) -> None:
                 n.meta["val"] = n.target(*args[0], **args[1])
 
 
+def count_as_kernels(joint: fx.GraphModule) -> None:
+    """Give the joint graph's nodes the fake values the tracer's final propagation gives
+    (``trace.KernelDtypeProp``): where a kernel sizes an output otherwise than its fake kernel
+    (mixed-precision norm statistics and gradients, copies and scatters into views, im2col and
+    col2im), the value counts what the kernel allocates. Left as AOTAutograd gave them when the
+    graph's inputs are not all fake tensors of one mode (symbolic sizes) or the propagation
+    fails."""
+    from torch._guards import detect_fake_mode
+
+    from remat.trace import KernelDtypeProp
+
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    vals = [p.meta.get("val") for p in placeholders]
+    mode = detect_fake_mode(vals) if all(isinstance(v, torch.Tensor) for v in vals) else None
+    if mode is None:
+        return
+    before = {n: n.meta["val"] for n in joint.graph.nodes if "val" in n.meta}
+
+    class Prop(KernelDtypeProp):
+        def get_attr(self, target, args, kwargs):  # a lifted constant: real, made fake here
+            value = super().get_attr(target, args, kwargs)
+            return self._mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    try:
+        Prop(joint, mode).propagate_dont_convert_inputs(*vals)
+    except Exception as exc:  # noqa: BLE001 - keep AOTAutograd's values, all of them
+        for n in joint.graph.nodes:
+            if n in before:
+                n.meta["val"] = before[n]
+        log.debug("backend: propagating the kernels' output sizes failed (%s); AOTAutograd's are kept", exc)
+
+
 def replayable(n: fx.Node) -> bool:
     """Can a recomputation of random node ``n`` replay its generator state? Only ops that
     draw from the device's default generator on CPU or CUDA."""
@@ -232,6 +267,7 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
     Raises ``UnsupportedJointGraph`` naming what the backend cannot plan.
     """
     _check_supported(joint)
+    count_as_kernels(joint)
     nodes = list(joint.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     out_node = next(n for n in nodes if n.op == "output")
