@@ -590,12 +590,9 @@ class KernelDtypeProp(FakeTensorProp):
         if not (isinstance(dst, torch.Tensor) and isinstance(result, torch.Tensor)) or dst.device.type == "meta":
             return result
         nbytes = dst.untyped_storage().nbytes()
-        if nbytes == result.untyped_storage().nbytes() or nbytes % dst.element_size() or \
-                torch._debug_has_internal_overlap(dst) == 1:  # 1: MemOverlap::Yes, where ATen clones plainly
-            return result
-        with self._mode:
-            whole = torch.empty(nbytes // dst.element_size(), dtype=dst.dtype, device=dst.device)
-            return whole.as_strided(dst.shape, dst.stride(), dst.storage_offset())
+        if nbytes == result.untyped_storage().nbytes() or torch._debug_has_internal_overlap(dst) == 1:
+            return result  # (1: MemOverlap::Yes, where ATen clones plainly)
+        return self._with_storage(dst, nbytes, result)
 
     def _at_least_the_input(self, x: object, result: object) -> object:
         """``im2col`` and ``col2im`` (``nn.Unfold``, ``nn.Fold`` and their backwards) allocate their
@@ -605,11 +602,18 @@ class KernelDtypeProp(FakeTensorProp):
         if not (isinstance(x, torch.Tensor) and isinstance(result, torch.Tensor)) or x.device.type == "meta":
             return result
         nbytes = x.numel() * x.element_size()
-        if result.untyped_storage().nbytes() >= nbytes or nbytes % result.element_size():
+        if result.untyped_storage().nbytes() >= nbytes:
+            return result
+        return self._with_storage(result, nbytes, result)
+
+    def _with_storage(self, like: torch.Tensor, nbytes: int, result: torch.Tensor) -> torch.Tensor:
+        """A fake tensor with ``like``'s dtype, sizes, strides and offset on a storage of
+        ``nbytes`` (``result``, the fake kernel's, where they do not divide evenly)."""
+        if nbytes % like.element_size():
             return result
         with self._mode:
-            whole = torch.empty(nbytes // result.element_size(), dtype=result.dtype, device=result.device)
-            return whole.as_strided(result.shape, result.stride(), result.storage_offset())
+            whole = torch.empty(nbytes // like.element_size(), dtype=like.dtype, device=like.device)
+            return whole.as_strided(like.shape, like.stride(), like.storage_offset())
 
     @classmethod
     def _kernel_dtypes(cls, target, args) -> tuple[torch.dtype | None, ...] | None:
@@ -619,18 +623,12 @@ class KernelDtypeProp(FakeTensorProp):
         if not isinstance(x, torch.Tensor) or x.device.type == "meta":
             return None
         build, outputs = _NORM_PROBES[target]
-        try:
-            with untraced():
-                probe = build(args)
-        except Exception as exc:  # noqa: BLE001 - an unusual call: its fake dtypes stay
-            log.debug("trace: building a probe of %s failed (%s)", target, exc)
-            return None
         key = (target, *((a.dtype, a.device, tuple(a.shape)) if isinstance(a, torch.Tensor)
-                         else a if isinstance(a, (int, float, bool, type(None))) else tuple(a) for a in probe))
-        if key not in cls._probed:
+                         else a if isinstance(a, (int, float, bool, type(None))) else tuple(a) for a in args))
+        if key not in cls._probed:  # (the probe is built on a miss alone: it allocates real tensors)
             try:
                 with untraced():
-                    out = target(*probe)
+                    out = target(*build(args))
             except Exception as exc:  # noqa: BLE001 - an unusual call: its fake dtypes stay
                 log.debug("trace: probing %s for its outputs' dtypes failed (%s)", target, exc)
                 return None

@@ -33,9 +33,13 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
     modules = {id(m): name for name, m in model.named_modules()}
     module_desc, module, user_line = None, None, None
     module_names: frozenset[str] = frozenset()  # the names the module's failing method uses
+    custom_backward = None  # the autograd.Function whose backward was running, if one was
     for e in chain:
         for frame, lineno in traceback.walk_tb(e.__traceback__):
             code = frame.f_code
+            ctx = frame.f_locals.get("ctx")
+            if custom_backward is None and code.co_name == "backward" and ctx is not None:
+                custom_backward = getattr(getattr(ctx, "_forward_cls", None), "__name__", None) or type(ctx).__name__
             obj = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
             filename = code.co_filename
             if obj is not None and id(obj) in modules and code.co_name not in _MODULE_MACHINERY:
@@ -87,10 +91,9 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
         found = re.search(r"Found in ([\w.]+)\(", str(exc))
         what = (f"a real tensor (a parameter or buffer remat does not trace) reached "
                 f"{op or (found.group(1) if found else 'an op')}")
-        function = _custom_backward_on_stack(chain)
-        if function is not None:
+        if custom_backward is not None:
             remedy = (
-                f"the backward of the custom torch.autograd.Function {function} calls the model's modules again "
+                f"the backward of the custom torch.autograd.Function {custom_backward} calls the model's modules again "
                 f"(as reversible layers and hand-written recomputation do), after the forward that remat traces "
                 f"with the model's parameters; remat cannot trace such a backward: recompute with "
                 f"torch.utils.checkpoint instead (remat traces it as plain calls and plans the recomputation "
@@ -122,18 +125,6 @@ def _layer_drop_settings(module: torch.nn.Module) -> list[str]:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                 found.setdefault(f"{prefix}{name}", float(value))
     return [f"{name}={value:g}" for name, value in found.items()]
-
-
-def _custom_backward_on_stack(chain: list[BaseException]) -> str | None:
-    """The name of the ``torch.autograd.Function`` whose ``backward`` was running when the
-    failure was raised, if one was."""
-    for e in chain:
-        for frame, _lineno in traceback.walk_tb(e.__traceback__):
-            ctx = frame.f_locals.get("ctx")
-            if frame.f_code.co_name == "backward" and ctx is not None:
-                cls = getattr(ctx, "_forward_cls", None)
-                return cls.__name__ if cls is not None else type(ctx).__name__
-    return None
 
 
 def _first_line(exc: BaseException) -> str:
