@@ -535,8 +535,8 @@ def _summary(r: dict) -> str:
         text += f", grads vs eager {_verdict(r)}"
     if "vs_compiled" in r:
         text += f", vs {COMPILED} {_verdict(r['vs_compiled'])}"
-    if own_reference(r) is not None:
-        text += f", vs {own_reference(r)['row']} {_verdict(own_reference(r))}"
+    if (own := r.get("vs_own_eager")) is not None:
+        text += f", vs {own['row']} {_verdict(own)}"
     if r.get("planned_at_bytes"):
         text += f", planned at the smallest feasible budget {r['planned_at_bytes'] / MIB:.1f} MiB"
     if r.get("fell_back"):
@@ -596,8 +596,8 @@ def markdown(results: dict) -> str:
             notes = []
             if "vs_compiled" in v:
                 notes.append(f"vs {COMPILED}: {_verdict(v['vs_compiled'])}")
-            if own_reference(v) is not None:
-                notes.append(f"vs {own_reference(v)['row']}: {_verdict(own_reference(v))}")
+            if (own := v.get("vs_own_eager")) is not None:
+                notes.append(f"vs {own['row']}: {_verdict(own)}")
             if v.get("refused"):
                 notes.append("refused by default (cuDNN batch norm); run with allow_native_batch_norm=True")
             if v.get("planned_at_bytes"):
@@ -640,14 +640,6 @@ def _order(variant: str) -> tuple:
     return (kinds.index(variant) if variant in kinds else len(kinds), 0, 0)
 
 
-def own_reference(v: dict) -> dict | None:
-    """A row's comparison with its own eager row (``own_eager``), with that row's name as
-    ``"row"`` (results written before autocast rows kept it as ``vs_eager_off``)."""
-    if "vs_own_eager" in v:
-        return v["vs_own_eager"]
-    return {"row": EAGER_OFF, **v["vs_eager_off"]} if "vs_eager_off" in v else None
-
-
 def agrees(c: dict, noise: float) -> bool:
     """Gradients that agree with a reference: allclose, or no farther from it than
     ``NOISE_FACTOR`` times eager's difference from itself (``noise``)."""
@@ -669,7 +661,7 @@ def verdicts(results: dict) -> list[tuple[str, str, str]]:
                 continue
             if "error" in v:
                 verdict = v["error"][:200]
-            elif (own := own_reference(v)) is not None and not agrees(own, _noise(variants, own["row"], noise)):
+            elif (own := v.get("vs_own_eager")) is not None and not agrees(own, _noise(variants, own["row"], noise)):
                 verdict = f"gradients differ from {own['row']}'s by up to {own['grad_max_abs_diff']:.3g}"
             elif agrees(v, noise):
                 verdict = "eager"
@@ -690,7 +682,7 @@ def _noise(variants: dict, row: str, default: float) -> float:
     """How far eager row ``row`` is from itself: the "eager again" row run its way, compared with
     it (``default``, eager's own noise, where there is none)."""
     again = variants.get("eager again" + row[len("eager"):], {})
-    own = own_reference(again)
+    own = again.get("vs_own_eager")
     return own["grad_max_abs_diff"] if own is not None and own["row"] == row else default
 
 
