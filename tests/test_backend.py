@@ -634,3 +634,58 @@ def test_the_backend_counts_what_the_kernels_allocate():
     measured = measure_peak(lambda: compiled(*args).backward(), resident_bytes=resident_bytes_of(args)).peak_bytes
     predicted = be.reports[-1].predicted_peak_bytes
     assert abs(measured - predicted) <= 64, f"measured {measured} B, predicted {predicted} B"
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "float32"])
+def test_views_of_cloned_statistics_pin_the_clone(monkeypatch, autocast):
+    """A norm's statistics are cloned apart from its output (``split_multi_outputs``), and the
+    backward reads them through ``detach`` views of the clones (``detach(detach(clone))``).
+    Those views kept the fake values propagated before the clones existed, so they were counted
+    as views of the norm: a plan recomputing everything freed the clone while a view of it
+    lived on, the split raised ``ScheduleError`` and the step fell back to min-cut. The views
+    pin the clone now; the step is planned, eager's bitwise, and measures no more than
+    predicted."""
+    from functorch.compile import aot_function
+    from torch._dynamo.backends.debugging import boxed_nop
+    from test_memory import _MixedPrecisionNorms
+
+    from remat import backend_joint
+
+    steps = []
+    prepare = backend_joint.prepare
+    monkeypatch.setattr(backend_joint, "prepare", lambda *a, **k: steps.append(prepare(*a, **k)) or steps[-1])
+    torch.manual_seed(0)
+    model, batch = _MixedPrecisionNorms(), (torch.randn(64, 8, 16),)
+
+    def loss_fn(m, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return m(x).square().mean()
+
+    want = run_step(model, batch, loss_fn)
+    be = make_backend(1 << 40, method="recompute_all", fallback=False)
+    assert_bitwise(run_step(model, batch, loss_fn, be), want, "norms, recompute_all")
+    no_fallback(be)
+    assert be.reports[0].backward_recomputes > 0
+    step = steps[0]
+    views = [i for i, name in enumerate(step.node_names) if name.startswith("detach")]
+    assert len(views) == 4, step.node_names  # the group norm's mean and rstd, two views each
+    for i in views:
+        clones = [o for o in step.storage_owners[i] if step.node_names[o].startswith("clone")]
+        assert clones and step.storage_owners[i] == tuple(clones), (step.node_names[i], step.storage_owners[i])
+
+    # the measured peak, outside dynamo (which skips compiled code under profilers)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    names = list(params) + list(buffers)
+    be = make_backend(1 << 40, method="recompute_all", fallback=False)
+
+    def run(*tensors):
+        return loss_fn(lambda x: torch.func.functional_call(model, dict(zip(names, tensors[:-1])), (x,)), tensors[-1])
+
+    compiled = aot_function(run, fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=be.partition)
+    args = [*params.values(), *buffers.values(), *batch]
+    compiled(*args).backward()  # warm up
+    for p in params.values():
+        p.grad = None
+    measured = measure_peak(lambda: compiled(*args).backward(), resident_bytes=resident_bytes_of(args)).peak_bytes
+    predicted = be.reports[-1].predicted_peak_bytes
+    assert 0.9 * predicted <= measured <= predicted, f"measured {measured} B, predicted {predicted} B"

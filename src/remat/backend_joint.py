@@ -210,14 +210,38 @@ def _fake_like(val: torch.Tensor) -> torch.Tensor:
         return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
 
+def _storages(value: object) -> set[int]:
+    return {t.untyped_storage()._cdata for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)}
+
+
 def _fill_missing_vals(gm: fx.GraphModule) -> None:
-    """Fake values for the clones ``_split_multi_outputs`` inserted."""
+    """Fake values for the clones ``fx_graph.split_multi_outputs`` inserted, and new ones for
+    the views taken of them.
+
+    A clone replaces an output of a multi-output op in that output's readers, whose fake values
+    were propagated before: a view of the clone (the ``detach`` of a group norm's statistics
+    that its backward reads, and the ``detach`` of that) still shared the op's storage, so the
+    view was counted as pinning the op instead of the clone. A plan could then free the clone
+    while the view lived on, and the split found the view's source gone (``ScheduleError``:
+    the clone "is read in the backward graph after the plan freed it"). Each such view is
+    propagated again from the clone, views of views in turn; readers that allocate their own
+    storage keep their values (and the kernels' sizes ``count_as_kernels`` gave them).
+    """
+    moved: dict[fx.Node, set[int]] = {}  # node given a new value -> the storages its old one shared
     for n in gm.graph.nodes:
-        if n.op == "call_function" and "val" not in n.meta:
-            args = pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], (n.args, n.kwargs))
-            fake = next(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)).fake_mode
-            with fake:
-                n.meta["val"] = n.target(*args[0], **args[1])
+        if n.op != "call_function":
+            continue
+        if "val" not in n.meta:  # a clone: its readers' values shared its input's storage
+            old = _storages(n.args[0].meta.get("val"))
+        else:  # a view of a node given a new value, still sharing that node's old storage
+            old = _storages(n.meta["val"])
+            if not old or not any(old & moved.get(a, set()) for a in n.all_input_nodes):
+                continue
+        args = pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], (n.args, n.kwargs))
+        fake = next(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)).fake_mode
+        with fake:
+            n.meta["val"] = n.target(*args[0], **args[1])
+        moved[n] = old
 
 
 def count_as_kernels(joint: fx.GraphModule) -> None:
