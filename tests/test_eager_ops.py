@@ -287,3 +287,92 @@ def test_transformers_method_caches_are_bypassed_while_tracing():
         step = remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
         assert check_step(step, loss_fn, x).bitwise
     assert not isinstance(model.scale(4), FakeTensor) and torch.equal(model.scale(4), torch.arange(4.0) + 1)
+
+
+class _GroupedExperts(nn.Module):
+    """A top-1 mixture of experts in transformers' fixed-shape form: tokens sorted by expert,
+    one grouped product (``aten._grouped_mm``) over the sorted tokens and per-expert weights,
+    scattered back and weighted by the router's probability."""
+
+    def __init__(self, width: int = 16, hidden: int = 32, experts: int = 4) -> None:
+        super().__init__()
+        self.experts = experts
+        self.router = nn.Linear(width, experts)
+        self.up = nn.Parameter(torch.randn(experts, width, hidden) / width**0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, width) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).softmax(-1)
+        weight, chosen = probs.max(-1)
+        order = torch.argsort(chosen, stable=True)
+        counts = torch.histc(chosen.float(), bins=self.experts, min=0, max=self.experts - 1)  # (as transformers)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = torch.nn.functional.grouped_mm(x[order].to(self.up.dtype), self.up, offs=offs).relu()
+        y = torch.nn.functional.grouped_mm(h, self.down, offs=offs)
+        return x + y[torch.argsort(order)] * weight[:, None]
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="this PyTorch has no grouped_mm")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_grouped_products_trace_on_the_cpu_and_equal_eager(autocast):
+    """PyTorch's fake kernel of ``_grouped_mm`` is the CUDA kernel's and takes bfloat16 alone;
+    the CPU kernel that eager runs takes float32 too, so a float32 mixture of experts (what
+    transformers' MoE layers run by default) ran eagerly and could not be traced. Traced with
+    the CPU kernel's output, the planned steps are eager's bit for bit, the bytes counted are
+    those the kernels allocate, and PyTorch's fake kernel is back afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.aten._grouped_mm.default
+    before = dict(op.python_key_table)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_GroupedExperts(), nn.Linear(16, 16), _GroupedExperts()), torch.randn(64, 16)
+
+    def loss_fn(m, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return m(x).float().square().mean()
+
+    t = _agree_with_eager(model, (x,), loss_fn)
+    assert sum(t.fx_node(i).target is op for i in range(t.graph.n)) >= 8  # forward and both gradients
+    assert dict(op.python_key_table) == before and FakeTensorMode not in op.python_key_table
+    step = remat.optimize(model, (x,), loss_fn, budget="90%", method="milp", cost_model=None)
+    assert verify.check_step(step, loss_fn, x).bitwise
+    assert verify.check_counted_bytes(step, x) == []
+
+
+def test_the_cpu_grouped_product_gives_the_kernels_shapes():
+    """The stand-in's output for each form of the product against the CPU kernel's own."""
+    from remat.eager_ops import _cpu_grouped_mm
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this PyTorch has no grouped_mm")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a, w, g = torch.randn(16, 8), torch.randn(3, 8, 12), torch.randn(16, 12)
+    offs = torch.tensor([5, 9, 16], dtype=torch.int32)
+    cases = [(a, w), (a.t(), g), (g, w.transpose(-2, -1)), (torch.randn(3, 16, 8), w)]
+    mode = FakeTensorMode()
+    for mat_a, mat_b in cases:
+        real = torch._grouped_mm(mat_a, mat_b, offs=offs if mat_a.dim() == 2 or mat_b.dim() == 2 else None)
+        fakes = [mode.from_tensor(t) for t in (mat_a, mat_b, offs)]
+        fake = _cpu_grouped_mm(mode, fakes[0], fakes[1], fakes[2] if mat_a.dim() == 2 or mat_b.dim() == 2 else None)
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+
+
+def test_the_mixture_of_experts_loop_is_refused_with_the_fixed_shape_forms_named():
+    """transformers' "eager" experts loop over the experts a batch routes to (data-dependent
+    shapes): the refusal names the implementations remat plans and how to switch to one."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2, experts_implementation="eager")
+    model, ids = transformers.MixtralForCausalLM(cfg).train(), torch.randint(0, 128, (2, 16))
+
+    def loss_fn(m, ids):
+        return m(input_ids=ids, labels=ids).loss
+
+    with pytest.raises(remat.TraceError, match=r"experts_implementation='eager'.*set_experts_implementation"):
+        trace(model, (ids,), loss_fn, cost_model=None)
+    model.set_experts_implementation("grouped_mm")
+    step = remat.optimize(model, (ids,), loss_fn, budget=1.0, method="milp", cost_model=None)
+    assert verify.check_step(step, loss_fn, ids).bitwise

@@ -36,6 +36,13 @@ eager's behaviour while tracing:
   language model built its attention mask explicitly instead of passing ``is_causal=True`` to
   SDPA, and its gradients differed from eager's in the last bits (Mistral with
   ``use_cache=False``: 7e-9 in float32, 1e-4 under bfloat16 autocast).
+* **Grouped matrix products on the CPU** (``aten._grouped_mm``, what transformers' mixture-of-
+  experts layers call by default, ``experts_implementation="grouped_mm"``): PyTorch's fake
+  kernel is the CUDA kernel's, which takes bfloat16 alone, while the CPU kernel eager runs
+  takes float32 too; so a float32 Mixtral or Qwen2-MoE ran eagerly and could not be traced.
+  While tracing, a CPU (or meta) call gets the CPU kernel's output (``_cpu_grouped_mm``:
+  contiguous, of the inputs' dtype or ``out_dtype``); the traced step runs the same kernel as
+  eager. Other devices keep PyTorch's fake kernel.
 """
 
 from __future__ import annotations
@@ -248,14 +255,74 @@ def _always() -> bool:
     return True
 
 
+def _cpu_grouped_mm(mode: object, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``aten._grouped_mm`` under the fake mode while tracing: on the CPU (and the meta device,
+    which stands in for it) the output the CPU kernel allocates, contiguous, whatever the
+    inputs' floating-point dtype; elsewhere PyTorch's own fake kernel. Shapes as the kernel's:
+    2-D x 3-D (a token-sorted batch against per-expert weights) gives one row per token, 2-D x
+    2-D (a weight gradient) one matrix per group, 3-D x 3-D a batched product."""
+    if mat_a.device.type not in ("cpu", "meta"):
+        return mode.__torch_dispatch__(torch.ops.aten._grouped_mm.default, (), (mat_a, mat_b),  # type: ignore[attr-defined]
+                                       {"offs": offs, "bias": bias, "out_dtype": out_dtype})
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        size = [offs.size(0) if offs is not None else 1, mat_a.size(0), mat_b.size(1)]
+    elif mat_a.dim() == 2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    with mode:  # type: ignore[attr-defined]
+        return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+#: Fake kernels that stand in for PyTorch's while tracing (``_fake_kernels``).
+_FAKE_KERNELS: dict[str, Callable] = {"_grouped_mm": _cpu_grouped_mm}
+
+
+def fake_kernel(target: object) -> Callable | None:
+    """The fake kernel of ``_FAKE_KERNELS`` for op ``target`` (an aten overload), or None."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    return _FAKE_KERNELS.get(target._opname) if target._overloadname == "default" else None
+
+
+@contextlib.contextmanager
+def _fake_kernels() -> Iterator[None]:
+    """While in use, the ops of ``_FAKE_KERNELS`` that this PyTorch has get those fake kernels
+    (under the python dispatcher, for ``FakeTensorMode``); restored afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved = []
+    try:
+        for name, kernel in _FAKE_KERNELS.items():
+            packet = getattr(torch.ops.aten, name, None)
+            op = getattr(packet, "default", None) if packet is not None else None
+            if op is None:
+                continue
+            saved.append((op, op.python_key_table.get(FakeTensorMode)))
+            op.python_key_table[FakeTensorMode] = kernel
+            op._dispatch_cache.clear()
+        yield
+    finally:
+        for op, original in saved:
+            if original is None:
+                op.python_key_table.pop(FakeTensorMode, None)
+            else:
+                op.python_key_table[FakeTensorMode] = original
+            op._dispatch_cache.clear()
+
+
 @contextlib.contextmanager
 def tracing_as_eager() -> Iterator[None]:
     """Around ``make_fx`` under the python dispatcher: upsampling traces as itself, half-precision
     dropout off CUDA as eager's arithmetic, checkpointed calls as plain calls, transformers'
-    checks of values that depend on no input as eager answers them."""
+    checks of values that depend on no input as eager answers them, CPU grouped products with
+    the CPU kernel's output."""
     replacements: dict[torch._ops.OpOverload, Callable | None] = dict.fromkeys(EAGER_KERNEL_OPS)
     replacements[torch.ops.aten.dropout.default] = _eager_dropout
-    with _replaced_py_kernels(replacements), _plain_checkpoints(), _transformers_as_eager():
+    with _replaced_py_kernels(replacements), _fake_kernels(), _plain_checkpoints(), _transformers_as_eager():
         yield
 
 

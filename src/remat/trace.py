@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat import cost as cost_mod
 from remat.batch_norm import use_eager_kernels as use_eager_batch_norm_kernels
-from remat.eager_ops import autocast_cache, tracing_as_eager, untraced
+from remat.eager_ops import autocast_cache, fake_kernel, tracing_as_eager, untraced
 from remat.errors import TraceError
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
@@ -560,6 +560,9 @@ class KernelDtypeProp(FakeTensorProp):
     _probed: dict[tuple, tuple[torch.dtype | None, ...]] = {}
 
     def call_function(self, target, args, kwargs):
+        kernel = fake_kernel(target)
+        if kernel is not None:  # (traced with it: ``eager_ops.tracing_as_eager``)
+            return kernel(self._mode, *args, **kwargs)
         result = super().call_function(target, args, kwargs)
         if target in _PRESERVING_STRIDES:
             return self._copy_like_the_kernel(args[0], result)

@@ -81,6 +81,14 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
     elif any(isinstance(e, DynamicOutputShapeException) for e in chain):
         what = f"op {op} whose output shape depends on tensor values (nonzero, unique, boolean masks)"
         remedy = "use a fixed-shape formulation (torch.where, multiplying by a mask) instead"
+        experts = _experts_implementation(module)
+        if experts is not None:
+            remedy = (
+                f"this mixture-of-experts layer runs transformers' experts_implementation={experts!r}, a loop over "
+                "the experts each batch routes tokens to (which ones, and how many tokens each, depend on the "
+                "values); transformers' \"grouped_mm\" (its default) and \"batched_mm\" compute the same with "
+                "fixed shapes, and remat plans them: model.set_experts_implementation(\"grouped_mm\")"
+            )
     elif "fake impl" in str(exc) or "register_fake" in str(exc):
         what = f"an op with no fake-tensor implementation ({_first_line(exc)})"
         remedy = "register one with torch.library.register_fake (or @op.register_fake) so it can be traced"
@@ -114,6 +122,16 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
 #: Attributes of a module, or of its ``config``, that are a LayerDrop probability (transformers'
 #: speech encoders default to 0.1; fairseq-style models name it the same way).
 _LAYER_DROP_NAMES = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "layer_drop")
+
+
+def _experts_implementation(module: torch.nn.Module | None) -> str | None:
+    """The experts implementation a transformers mixture-of-experts module runs, when it is one
+    of the data-dependent ones (the per-expert loop, ``"eager"``); None otherwise."""
+    config = getattr(module, "config", None)
+    name = getattr(config, "_experts_implementation", None)
+    if not isinstance(name, str) or name in ("grouped_mm", "batched_mm"):
+        return None
+    return name
 
 
 def _layer_drop_settings(module: torch.nn.Module) -> list[str]:
