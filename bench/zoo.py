@@ -17,7 +17,7 @@ eager step then run once each from copies of the same weights with the same seed
 
 An architecture remat refuses is a row too, with the reason it gives.
 
-    python bench/zoo.py                          # every architecture, about 15 minutes on 2 cores
+    python bench/zoo.py                          # every architecture, about 16 minutes on 2 cores
     python bench/zoo.py --models swin,bloom --precisions bfloat16
     python bench/zoo.py --fresh                  # measure again what is stored
 
@@ -237,6 +237,13 @@ ARCHITECTURES: dict[str, tuple[str, Callable]] = {
              _image("BeitConfig", "BeitForImageClassification", image_size=32, patch_size=8, drop_path_rate=0.1,
                     use_relative_position_bias=True, **_NO_HEADS)),
     "vit-mae": ("random masking (noise, argsort, gather) and a reconstruction loss", _vit_mae),
+    "mixtral": ("mixture of experts: top-2 of 4 routed experts (grouped products), load-balancing loss",
+                _causal_lm("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02, **SMALL)),
+    "qwen2-moe": ("mixture of experts with a gated shared expert, top-2 of 4, load-balancing loss",
+                  _causal_lm("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_key_value_heads=2, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                             output_router_logits=True, router_aux_loss_coef=0.02, **SMALL)),
 }
 
 

@@ -1,5 +1,7 @@
 """The comparison against eager PyTorch detects every kind of difference."""
 
+import math
+
 import torch
 
 from remat.verify import StepState, compare
@@ -55,3 +57,59 @@ def test_check_step_compares_a_planned_step_with_eager_and_leaves_the_model_alon
     # another loss than the planned one: every difference is named
     other = check_step(step, lambda m, x, y: 2 * loss_fn(m, x, y), (x, y))
     assert not other.bitwise and "loss: max |diff|" in other.mismatches[0]
+
+
+class _Gather(torch.nn.Module):
+    """Rows of a weight picked by repeated ids: the gradient adds rows up with ``index_put``
+    (``accumulate``), which on a CPU with several threads adds in the order the threads get
+    there, so eager PyTorch's own gradient changes from run to run in the last bits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 32, 16))
+        self.head = torch.nn.Linear(32, 1)
+
+    def forward(self, x, ids):
+        return self.head(torch.bmm(self.w[ids], x.unsqueeze(-1)).squeeze(-1).relu())
+
+
+def test_check_step_names_what_eager_does_not_reproduce_itself(monkeypatch):
+    """A difference in a tensor eager computes differently run to run is eager's; one anywhere
+    else is not. Eager's nondeterminism is made certain here (a kernel's thread order is not)."""
+    import remat
+    from remat import verify
+
+    torch.manual_seed(0)
+    model, x, ids = _Gather(), torch.randn(64, 16), torch.randint(0, 4, (64,))
+    loss_fn = lambda m, x, ids: m(x, ids).square().mean()  # noqa: E731
+    step = remat.optimize(model, (x, ids), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert verify.check_step(step, loss_fn, x, ids).eager_nondeterministic == ()  # bitwise: eager is not rerun
+    real_eager, runs = verify.eager_step, []
+
+    def eager_off_in_the_last_bits(model, batch, loss_fn, *, seed=0):
+        state, memory = real_eager(model, batch, loss_fn, seed=seed)
+        runs.append(1)
+        if len(runs) % 2 == 0:  # every other eager run, as a thread-order kernel may
+            state.grads["w"] = torch.nextafter(state.grads["w"], torch.full_like(state.grads["w"], math.inf))
+        return state, memory
+
+    # the planned step off where eager is off run to run: eager's own difference
+    monkeypatch.setattr(verify, "eager_step", eager_off_in_the_last_bits)
+    planned = verify.planned_step
+    monkeypatch.setattr(verify, "planned_step", lambda *a, **k: _nudged(planned(*a, **k), "w"))
+    runs.clear()
+    agreement = verify.check_step(step, loss_fn, x, ids)
+    assert not agreement.bitwise and agreement.eager_nondeterministic == ("grad w",)
+    assert agreement.eager_self_diff > 0 and agreement.matches_where_eager_is_deterministic
+    # off where eager reproduces itself: the plan's
+    monkeypatch.setattr(verify, "planned_step", lambda *a, **k: _nudged(planned(*a, **k), "head.bias"))
+    runs.clear()
+    agreement = verify.check_step(step, loss_fn, x, ids)
+    assert agreement.mismatches[0].startswith("grad head.bias")
+    assert not agreement.matches_where_eager_is_deterministic
+
+
+def _nudged(result, name):
+    state, memory = result
+    state.grads[name] = torch.nextafter(state.grads[name], torch.full_like(state.grads[name], -math.inf))
+    return state, memory

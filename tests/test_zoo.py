@@ -28,7 +28,7 @@ def test_every_architecture_builds_in_training_mode_and_gives_a_scalar_loss(name
     assert loss.ndim == 0 and math.isfinite(float(loss))
 
 
-@pytest.mark.parametrize("name, precision", [("swin", "float32"), ("gpt-neox", "bfloat16")])
+@pytest.mark.parametrize("name, precision", [("swin", "float32"), ("gpt-neox", "bfloat16"), ("mixtral", "float32")])
 def test_planned_steps_are_bitwise_eager_and_within_their_budget(name, precision):
     row = _zoo().measure(name, precision, time_limit_s=5.0)
     assert "refused" not in row, row.get("refused")
