@@ -13,6 +13,10 @@ partitioner turns the joint graph into a remat ``Graph`` (``backend_joint``), pl
 the budget with ``plan_graph`` (coarsen, solve, expand, simulate), and lowers the plan to the
 two graphs (``backend_split``): the forward keeps what the plan keeps, the backward recomputes
 what the plan recomputes, in the plan's order; random ops replay their generator state.
+While AOTAutograd traces, upsampling traces as itself, as in ``remat.optimize``'s tracer
+(``eager_ops.EAGER_KERNEL_OPS``): decomposed, it was indexing and an accumulating
+``index_put`` backward, slower than eager's kernels (1.5-1.9x eager on a GPU) and, for
+bilinear, not eager's gradients bitwise.
 
 A fractional budget (``0.6``, ``"60%"``) is a fraction of the compiled region's eager peak:
 the region's forward and backward run once as plain PyTorch on the example inputs when the
@@ -60,6 +64,7 @@ from remat.backend_dynamo import RematFallbackWarning
 from remat.backend_joint import JointStep, UnsupportedJointGraph
 from remat.backend_split import split
 from remat.cost import CostModel, node_costs
+from remat.eager_ops import EAGER_KERNEL_OPS, _replaced_py_kernels
 from remat.errors import InfeasibleBudgetError, RematError, SolverError
 from remat.fx_graph import with_scratch
 from remat.graph import Graph
@@ -287,7 +292,11 @@ class RematBackend:
         backend_dynamo.install()  # again, if torch._dynamo.reset() dropped it
         self._eager_peak = self._measure_eager(gm, example_inputs) if self.budget.fraction is not None else None
         try:
-            return self._aot(gm, example_inputs)
+            # AOTAutograd traces the joint graph (and partitions and compiles it) within this
+            # call, under the python dispatcher; upsampling traces as itself there, as in the
+            # eager route, not as indexing with an accumulating ``index_put`` backward
+            with _replaced_py_kernels(dict.fromkeys(EAGER_KERNEL_OPS)):
+                return self._aot(gm, example_inputs)
         finally:
             self._eager_peak = None
 
