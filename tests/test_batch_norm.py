@@ -131,3 +131,45 @@ def test_a_backward_whose_statistics_cannot_be_traced_to_its_forward_leaves_the_
     assert use_eager_kernels(gm, {}) == []
     assert [n.target for n in gm.graph.nodes if n.target in (NATIVE_FORWARD, NATIVE_BACKWARD)] == [
         NATIVE_FORWARD, NATIVE_BACKWARD]
+
+
+class _NormAcrossChannels(nn.Module):
+    """A batch norm over the features of a (batch, time, features) input, as PatchTST's: the
+    input transposed for the norm and back, then a linear layer."""
+
+    def __init__(self, channels_last: bool = False) -> None:
+        super().__init__()
+        self.channels_last = channels_last
+        self.bn1 = nn.BatchNorm1d(16)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.bn1(x.transpose(1, 2)).transpose(1, 2))  # (B, T, C)
+        image = h.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, 2)  # (B, C, T, 2)
+        if self.channels_last:
+            image = image.contiguous(memory_format=torch.channels_last)
+        return self.bn2(image).flatten(1)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_norm_of_a_transposed_input_has_the_cpu_kernels_layout(channels_last):
+    """The CPU kernels give a batch norm's output (and its input's gradient) the layout the
+    input suggests, contiguous unless channels-last; PyTorch's fake kernels keep the input's
+    strides. Traced with those, the linear after the norm was a ``view`` of what looked
+    contiguous, and the planned step failed on the kernel's real output ("view size is not
+    compatible"). Now the steps run, bitwise eager's, with the bytes the kernels allocate."""
+    torch.manual_seed(0)
+    model, x = _NormAcrossChannels(channels_last).train(), torch.randn(6, 8, 16)
+
+    def loss_fn(m, x):
+        return m(x).square().mean()
+
+    t = trace(model, (x,), loss_fn, cost_model=None)
+    want, _ = verify.eager_step(model, (x,), loss_fn)
+    for method in ("checkpoint_all", "recompute_all"):
+        step = build_module(t, remat.solve(t.graph, 10**15, method=method).plan)
+        got, _ = verify.planned_step(model, (x,), t, step)
+        assert verify.compare(got, want).bitwise
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="recompute_all", cost_model=None)
+    assert verify.check_counted_bytes(step, x) == []

@@ -262,8 +262,14 @@ def _cpu_grouped_mm(mode: object, mat_a: torch.Tensor, mat_b: torch.Tensor, offs
     inputs' floating-point dtype; elsewhere PyTorch's own fake kernel. Shapes as the kernel's:
     2-D x 3-D (a token-sorted batch against per-expert weights) gives one row per token, 2-D x
     2-D (a weight gradient) one matrix per group, 3-D x 3-D a batched product."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    active = _get_current_dispatch_mode() is mode  # (propagating values again: the mode is on)
     if mat_a.device.type not in ("cpu", "meta"):
-        return mode.__torch_dispatch__(torch.ops.aten._grouped_mm.default, (), (mat_a, mat_b),  # type: ignore[attr-defined]
+        op = torch.ops.aten._grouped_mm.default
+        if active:
+            return op(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+        return mode.__torch_dispatch__(op, (), (mat_a, mat_b),  # type: ignore[attr-defined]
                                        {"offs": offs, "bias": bias, "out_dtype": out_dtype})
     if mat_a.dim() == 2 and mat_b.dim() == 2:
         size = [offs.size(0) if offs is not None else 1, mat_a.size(0), mat_b.size(1)]
@@ -273,19 +279,63 @@ def _cpu_grouped_mm(mode: object, mat_a: torch.Tensor, mat_b: torch.Tensor, offs
         size = [mat_a.size(1), mat_b.size(1)]
     else:
         size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
-    with mode:  # type: ignore[attr-defined]
+    with contextlib.nullcontext() if active else mode:  # type: ignore[attr-defined]
         return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
-#: Fake kernels that stand in for PyTorch's while tracing (``_fake_kernels``).
-_FAKE_KERNELS: dict[str, Callable] = {"_grouped_mm": _cpu_grouped_mm}
+def _cpu_layout(op: torch._ops.OpOverload, input_index: int) -> Callable:
+    """A fake kernel for ``op`` whose first output has the layout the CPU kernel gives it: the
+    memory format its input (argument ``input_index``) suggests, contiguous unless that is
+    channels-last. PyTorch's fake kernels of the batch norms keep the input's strides, so a
+    norm of a transposed input (``bn(x.transpose(1, 2)).transpose(1, 2)``, PatchTST's) looked
+    contiguous once transposed back, the next ``linear`` was traced as a ``view``, and the
+    traced step failed on the CPU kernel's contiguous output ("view size is not compatible").
+    Other devices keep PyTorch's fake kernel."""
+    from torch._prims_common import suggest_memory_format
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    def kernel(mode: object, *args: object, **kwargs: object) -> object:
+        active = _get_current_dispatch_mode() is mode  # (propagating values again: the mode is on)
+        out = op(*args, **kwargs) if active else mode.__torch_dispatch__(op, (), args, kwargs)  # type: ignore[attr-defined]
+        x = args[input_index]
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if not (isinstance(x, torch.Tensor) and isinstance(first, torch.Tensor)) or x.device.type not in ("cpu", "meta"):
+            return out
+        layout = suggest_memory_format(x)
+        if first.is_contiguous(memory_format=layout):
+            return out
+        with contextlib.nullcontext() if active else mode:  # type: ignore[attr-defined]
+            fixed = torch.empty(first.shape, dtype=first.dtype, device=first.device, memory_format=layout)
+        return (fixed, *out[1:]) if isinstance(out, (tuple, list)) else fixed
+
+    return kernel
+
+
+#: Fake kernels that stand in for PyTorch's while tracing (``_fake_kernels``): per overload
+#: (``name.overload``), what makes the kernel from the op.
+_FAKE_KERNELS: dict[str, Callable[[torch._ops.OpOverload], Callable]] = {
+    "_grouped_mm.default": lambda op: _cpu_grouped_mm,
+    **{name: (lambda op: _cpu_layout(op, 0)) for name in (
+        "_native_batch_norm_legit_functional.default", "_native_batch_norm_legit.default",
+        "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit_no_training.default",
+        "_batch_norm_with_update_functional.default", "_batch_norm_with_update.default",
+        "native_batch_norm.default")},
+    **{name: (lambda op: _cpu_layout(op, 1)) for name in (
+        "native_batch_norm_backward.default", "batch_norm_backward.default")},
+}
+_MADE: dict[torch._ops.OpOverload, Callable] = {}
 
 
 def fake_kernel(target: object) -> Callable | None:
     """The fake kernel of ``_FAKE_KERNELS`` for op ``target`` (an aten overload), or None."""
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return None
-    return _FAKE_KERNELS.get(target._opname) if target._overloadname == "default" else None
+    if target not in _MADE:
+        make = _FAKE_KERNELS.get(f"{target._opname}.{target._overloadname}")
+        if make is None:
+            return None
+        _MADE[target] = make(target)
+    return _MADE[target]
 
 
 @contextlib.contextmanager
@@ -296,10 +346,11 @@ def _fake_kernels() -> Iterator[None]:
 
     saved = []
     try:
-        for name, kernel in _FAKE_KERNELS.items():
-            packet = getattr(torch.ops.aten, name, None)
-            op = getattr(packet, "default", None) if packet is not None else None
-            if op is None:
+        for name in _FAKE_KERNELS:
+            packet, _, overload = name.partition(".")
+            op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+            kernel = fake_kernel(op)
+            if kernel is None:
                 continue
             saved.append((op, op.python_key_table.get(FakeTensorMode)))
             op.python_key_table[FakeTensorMode] = kernel

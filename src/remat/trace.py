@@ -560,10 +560,8 @@ class KernelDtypeProp(FakeTensorProp):
     _probed: dict[tuple, tuple[torch.dtype | None, ...]] = {}
 
     def call_function(self, target, args, kwargs):
-        kernel = fake_kernel(target)
-        if kernel is not None:  # (traced with it: ``eager_ops.tracing_as_eager``)
-            return kernel(self._mode, *args, **kwargs)
-        result = super().call_function(target, args, kwargs)
+        kernel = fake_kernel(target)  # (traced with it: ``eager_ops.tracing_as_eager``)
+        result = kernel(self._mode, *args, **kwargs) if kernel is not None else super().call_function(target, args, kwargs)
         if target in _PRESERVING_STRIDES:
             return self._copy_like_the_kernel(args[0], result)
         if target in _OUTPUT_LIKE_INPUT:
