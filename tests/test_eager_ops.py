@@ -376,3 +376,11 @@ def test_the_mixture_of_experts_loop_is_refused_with_the_fixed_shape_forms_named
     model.set_experts_implementation("grouped_mm")
     step = remat.optimize(model, (ids,), loss_fn, budget=1.0, method="milp", cost_model=None)
     assert verify.check_step(step, loss_fn, ids).bitwise
+    # every transformers config says "eager": a boolean mask anywhere else is not the experts'
+    dense = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)).train()
+    assert dense.config._experts_implementation == "eager"
+    with pytest.raises(remat.TraceError, match="fixed-shape formulation") as refused:
+        trace(dense, (ids,), lambda m, ids: m(input_ids=ids).logits[ids > 64].sum(), cost_model=None)
+    assert "experts" not in str(refused.value)

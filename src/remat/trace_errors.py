@@ -126,7 +126,11 @@ _LAYER_DROP_NAMES = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "lay
 
 def _experts_implementation(module: torch.nn.Module | None) -> str | None:
     """The experts implementation a transformers mixture-of-experts module runs, when it is one
-    of the data-dependent ones (the per-expert loop, ``"eager"``); None otherwise."""
+    of the data-dependent ones (the per-expert loop, ``"eager"``); None otherwise, and for every
+    other module (transformers sets the setting on every model's config, experts or not: the
+    module must be an experts class, which transformers' ``use_experts_implementation`` marks)."""
+    if not hasattr(module, "_is_expert_parallel"):
+        return None
     config = getattr(module, "config", None)
     name = getattr(config, "_experts_implementation", None)
     if not isinstance(name, str) or name in ("grouped_mm", "batched_mm"):
