@@ -384,3 +384,26 @@ def test_the_mixture_of_experts_loop_is_refused_with_the_fixed_shape_forms_named
     with pytest.raises(remat.TraceError, match="fixed-shape formulation") as refused:
         trace(dense, (ids,), lambda m, ids: m(input_ids=ids).logits[ids > 64].sum(), cost_model=None)
     assert "experts" not in str(refused.value)
+
+
+def test_an_attention_mask_the_model_builds_itself_is_skipped_as_in_eager():
+    """Perceiver builds an all-ones attention mask itself (``torch.ones``: no input); eager
+    transformers sees that no token is masked and attends without a mask, while the traced
+    check took its general branch and added an all-zero float mask to the scores, which under
+    bfloat16 autocast rounded otherwise (the loss 2e-6 apart). The check is answered as eager
+    answers it, and the step is eager's bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.PerceiverConfig(vocab_size=128, d_model=32, d_latents=32, num_latents=8, num_blocks=1,
+                                       num_self_attends_per_block=1, num_self_attention_heads=2,
+                                       num_cross_attention_heads=2, max_position_embeddings=32, num_labels=2,
+                                       qk_channels=32, v_channels=32)
+    model = transformers.PerceiverForSequenceClassification(cfg).train()
+    ids, y = torch.randint(0, 128, (4, 32)), torch.randint(0, 2, (4,))
+
+    def loss_fn(m, ids, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.nn.functional.cross_entropy(m(inputs=ids).logits, y)
+
+    _agree_with_eager(model, (ids, y), loss_fn, methods=("checkpoint_all",))

@@ -739,3 +739,56 @@ def test_a_real_parameter_reached_while_tracing_is_explained():
     text = str(info.value)
     assert "a real tensor (a parameter or buffer remat does not trace) reached aten." in text
     assert "not registered on it (kept in a plain list" in text and "_Reversible" not in text
+
+
+class _KeepsState(torch.nn.Module):
+    """Stores a tensor on itself in forward, as RecurrentGemma keeps its recurrent state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.state = None
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.state = h.sum(0)
+        return h
+
+
+def test_tensors_a_forward_stores_on_its_module_are_not_left_fake():
+    """Traced, the stored tensor was a fake one with a grad_fn on the user's model afterwards, and
+    copy.deepcopy (so check_step) refused the model. The attribute gets its value back."""
+    import copy
+
+    import remat
+    from remat.verify import check_step
+
+    torch.manual_seed(0)
+    model, x = _KeepsState().train(), torch.randn(4, 8)
+    model.extra = torch.zeros(2)  # a tensor attribute the forward leaves alone stays as it is
+    kept = model.extra
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    step = remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert model.state is None and model.extra is kept
+    copy.deepcopy(model)
+    assert check_step(step, loss_fn, x).bitwise
+
+
+def test_a_distributions_argument_check_is_refused_with_the_switch_named():
+    """torch.distributions validates its arguments by reading their values (transformers' time
+    series models' losses); the refusal names the switch that turns the checks off."""
+    import remat
+
+    model, x = torch.nn.Linear(4, 2), torch.randn(3, 4)
+
+    def loss_fn(m, x):
+        out = m(x)
+        return -torch.distributions.Normal(out[:, 0], out[:, 1].exp()).log_prob(torch.zeros(3)).mean()
+
+    with pytest.raises(remat.TraceError, match=r"set_default_validate_args\(False\)"):
+        remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(True)

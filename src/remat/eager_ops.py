@@ -236,6 +236,24 @@ def _eager_packed_check(original: Callable) -> Callable:
     return find_packed_sequence_indices
 
 
+def _eager_mask_check(original: Callable) -> Callable:
+    """transformers' checks whether an attention mask can be skipped (``_ignore_causal_mask_sdpa``,
+    ``_ignore_bidirectional_mask_sdpa``: no token masked) answered as eager answers them when the
+    padding mask depends on no input (a model that builds ``torch.ones`` itself, as Perceiver
+    does): traced, the check took its general branch and the step added an all-zero float mask
+    to the attention scores, which under bfloat16 autocast rounded otherwise than eager's
+    unmasked attention. Any other mask keeps the traced, general branch."""
+
+    def check(padding_mask: object = None, *args: object, **kwargs: object) -> object:
+        value = constant_value(padding_mask) if isinstance(padding_mask, torch.Tensor) else None
+        if value is not None and not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+            with untraced():
+                return original(value, *args, **kwargs)
+        return original(padding_mask, *args, **kwargs)
+
+    return check
+
+
 @contextlib.contextmanager
 def _transformers_as_eager() -> Iterator[None]:
     """While in use, transformers' checks of values that depend on no input are answered as eager
@@ -245,7 +263,9 @@ def _transformers_as_eager() -> Iterator[None]:
     trace (another fake mode) and every later eager call then got back. Nothing happens unless
     the model's code has imported transformers."""
     with _replaced_attributes(sys.modules.get("transformers.masking_utils"),
-                              {"find_packed_sequence_indices": _eager_packed_check}), \
+                              {"find_packed_sequence_indices": _eager_packed_check,
+                               "_ignore_causal_mask_sdpa": _eager_mask_check,
+                               "_ignore_bidirectional_mask_sdpa": _eager_mask_check}), \
             _replaced_attributes(sys.modules.get("transformers.pytorch_utils"),
                                  {"is_torchdynamo_compiling": lambda _original: _always}):
         yield

@@ -21,13 +21,14 @@ model itself, so any signature works (keyword arguments, several calls, labels i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import itertools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -427,7 +428,7 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, flat, kind
 
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     try:
-        with enable_python_dispatcher(), tracing_as_eager():
+        with enable_python_dispatcher(), tracing_as_eager(), _module_attributes_kept(model):
             # detached aliases per pass: pass 1 marks its inputs requires_grad
             first = proxy_tensor.make_fx(step, tracing_mode="fake")(*(t.detach() for t in flat))
             phase_of = _phases(first, marks)
@@ -539,6 +540,29 @@ _NORM_PROBES: dict[object, tuple[Callable[[tuple], tuple], tuple[int, ...]]] = {
     **dict.fromkeys((_aten.native_batch_norm_backward.default, _aten.batch_norm_backward.default),
                     (lambda a: _one_row_probe(a, rows=(0, 1)), _GRADIENTS)),
 }
+
+
+@contextlib.contextmanager
+def _module_attributes_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Every tensor a module's forward stores on it while traced (a recurrent state kept as an
+    attribute, as RecurrentGemma's ``recurrent_states``) is a fake tensor of the trace: afterwards
+    each such attribute gets its value from before tracing back (or goes, if it had none). Left
+    there, it was a fake tensor with a ``grad_fn`` on the user's model, which ``copy.deepcopy``
+    (and so ``check_step``) refused."""
+    before = [(m, dict(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes in before:
+            for name, value in list(module.__dict__.items()):
+                if isinstance(value, torch.Tensor) and attributes.get(name, _ABSENT) is not value:
+                    if name in attributes:
+                        setattr(module, name, attributes[name])
+                    else:
+                        delattr(module, name)
+
+
+_ABSENT = object()
 
 
 class KernelDtypeProp(FakeTensorProp):

@@ -34,9 +34,12 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
     module_desc, module, user_line = None, None, None
     module_names: frozenset[str] = frozenset()  # the names the module's failing method uses
     custom_backward = None  # the autograd.Function whose backward was running, if one was
+    validating = False  # a torch.distributions argument check was running
     for e in chain:
         for frame, lineno in traceback.walk_tb(e.__traceback__):
             code = frame.f_code
+            validating = validating or (code.co_filename.endswith(_DISTRIBUTION_BASE)  # its checks
+                                        and (code.co_name == "__init__" or code.co_name.startswith("_validate")))
             ctx = frame.f_locals.get("ctx")
             if custom_backward is None and code.co_name == "backward" and ctx is not None:
                 custom_backward = getattr(getattr(ctx, "_forward_cls", None), "__name__", None) or type(ctx).__name__
@@ -71,6 +74,12 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
                 "below that probability, a Python branch on a random value that a traced step cannot take "
                 "anew each step; set it to 0.0 to train with remat, which then runs every layer "
                 "(transformers models read it from model.config at every step)"
+            )
+        elif validating:
+            remedy = (
+                "torch.distributions checks its arguments' values (validate_args) on every call, a read a "
+                "traced step cannot make; turn the checks off for training with remat: "
+                "torch.distributions.Distribution.set_default_validate_args(False)"
             )
         elif isinstance(module, _BATCH_NORMS) and module.momentum is None:
             remedy = (
@@ -118,6 +127,8 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
         remedy = "check that loss_fn(model, *batch) runs eagerly and uses only traceable tensor operations"
     return TraceError(f"cannot trace the training step: {what} in {where}; {remedy}")
 
+
+_DISTRIBUTION_BASE = os.path.join("torch", "distributions", "distribution.py")
 
 #: Attributes of a module, or of its ``config``, that are a LayerDrop probability (transformers'
 #: speech encoders default to 0.1; fairseq-style models name it the same way).

@@ -828,7 +828,9 @@ class InstantBounds:
                 p = program
             elif (state == 1 and not small) or (state == 2 and members.size > 1):  # in two halves
                 half, child = members.size // 2, int(small)  # (halves of a small case: their own local deadlines)
-                cases.remove(case)
+                # (by identity: ``remove`` compares with ``==``, which on two cases of the same
+                # value compares their member arrays and raised "truth value ... is ambiguous")
+                cases[:] = [c for c in cases if c is not case]
                 cases += [[v, members[:half], child], [v, members[half:], child]]
                 continue
             elif state < 2:  # deadlines where the values below and in it are read: a few, then more
