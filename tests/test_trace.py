@@ -785,10 +785,12 @@ def test_a_distributions_argument_check_is_refused_with_the_switch_named():
         out = m(x)
         return -torch.distributions.Normal(out[:, 0], out[:, 1].exp()).log_prob(torch.zeros(3)).mean()
 
-    with pytest.raises(remat.TraceError, match=r"set_default_validate_args\(False\)"):
-        remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
-    torch.distributions.Distribution.set_default_validate_args(False)
+    before = torch.distributions.Distribution._validate_args
     try:
+        torch.distributions.Distribution.set_default_validate_args(True)
+        with pytest.raises(remat.TraceError, match=r"set_default_validate_args\(False\)"):
+            remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+        torch.distributions.Distribution.set_default_validate_args(False)
         remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
     finally:
-        torch.distributions.Distribution.set_default_validate_args(True)
+        torch.distributions.Distribution.set_default_validate_args(before)

@@ -83,7 +83,8 @@ def test_check_step_names_what_eager_does_not_reproduce_itself(monkeypatch):
     model, x, ids = _Gather(), torch.randn(64, 16), torch.randint(0, 4, (64,))
     loss_fn = lambda m, x, ids: m(x, ids).square().mean()  # noqa: E731
     step = remat.optimize(model, (x, ids), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
-    assert verify.check_step(step, loss_fn, x, ids).eager_nondeterministic == ()  # bitwise: eager is not rerun
+    first = verify.check_step(step, loss_fn, x, ids)  # (eager's gradient of w may differ from run to run here)
+    assert first.bitwise or first.matches_where_eager_is_deterministic
     real_eager, runs = verify.eager_step, []
 
     def eager_off_in_the_last_bits(model, batch, loss_fn, *, seed=0):
