@@ -45,8 +45,12 @@ class Agreement:
 
     @property
     def matches_where_eager_is_deterministic(self) -> bool:
-        differing = {m.split(":")[0] for m in self.mismatches}
-        return differing <= set(self.eager_nondeterministic)
+        return set(map(_mismatch_label, self.mismatches)) <= set(self.eager_nondeterministic)
+
+
+def _mismatch_label(mismatch: str) -> str:
+    """The tensor a line of ``Agreement.mismatches`` names (``"grad w: max |diff| 1e-9"``: ``"grad w"``)."""
+    return mismatch.split(":")[0]
 
 
 def eager_step(
@@ -156,7 +160,7 @@ def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch
     worst = 0.0
     for _ in range(eager_repeats):
         again = compare(eager_step(step.model, batch, loss_fn, seed=seed)[0], want)
-        unstable.update(dict.fromkeys(m.split(":")[0] for m in again.mismatches))
+        unstable.update(dict.fromkeys(map(_mismatch_label, again.mismatches)))
         worst = max(worst, again.max_abs_diff)
     return replace(agreement, eager_nondeterministic=tuple(unstable), eager_self_diff=worst)
 
