@@ -275,6 +275,25 @@ def _always() -> bool:
     return True
 
 
+def _under_fake_mode(mode: object) -> tuple[Callable[..., object], contextlib.AbstractContextManager]:
+    """What a fake kernel of ``_FAKE_KERNELS`` needs from the fake mode ``mode`` it is called
+    for: PyTorch's own fake kernel of an op (``pytorchs(op, *args, **kwargs)``) and a context in
+    which tensors are allocated as the mode's fake tensors. Called by the mode's dispatch, the
+    kernel reaches it through ``mode.__torch_dispatch__`` and allocates under ``mode``; called
+    while the mode is already the active dispatch mode (propagating values again, as
+    ``KernelDtypeProp`` does), it calls the op itself and allocates as it is."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    active = _get_current_dispatch_mode() is mode
+
+    def pytorchs(op: torch._ops.OpOverload, /, *args: object, **kwargs: object) -> object:
+        if active:
+            return op(*args, **kwargs)
+        return mode.__torch_dispatch__(op, (), args, kwargs)  # type: ignore[attr-defined]
+
+    return pytorchs, contextlib.nullcontext() if active else mode  # type: ignore[return-value]
+
+
 def _cpu_grouped_mm(mode: object, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``aten._grouped_mm`` under the fake mode while tracing: on the CPU (and the meta device,
@@ -282,15 +301,9 @@ def _cpu_grouped_mm(mode: object, mat_a: torch.Tensor, mat_b: torch.Tensor, offs
     inputs' floating-point dtype; elsewhere PyTorch's own fake kernel. Shapes as the kernel's:
     2-D x 3-D (a token-sorted batch against per-expert weights) gives one row per token, 2-D x
     2-D (a weight gradient) one matrix per group, 3-D x 3-D a batched product."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    active = _get_current_dispatch_mode() is mode  # (propagating values again: the mode is on)
+    pytorchs, allocating = _under_fake_mode(mode)
     if mat_a.device.type not in ("cpu", "meta"):
-        op = torch.ops.aten._grouped_mm.default
-        if active:
-            return op(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
-        return mode.__torch_dispatch__(op, (), (mat_a, mat_b),  # type: ignore[attr-defined]
-                                       {"offs": offs, "bias": bias, "out_dtype": out_dtype})
+        return pytorchs(torch.ops.aten._grouped_mm.default, mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
     if mat_a.dim() == 2 and mat_b.dim() == 2:
         size = [offs.size(0) if offs is not None else 1, mat_a.size(0), mat_b.size(1)]
     elif mat_a.dim() == 2:
@@ -299,7 +312,7 @@ def _cpu_grouped_mm(mode: object, mat_a: torch.Tensor, mat_b: torch.Tensor, offs
         size = [mat_a.size(1), mat_b.size(1)]
     else:
         size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
-    with contextlib.nullcontext() if active else mode:  # type: ignore[attr-defined]
+    with allocating:
         return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
@@ -312,11 +325,10 @@ def _cpu_layout(op: torch._ops.OpOverload, input_index: int) -> Callable:
     traced step failed on the CPU kernel's contiguous output ("view size is not compatible").
     Other devices keep PyTorch's fake kernel."""
     from torch._prims_common import suggest_memory_format
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     def kernel(mode: object, *args: object, **kwargs: object) -> object:
-        active = _get_current_dispatch_mode() is mode  # (propagating values again: the mode is on)
-        out = op(*args, **kwargs) if active else mode.__torch_dispatch__(op, (), args, kwargs)  # type: ignore[attr-defined]
+        pytorchs, allocating = _under_fake_mode(mode)
+        out = pytorchs(op, *args, **kwargs)
         x = args[input_index]
         first = out[0] if isinstance(out, (tuple, list)) else out
         if not (isinstance(x, torch.Tensor) and isinstance(first, torch.Tensor)) or x.device.type not in ("cpu", "meta"):
@@ -324,7 +336,7 @@ def _cpu_layout(op: torch._ops.OpOverload, input_index: int) -> Callable:
         layout = suggest_memory_format(x)
         if first.is_contiguous(memory_format=layout):
             return out
-        with contextlib.nullcontext() if active else mode:  # type: ignore[attr-defined]
+        with allocating:
             fixed = torch.empty(first.shape, dtype=first.dtype, device=first.device, memory_format=layout)
         return (fixed, *out[1:]) if isinstance(out, (tuple, list)) else fixed
 
