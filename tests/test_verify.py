@@ -85,17 +85,17 @@ def test_check_step_names_what_eager_does_not_reproduce_itself(monkeypatch):
     step = remat.optimize(model, (x, ids), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
     first = verify.check_step(step, loss_fn, x, ids)  # (eager's gradient of w may differ from run to run here)
     assert first.bitwise or first.matches_where_eager_is_deterministic
-    real_eager, runs = verify.eager_step, []
+    real_eager, runs = verify._eager, []
 
-    def eager_off_in_the_last_bits(model, batch, loss_fn, *, seed=0):
-        state, memory = real_eager(model, batch, loss_fn, seed=seed)
+    def eager_off_in_the_last_bits(*args):  # (every eager run, measured or not)
+        state, result = real_eager(*args)
         runs.append(1)
         if len(runs) % 2 == 0:  # every other eager run, as a thread-order kernel may
             state.grads["w"] = torch.nextafter(state.grads["w"], torch.full_like(state.grads["w"], math.inf))
-        return state, memory
+        return state, result
 
     # the planned step off where eager is off run to run: eager's own difference
-    monkeypatch.setattr(verify, "eager_step", eager_off_in_the_last_bits)
+    monkeypatch.setattr(verify, "_eager", eager_off_in_the_last_bits)
     planned = verify.planned_step
     monkeypatch.setattr(verify, "planned_step", lambda *a, **k: _nudged(planned(*a, **k), "w"))
     runs.clear()
@@ -108,6 +108,41 @@ def test_check_step_names_what_eager_does_not_reproduce_itself(monkeypatch):
     agreement = verify.check_step(step, loss_fn, x, ids)
     assert agreement.mismatches[0].startswith("grad head.bias")
     assert not agreement.matches_where_eager_is_deterministic
+
+
+def test_check_step_reruns_eager_without_measuring_its_peak(monkeypatch):
+    """When the steps differ, eager's reruns are compared, not measured: the profiler runs only
+    for the runs of ``eager_step`` and ``planned_step``, which return their peaks."""
+    import remat
+    from remat import memory, verify
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(3, 4)
+    calls = {"eager": 0, "profiled": 0}
+
+    def loss_fn(m, x):
+        calls["eager"] += 1
+        return m(x).square().mean()
+
+    step = remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    real_profiler_peak = memory._profiler_peak
+
+    def profiler_peak(*args):
+        calls["profiled"] += 1
+        return real_profiler_peak(*args)
+
+    monkeypatch.setattr(memory, "_profiler_peak", profiler_peak)
+    calls.update(eager=0, profiled=0)  # (tracing called the loss)
+    _, report = verify.eager_step(model, (x,), loss_fn)
+    assert calls == {"eager": 1, "profiled": 1} and report.dynamic_peak_bytes > 0  # eager_step still measures
+    planned = verify.planned_step
+    monkeypatch.setattr(verify, "planned_step", lambda *a, **k: _nudged(planned(*a, **k), "0.weight"))
+    calls.update(eager=0, profiled=0)
+    agreement = verify.check_step(step, loss_fn, x, eager_repeats=3)
+    assert not agreement.bitwise and agreement.mismatches[0].startswith("grad 0.weight")
+    assert agreement.eager_nondeterministic == () and agreement.eager_self_diff == 0.0
+    assert calls == {"eager": 4, "profiled": 2}  # eager ran 1 + 3 times; profiled: its first run, the planned step
 
 
 def _nudged(result, name):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
@@ -58,6 +59,23 @@ def eager_step(
 ) -> tuple[StepState, MemoryReport]:
     """One plain PyTorch step (``loss_fn(model, *batch).backward()``) on a copy of ``model``,
     with its measured peak (parameters, buffers and batch counted as resident)."""
+    return _eager(model, batch, loss_fn, seed, lambda step, resident: measure_peak(step, resident_bytes=resident))
+
+
+def _eager_state(model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor], *,
+                 seed: int = 0) -> StepState:
+    """``eager_step``'s state alone: the same step, its peak not measured."""
+    return _eager(model, batch, loss_fn, seed, lambda step, resident: step())[0]
+
+
+_Run = TypeVar("_Run")
+
+
+def _eager(model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor], seed: int,
+           run: Callable[[Callable[[], None], int], _Run]) -> tuple[StepState, _Run]:
+    """One plain PyTorch step on a copy of ``model``, called through ``run(step, resident)``
+    (``resident``: the bytes of the copy's parameters and buffers and of the batch), and
+    ``run``'s result."""
     model = copy.deepcopy(model)
     resident = resident_bytes_of(list(model.parameters()), list(model.buffers()), list(batch))
     torch.manual_seed(seed)
@@ -68,14 +86,14 @@ def eager_step(
         loss.backward()
         kept.append(loss.detach())
 
-    report = measure_peak(step, resident_bytes=resident)
+    result = run(step, resident)
     state = StepState(
         loss=kept[0],
         grads={k: p.grad for k, p in model.named_parameters()},
         buffers={k: b.clone() for k, b in model.named_buffers()},
         rng_state=torch.get_rng_state(),
     )
-    return state, report
+    return state, result
 
 
 def planned_step(
@@ -159,7 +177,7 @@ def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch
     unstable: dict[str, None] = {}
     worst = 0.0
     for _ in range(eager_repeats):
-        again = compare(eager_step(step.model, batch, loss_fn, seed=seed)[0], want)
+        again = compare(_eager_state(step.model, batch, loss_fn, seed=seed), want)  # (no peak read: not measured)
         unstable.update(dict.fromkeys(map(_mismatch_label, again.mismatches)))
         worst = max(worst, again.max_abs_diff)
     return replace(agreement, eager_nondeterministic=tuple(unstable), eager_self_diff=worst)
