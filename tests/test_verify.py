@@ -96,23 +96,23 @@ def test_check_step_names_what_eager_does_not_reproduce_itself(monkeypatch):
 
     # the planned step off where eager is off run to run: eager's own difference
     monkeypatch.setattr(verify, "_eager", eager_off_in_the_last_bits)
-    planned = verify.planned_step
-    monkeypatch.setattr(verify, "planned_step", lambda *a, **k: _nudged(planned(*a, **k), "w"))
+    planned = verify._planned  # (every planned run, measured or not)
+    monkeypatch.setattr(verify, "_planned", lambda *a, **k: _nudged(planned(*a, **k), "w"))
     runs.clear()
     agreement = verify.check_step(step, loss_fn, x, ids)
     assert not agreement.bitwise and agreement.eager_nondeterministic == ("grad w",)
     assert agreement.eager_self_diff > 0 and agreement.matches_where_eager_is_deterministic
     # off where eager reproduces itself: the plan's
-    monkeypatch.setattr(verify, "planned_step", lambda *a, **k: _nudged(planned(*a, **k), "head.bias"))
+    monkeypatch.setattr(verify, "_planned", lambda *a, **k: _nudged(planned(*a, **k), "head.bias"))
     runs.clear()
     agreement = verify.check_step(step, loss_fn, x, ids)
     assert agreement.mismatches[0].startswith("grad head.bias")
     assert not agreement.matches_where_eager_is_deterministic
 
 
-def test_check_step_reruns_eager_without_measuring_its_peak(monkeypatch):
-    """When the steps differ, eager's reruns are compared, not measured: the profiler runs only
-    for the runs of ``eager_step`` and ``planned_step``, which return their peaks."""
+def test_check_step_measures_no_peak_and_eager_step_does(monkeypatch):
+    """``check_step`` compares states and reads no peak, so none of its runs is profiled, the
+    reruns of eager included; ``eager_step`` and ``planned_step``, which return peaks, measure."""
     import remat
     from remat import memory, verify
 
@@ -135,14 +135,16 @@ def test_check_step_reruns_eager_without_measuring_its_peak(monkeypatch):
     monkeypatch.setattr(memory, "_profiler_peak", profiler_peak)
     calls.update(eager=0, profiled=0)  # (tracing called the loss)
     _, report = verify.eager_step(model, (x,), loss_fn)
-    assert calls == {"eager": 1, "profiled": 1} and report.dynamic_peak_bytes > 0  # eager_step still measures
-    planned = verify.planned_step
-    monkeypatch.setattr(verify, "planned_step", lambda *a, **k: _nudged(planned(*a, **k), "0.weight"))
+    assert calls == {"eager": 1, "profiled": 1} and report.dynamic_peak_bytes > 0  # eager_step measures
+    _, report = verify.planned_step(model, (x,), step.traced, step.planned)
+    assert calls["profiled"] == 2 and report.dynamic_peak_bytes > 0  # so does planned_step
+    planned = verify._planned
+    monkeypatch.setattr(verify, "_planned", lambda *a, **k: _nudged(planned(*a, **k), "0.weight"))
     calls.update(eager=0, profiled=0)
     agreement = verify.check_step(step, loss_fn, x, eager_repeats=3)
     assert not agreement.bitwise and agreement.mismatches[0].startswith("grad 0.weight")
     assert agreement.eager_nondeterministic == () and agreement.eager_self_diff == 0.0
-    assert calls == {"eager": 4, "profiled": 2}  # eager ran 1 + 3 times; profiled: its first run, the planned step
+    assert calls == {"eager": 4, "profiled": 0}  # eager ran 1 + 3 times, none of them profiled
 
 
 def _nudged(result, name):

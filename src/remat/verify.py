@@ -58,8 +58,11 @@ def eager_step(
     model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor], *, seed: int = 0
 ) -> tuple[StepState, MemoryReport]:
     """One plain PyTorch step (``loss_fn(model, *batch).backward()``) on a copy of ``model``,
-    with its measured peak (parameters, buffers and batch counted as resident)."""
-    return _eager(model, batch, loss_fn, seed, lambda step, resident: measure_peak(step, resident_bytes=resident))
+    with its measured peak (parameters, buffers and batch counted as resident), measured the
+    way the step's device is (``measure_peak``: the profiler on CPU, the allocator on CUDA)."""
+    anchors = [*list(model.parameters())[:1], *batch]  # (only their device is read)
+    return _eager(model, batch, loss_fn, seed,
+                  lambda step, resident: measure_peak(lambda *_: step(), *anchors, resident_bytes=resident))
 
 
 def _eager_state(model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor], *,
@@ -100,11 +103,24 @@ def planned_step(
     model: torch.nn.Module, batch: Sequence[torch.Tensor], traced: TracedStep, step: PlannedStep, *, seed: int = 0
 ) -> tuple[StepState, MemoryReport]:
     """Run a planned step once, measured, on a fresh copy of ``model``."""
+    return _planned(model, batch, traced, step, seed, lambda run, flat: measure_peak(run, *flat))
+
+
+def _planned_state(model: torch.nn.Module, batch: Sequence[torch.Tensor], traced: TracedStep, step: PlannedStep,
+                   *, seed: int = 0) -> StepState:
+    """``planned_step``'s state alone: the same step, its peak not measured."""
+    return _planned(model, batch, traced, step, seed, lambda run, flat: run(*flat))[0]
+
+
+def _planned(model: torch.nn.Module, batch: Sequence[torch.Tensor], traced: TracedStep, step: PlannedStep, seed: int,
+             run: Callable[[Callable[..., None], list], _Run]) -> tuple[StepState, _Run]:
+    """One planned step on a fresh copy of ``model``, called through ``run(step, flat_inputs)``,
+    and ``run``'s result."""
     model = copy.deepcopy(model)
     flat = traced.flat_inputs(model, batch)
     kept: list = []
     torch.manual_seed(seed)
-    report = measure_peak(lambda *a: kept.append(step(*a)), *flat)
+    report = run(lambda *a: kept.append(step(*a)), flat)
     rng_state = torch.get_rng_state()
     out = traced.unpack(kept.pop())
     buffers = dict(model.named_buffers())
@@ -169,15 +185,15 @@ def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch
     True
     """
     batch = step._batch(batch)
-    want, _ = eager_step(step.model, batch, loss_fn, seed=seed)
-    got, _ = planned_step(step.model, batch, step.traced, step.planned, seed=seed)
+    want = _eager_state(step.model, batch, loss_fn, seed=seed)  # (states only: no peak is read here)
+    got = _planned_state(step.model, batch, step.traced, step.planned, seed=seed)
     agreement = compare(got, want)
     if agreement.bitwise:
         return agreement
     unstable: dict[str, None] = {}
     worst = 0.0
     for _ in range(eager_repeats):
-        again = compare(_eager_state(step.model, batch, loss_fn, seed=seed), want)  # (no peak read: not measured)
+        again = compare(_eager_state(step.model, batch, loss_fn, seed=seed), want)
         unstable.update(dict.fromkeys(map(_mismatch_label, again.mismatches)))
         worst = max(worst, again.max_abs_diff)
     return replace(agreement, eager_nondeterministic=tuple(unstable), eager_self_diff=worst)
