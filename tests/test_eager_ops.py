@@ -407,3 +407,48 @@ def test_an_attention_mask_the_model_builds_itself_is_skipped_as_in_eager():
             return torch.nn.functional.cross_entropy(m(inputs=ids).logits, y)
 
     _agree_with_eager(model, (ids, y), loss_fn, methods=("checkpoint_all",))
+
+
+_LOSSES = {
+    "mse_loss": lambda out, y, reduction: nn.functional.mse_loss(out, y, reduction=reduction),
+    "smooth_l1_loss": lambda out, y, reduction: nn.functional.smooth_l1_loss(out, y, reduction=reduction),
+    "soft_margin_loss": lambda out, y, reduction: nn.functional.soft_margin_loss(out, y.sign(), reduction=reduction),
+    "binary_cross_entropy": lambda out, y, reduction: nn.functional.binary_cross_entropy(
+        out.sigmoid(), y.sigmoid(), reduction=reduction),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss", sorted(_LOSSES))
+def test_a_loss_reduced_in_place_is_counted_with_its_whole_storage(loss, reduction):
+    """On the CPU these losses return a 0-d tensor over the storage of the unreduced loss, alive
+    as long as the loss; counted as one element, a plan measured above its budget."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(64, 64), nn.Tanh())])
+    x, y = torch.randn(256, 64), torch.randn(256, 64)
+    loss_fn = lambda m, x, y: _LOSSES[loss](m(x), y, reduction)  # noqa: E731
+    real = loss_fn(model, x, y)
+    assert real.dim() == 0 and real.untyped_storage().nbytes() == x.numel() * 4  # (the kernel's own)
+    t = trace(model, (x, y), loss_fn, cost_model=None)
+    node = next(i for i in range(t.graph.n) if str(t.fx_node(i).target) == f"aten.{loss}.default")
+    assert t.graph.nodes[node].out_bytes == x.numel() * 4
+    step = remat.optimize(model, (x, y), loss_fn, budget="80%", method="milp")  # (profiled: kernel scratch counted)
+    assert verify.check_counted_bytes(step, x, y) == []
+    assert verify.check_step(step, loss_fn, x, y).bitwise
+    _, measured = verify.planned_step(step.model, (x, y), step.traced, step.planned)
+    assert measured.peak_bytes == step.report.predicted_peak_bytes <= step.report.budget_bytes
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_an_embedding_bag_is_counted_with_the_cpu_kernels_storages(mode, include_last_offset):
+    """The CPU kernel's ``offset2bag`` (mean and max) and ``bag_size`` (with the last offset
+    included) hold one element more than they show."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(100, 16, mode=mode, include_last_offset=include_last_offset),
+                          nn.Linear(16, 4))
+    ids, offsets = torch.randint(0, 100, (640,)), torch.arange(0, 640 + include_last_offset, 10)
+    loss_fn = lambda m, ids, offsets: m[1](m[0](ids, offsets)).square().mean()  # noqa: E731
+    step = remat.optimize(model, (ids, offsets), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert verify.check_counted_bytes(step, ids, offsets) == []
+    assert verify.check_step(step, loss_fn, ids, offsets).bitwise
