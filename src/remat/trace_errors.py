@@ -281,8 +281,10 @@ class RnnWatch(_ModuleWatch):
         raise TraceError(
             f"{where} runs oneDNN's fused CPU LSTM kernel ({fused.target}), whose traced form loses "
             f"the workspace its backward reads, so the traced step cannot run; trace with oneDNN off "
-            f"for this step: `with torch.backends.mkldnn.flags(enabled=False): step = remat.optimize(...)` "
-            f"(the LSTM then traces to plain matrix products, equal to eager PyTorch under the same flag)"
+            f"for this step: `with torch.backends.mkldnn.flags(enabled=False): step = remat.optimize(...)`. "
+            f"The LSTM then traces to plain matrix products: the step's gradients are eager PyTorch's "
+            f"with oneDNN off, which round differently from the fused kernel's (in the last bits), so "
+            f"compare it with, and switch to it from, eager training under the same flag"
         )
 
 
