@@ -45,7 +45,7 @@ from remat.errors import TraceError
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
-from remat.trace_errors import BatchNormWatch, RnnWatch, explain_trace_failure
+from remat.trace_errors import BatchNormWatch, RnnWatch, check_dense, explain_trace_failure
 
 LossFn = Callable[..., torch.Tensor]
 log = logging.getLogger("remat.trace")
@@ -256,6 +256,7 @@ def trace(
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms:
         gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), fakes, kinds_by_name)
     rnns.check_graph(gm)
+    check_dense(gm, model)
 
     roles = [InputRole.PARAM] * len(params) + [InputRole.BUFFER] * len(buffers) + [InputRole.INPUT] * len(batch)
     slot_keys = keys + [f"batch[{i}]" for i in range(len(batch))]

@@ -9,6 +9,7 @@ import re
 import traceback
 
 import torch
+from torch.utils import _pytree as pytree
 
 from remat.errors import TraceError
 
@@ -285,6 +286,28 @@ class RnnWatch(_ModuleWatch):
             f"The LSTM then traces to plain matrix products: the step's gradients are eager PyTorch's "
             f"with oneDNN off, which round differently from the fused kernel's (in the last bits), so "
             f"compare it with, and switch to it from, eager training under the same flag"
+        )
+
+
+def check_dense(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """Refuse a traced step with a tensor that is not dense (strided): a sparse gradient, as
+    ``nn.Embedding(sparse=True)`` and ``nn.EmbeddingBag(sparse=True)`` give, has no storage
+    whose bytes remat can count and plan, nor a traced form the step could return as eager
+    PyTorch does. Names the node, and the modules set to produce it."""
+    for n in gm.graph.nodes:
+        layout = next((t.layout for t in pytree.tree_leaves(n.meta.get("val"))
+                       if isinstance(t, torch.Tensor) and t.layout is not torch.strided), None)
+        if layout is None:
+            continue
+        sparse = [name for name, m in model.named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+        where = (", ".join(_describe_module(model, name) for name in sparse) + " has sparse=True, so it makes"
+                 if sparse else f"model {type(model).__name__} makes")
+        remedy = ("set sparse=False (its gradient is then dense; every optimizer but SparseAdam takes it)"
+                  if sparse else "compute it with dense tensors")
+        raise TraceError(
+            f"{where} a {layout} tensor in the training step (node {n.name}, {n.target}); remat plans "
+            f"dense tensors only, whose bytes it counts: {remedy}"
         )
 
 
