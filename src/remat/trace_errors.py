@@ -51,6 +51,8 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
                 module_names = frozenset(code.co_names)
             if not any(d in filename for d in _LIBRARY_DIRS):
                 code = _source_line(filename, lineno)
+                if filename.startswith("<") and code is None:  # generated code (``<string>``): no line to show
+                    continue
                 user_line = f"{os.path.basename(filename)}:{lineno}" + (f" `{code}`" if code else "")
     where = module_desc or f"loss_fn or model {type(model).__name__}"
     if user_line:
@@ -161,9 +163,13 @@ def _layer_drop_settings(module: torch.nn.Module) -> list[str]:
     return [f"{name}={value:g}" for name, value in found.items()]
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException, limit: int = 400) -> str:
+    """The first line of ``exc``'s message, cut at a word boundary with "..." past ``limit``."""
     text = str(exc).strip()
-    return text.splitlines()[0][:300].rstrip(".") if text else ""
+    line = text.splitlines()[0].rstrip(".") if text else ""
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."
 
 
 def _source_line(filename: str, lineno: int) -> str | None:

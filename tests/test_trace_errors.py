@@ -1,5 +1,7 @@
-"""Sparse tensors in a training step are refused by name: remat plans dense tensors, whose
-bytes it counts (a sparse embedding gradient used to fail deep inside the graph builder)."""
+"""remat.trace_errors: what cannot be traced is refused with a message naming it and a remedy.
+Sparse tensors in a training step are refused by name (remat plans dense tensors, whose bytes
+it counts; a sparse embedding gradient failed deep inside the graph builder); the message of an
+error tracing met reads whole."""
 
 from __future__ import annotations
 
@@ -41,3 +43,38 @@ def test_a_sparse_tensor_made_outside_a_module_is_refused_with_the_node_named():
     with pytest.raises(TraceError, match="model ParameterList makes a torch.sparse_coo tensor in the training step "
                                          "\\(node .*\\); remat plans dense tensors only.*compute it with dense"):
         remat.optimize(model, (ids,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+
+
+def test_an_error_eager_also_raises_is_quoted_to_a_word_boundary_without_generated_code_lines():
+    """Autograd's in-place error (eager raises it too) was cut mid-word at 300 characters and
+    placed at ``<string>:1``, a line of generated code, not the user's."""
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.linear(x).relu()
+            h.mul_(2.0)  # relu's backward reads its output
+            return h
+
+    model, x = InPlace(), torch.randn(4, 8)
+    loss_fn = eval("lambda m, x: m(x).sum()")  # (defined in generated code, as ``<string>``)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_fn(model, x).backward()  # eager fails the same way
+    with pytest.raises(TraceError) as caught:
+        remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    message = str(caught.value)
+    assert "modified by an inplace operation" in message and "<string>" not in message
+    assert "check that loss_fn(model, *batch) runs eagerly" in message
+
+
+def test_a_long_first_line_is_cut_at_a_word_boundary():
+    from remat.trace_errors import _first_line
+
+    words = " ".join(f"word{i}" for i in range(200))
+    cut = _first_line(RuntimeError(words + "\nsecond line"))
+    assert cut.endswith(" ...") and len(cut) <= 404 and words.startswith(cut[:-4])
+    assert cut[:-4].split(" ")[-1] in words.split(" ")  # a whole word
+    assert _first_line(RuntimeError("short.\nmore")) == "short" and _first_line(RuntimeError("")) == ""
