@@ -234,6 +234,33 @@ def test_bad_loss_is_a_clear_error(loss_fn, message):
         trace(nn.Linear(3, 3), (X,), loss_fn, cost_model=None)
 
 
+def test_batch_tensors_that_require_grad_get_their_gradients_as_outputs():
+    """One output per batch tensor that requires grad, after the parameters' gradients; the
+    traced module computes eager's gradient (None where the loss does not use the tensor)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, unused, y = torch.randn(2, 3, requires_grad=True), torch.randn(2, requires_grad=True), torch.tensor([0, 2])
+    loss_fn = lambda m, x, unused, y: F.cross_entropy(m(x), y)  # noqa: E731
+    t = trace(model, (x, unused, y), loss_fn, cost_model=None)
+    assert [(s.role, s.key) for s in t.outputs] == [(OutputRole.LOSS, "loss"), *((OutputRole.GRAD, k) for k, _ in
+                                                    model.named_parameters()),
+                                                    (OutputRole.INPUT_GRAD, "batch[0]"), (OutputRole.INPUT_GRAD, "batch[1]")]
+    assert [s.requires_grad for s in t.batch_spec] == [True, True, False]
+    with torch.no_grad():
+        out = t.unpack(t.module(*t.flat_inputs(model, (x, unused, y))))
+    eager = copy.deepcopy(model)
+    loss_fn(eager, x, unused, y).backward()
+    assert torch.equal(out.input_grads["batch[0]"], x.grad) and out.input_grads["batch[1]"] is None
+    assert all(torch.equal(out.grads[k], p.grad) for k, p in eager.named_parameters())
+    # a model with no trainable parameter: the input's gradient alone
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    t = trace(frozen, (x, unused, y), loss_fn, cost_model=None)
+    assert [s.role for s in t.outputs] == [OutputRole.LOSS, OutputRole.INPUT_GRAD, OutputRole.INPUT_GRAD]
+    with pytest.raises(TraceError, match=r"batch\[1\] does not require grad but the step was traced with an "
+                                         r"example batch\[1\] that does"):
+        t.flat_inputs(frozen, (x, unused.detach(), y))
+
+
 def test_bad_inputs_are_clear_errors():
     with pytest.raises(TraceError, match="no trainable parameter"):
         trace(nn.ReLU(), (X,), lambda m, x: m(x).sum(), cost_model=None)

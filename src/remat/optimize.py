@@ -13,8 +13,13 @@ True
 Gradients follow ``loss.backward()``: a parameter whose ``.grad`` is None receives the new
 gradient (laid out like the parameter, as autograd does), an existing ``.grad`` is added to in
 place. So ``optimizer.zero_grad()`` (set_to_none, the default) and gradient accumulation both
-behave as usual. Buffers the step mutates (batch-norm running statistics) are updated once per
-call, after the plan has run.
+behave as usual. A batch tensor that requires grad (in the example batch, and so in every batch)
+gets its gradient as from ``loss.backward()``: ``torch.autograd.backward`` hands it over, so a
+leaf's ``.grad`` is set or added to, and a tensor computed outside the step (an encoder's output)
+passes it on into the graph that computed it. Buffers, parameters and batch tensors the step
+mutates (batch-norm running statistics, an embedding's ``max_norm`` renormalization, an input
+modified in place) are updated once per call, after the plan has run; each is found before the
+plan runs, so a step that cannot apply one writes nothing.
 
 Plans are saved as JSON (``step.save(path)``) keyed by the traced graph's structural
 fingerprint and the budget, with what was measured per node (costs, kernel scratch bytes);
@@ -113,8 +118,10 @@ class StepReport:
 class TrainingStep:
     """One planned training step of ``model``: ``step(batch)`` (or ``step(*batch)``) returns
     the loss (detached) and fills every trainable parameter's ``.grad`` as ``loss.backward()``
-    would. ``batch`` is what ``optimize`` was given as ``example_inputs``, with the same
-    shapes: one tensor, or a tuple or list of tensors (as a ``DataLoader`` yields them)."""
+    would, and the gradient of every batch tensor that requires grad. ``batch`` is what
+    ``optimize`` was given as ``example_inputs``, with the same shapes, and requiring grad where
+    the example did: one tensor, or a tuple or list of tensors (as a ``DataLoader`` yields
+    them)."""
 
     def __init__(
         self, model: torch.nn.Module, traced: TracedStep, plan: Plan, planned: PlannedStep, report: StepReport
@@ -127,16 +134,19 @@ class TrainingStep:
 
     def __call__(self, *batch: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         batch = self._batch(batch)
-        outputs = self.traced.unpack(self.planned(*self.traced.flat_inputs(self.model, batch)))
+        flat = self.traced.flat_inputs(self.model, batch)
+        targets = self.traced.update_targets(self.model, batch)  # (before anything runs or is written)
+        outputs = self.traced.unpack(self.planned(*flat))
         params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
         with torch.no_grad():
             for key, grad in outputs.grads.items():
                 if grad is not None:
                     _accumulate(params[key], grad)
             for key, value in outputs.updates.items():
-                target = buffers[key] if key in buffers else batch[batch_index(key)]
-                target.copy_(value)
+                targets[key].copy_(value)
+        roots = [(batch[batch_index(key)], grad) for key, grad in outputs.input_grads.items() if grad is not None]
+        if roots:  # as loss.backward() reaches them: into a leaf's .grad, or on into the graph that made it
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
         return outputs.loss
 
     def _batch(self, args: tuple[object, ...]) -> tuple[torch.Tensor, ...]:
@@ -163,6 +173,7 @@ class TrainingStep:
             "fingerprint": self.report.fingerprint,
             "budget_bytes": self.report.budget_bytes,
             "n_nodes": self.traced.graph.n,
+            "batch_requires_grad": [s.requires_grad for s in self.traced.batch_spec],
             "compute_order": list(self.plan.compute_order),
             **self.traced.measurements(),
             "report": self.report.to_json(),
@@ -189,6 +200,7 @@ class TrainingStep:
         refuse_wrapped(model, "TrainingStep.load()")
         record = _read_plan(path)
         traced = trace(model, example_inputs, loss_fn, cost_model=None, allow_native_batch_norm=allow_native_batch_norm)
+        _check_requires_grad(path, record, traced)
         if record["n_nodes"] == traced.graph.n:
             try:
                 traced = traced.with_measurements(record["node_costs"], record["temp_bytes"])
@@ -200,8 +212,8 @@ class TrainingStep:
             raise StalePlanError(
                 f"saved plan {os.fspath(path)!r} was made for a different training step (graph "
                 f"fingerprint {record['fingerprint'][:12]}, {record['n_nodes']} nodes; this model "
-                f"traces to {fingerprint[:12]}, {graph.n} nodes): the model, batch shape or loss "
-                f"changed; run optimize() again and save the new plan"
+                f"traces to {fingerprint[:12]}, {graph.n} nodes): the model, batch shape, loss or "
+                f"which batch tensors require grad changed; run optimize() again and save the new plan"
             )
         if budget_bytes is not None and int(budget_bytes) != record["budget_bytes"]:
             raise StalePlanError(
@@ -268,6 +280,27 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad += grad
 
 
+def _check_requires_grad(path: str | os.PathLike, record: dict, traced: TracedStep) -> None:
+    """Refuse a saved plan made for an example batch whose tensors required grad elsewhere than
+    ``traced``'s (a file without the field, from before it was saved, is left to the
+    fingerprint: such a step's graph has other nodes)."""
+    saved = record.get("batch_requires_grad")
+    if saved is None:
+        return
+    here = [s.requires_grad for s in traced.batch_spec]
+    if len(saved) != len(here):
+        return  # (another batch: the fingerprint refuses it)
+    for i, (was, now) in enumerate(zip(saved, here)):
+        if was != now:
+            raise StalePlanError(
+                f"saved plan {os.fspath(path)!r} was made with an example batch whose batch[{i}] "
+                f"{'requires' if was else 'does not require'} grad, but this example batch's batch[{i}] "
+                f"{'does not' if was else 'does'} (the step computes the gradients of the batch tensors "
+                f"that required grad when it was planned): load it with an example batch whose batch[{i}] "
+                f"{'requires' if was else 'does not require'} grad, or run optimize() again with this one"
+            )
+
+
 def _read_plan(path: str | os.PathLike) -> dict:
     where = os.fspath(path)
     try:
@@ -294,6 +327,12 @@ def _read_plan(path: str | os.PathLike) -> dict:
                 f"saved plan {where!r}: field {key!r} is missing or not a {kind.__name__}; the file "
                 f"is corrupt: delete it and run optimize() again"
             )
+    flags = record.get("batch_requires_grad")  # (absent from files saved before it was recorded)
+    if flags is not None and not (isinstance(flags, list) and all(isinstance(f, bool) for f in flags)):
+        raise PlanFileError(
+            f"saved plan {where!r}: field 'batch_requires_grad' is not a list of booleans; the file "
+            f"is corrupt: delete it and run optimize() again"
+        )
     if record["version"] != PLAN_VERSION:
         raise PlanFileError(
             f"saved plan {where!r} has format version {record['version']}; this remat reads version "

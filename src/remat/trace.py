@@ -7,8 +7,11 @@ dropout is one ``native_dropout``; where that would differ from eager PyTorch,
 ``remat.eager_ops`` keeps eager's ops), then a second pass of
 ``functionalize(remove="mutations")``; batch norms are then rewritten to the ops eager's kernels
 run behind (``remat.batch_norm``).
-Mutated buffers (batch-norm running stats) come out as extra outputs holding the new values;
-whoever runs the step copies them into the buffers once, after the step.
+Mutated buffers (batch-norm running stats), parameters (an embedding's ``max_norm``
+renormalization) and batch tensors come out as extra outputs holding the new values; whoever
+runs the step copies them into those tensors once, after the step (``TracedStep.update_targets``).
+Batch tensors that require grad in the example batch get their gradient computed too (as
+``loss.backward()`` gives them one).
 
 Memory follows storages, not nodes: a node owns the bytes of the storages it creates; a view
 (or any output sharing an existing storage) owns none and makes its users depend on the
@@ -61,7 +64,8 @@ class InputRole(enum.Enum):
 class OutputRole(enum.Enum):
     LOSS = "loss"
     GRAD = "grad"  # the gradient of one trainable parameter
-    UPDATE = "update"  # the new value of a buffer (or input) the step mutates
+    INPUT_GRAD = "input_grad"  # the gradient of one batch tensor that requires grad ("batch[i]")
+    UPDATE = "update"  # the new value of a parameter, buffer or batch tensor the step mutates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,22 +90,30 @@ class OutputSlot:
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
+    """One batch tensor as traced: ``requires_grad`` says whether the step computes its
+    gradient."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    requires_grad: bool = False
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorSpec:
-        return cls(tuple(t.shape), t.dtype, t.device)
+        return cls(tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
-    """What one run of a traced step returns, by name."""
+    """What one run of a traced step returns, by name: ``grads`` by parameter name,
+    ``input_grads`` by batch position (``"batch[0]"``: the batch tensors that require grad; None
+    where the loss does not depend on one), ``updates`` by the name of the tensor they replace
+    (a parameter's, a buffer's or ``"batch[i]"``)."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None]
     updates: dict[str, torch.Tensor]
+    input_grads: dict[str, torch.Tensor | None] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -187,17 +199,47 @@ class TracedStep:
                 flat.append(next(constants))
         return flat
 
+    def update_targets(self, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensor each update output of the step is copied into, by its key: the model's
+        parameter or buffer of that name, or the batch tensor. Raises ``TraceError`` for a key
+        that names none of them, so a caller resolves them all before writing anything."""
+        role_of = {s.key: s.role for s in self.inputs}
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        targets = {}
+        for slot in self.outputs:
+            if slot.role is not OutputRole.UPDATE:
+                continue
+            role = role_of.get(slot.key)
+            if role is InputRole.PARAM and slot.key in params:
+                targets[slot.key] = params[slot.key]
+            elif role is InputRole.BUFFER and slot.key in buffers:
+                targets[slot.key] = buffers[slot.key]
+            elif role is InputRole.INPUT and 0 <= batch_index(slot.key) < len(batch):
+                targets[slot.key] = batch[batch_index(slot.key)]
+            else:
+                what = "a tensor the model creates or keeps outside its parameters and buffers" if role is InputRole.CONSTANT \
+                    else "no parameter, buffer or batch tensor of this model"
+                raise TraceError(
+                    f"the traced step modifies {slot.key!r} in place, which is {what}; remat cannot "
+                    f"apply that update, and nothing was written: register the tensor as a buffer "
+                    f"(module.register_buffer) or do not modify it in place, and trace (or optimize) again"
+                )
+        return targets
+
     def unpack(self, values: Sequence[torch.Tensor | None]) -> StepOutputs:
-        loss, grads, updates = None, {}, {}
+        loss, grads, updates, input_grads = None, {}, {}, {}
         for slot, value in zip(self.outputs, values, strict=True):
             if slot.role is OutputRole.LOSS:
                 loss = value
             elif slot.role is OutputRole.GRAD:
                 grads[slot.key] = value
+            elif slot.role is OutputRole.INPUT_GRAD:
+                input_grads[slot.key] = value
             else:
                 updates[slot.key] = value
         assert loss is not None
-        return StepOutputs(loss=loss, grads=grads, updates=updates)
+        return StepOutputs(loss=loss, grads=grads, updates=updates, input_grads=input_grads)
 
 
 def trace(
@@ -225,6 +267,11 @@ def trace(
     run PyTorch's native kernels, which round differently; ``allow_native_batch_norm=True``
     accepts them (``remat.trace_errors``).
 
+    A batch tensor that requires grad (``requires_grad=True``, or a tensor computed outside the
+    step with a ``grad_fn``) gets its gradient computed as ``loss.backward()`` would
+    (``OutputRole.INPUT_GRAD``); the traced step then takes only batches whose tensors require
+    grad where the example's did (``check_batch``).
+
     >>> import torch
     >>> m = torch.nn.Linear(4, 2)
     >>> t = trace(m, (torch.randn(3, 4),), lambda m, x: m(x).square().mean(), cost_model=None)
@@ -236,13 +283,15 @@ def trace(
     trainable = [k for k, p in params.items() if p.requires_grad]
     frozen = [k for k, p in params.items() if not p.requires_grad]
     buffers = dict(model.named_buffers())
-    if not trainable:
+    grad_inputs = [i for i, t in enumerate(batch) if t.requires_grad]
+    if not trainable and not grad_inputs:
         raise TraceError(
-            f"model {type(model).__name__} has no trainable parameter (requires_grad=True); "
-            f"there is no gradient to compute"
+            f"model {type(model).__name__} has no trainable parameter (requires_grad=True) and "
+            f"no batch tensor requires grad; there is no gradient to compute"
         )
     keys = trainable + frozen + list(buffers)
-    flat = [*(params[k].detach() for k in trainable + frozen), *(buffers[k].detach() for k in buffers), *batch]
+    flat = [*(params[k].detach() for k in trainable + frozen), *(buffers[k].detach() for k in buffers),
+            *(t.detach() for t in batch)]
     on_meta = any(t.device.type == "meta" for t in flat)
     if on_meta and cost_model is cost_mod.CostModel.PROFILE:
         raise TraceError(
@@ -254,7 +303,7 @@ def trace(
     fakes = [_fake_input(fake_mode, t) for t in flat]
     kinds_by_name: dict[str, NodeKind] = {}
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms:
-        gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), fakes, kinds_by_name)
+        gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name)
     rnns.check_graph(gm)
     check_dense(gm, model)
 
@@ -263,7 +312,7 @@ def trace(
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = [InputSlot(r, k, p.name) for r, k, p in zip(roles, slot_keys, placeholders, strict=True)]
     constants = _lift_constants(gm, inputs)
-    outputs = _output_slots(gm, trainable, inputs)
+    outputs = _output_slots(gm, trainable, [f"batch[{i}]" for i in grad_inputs], inputs)
     dead_code_elimination(gm)
     use_eager_batch_norm_kernels(gm, kinds_by_name)
     norms.check_graph(gm)
@@ -331,15 +380,27 @@ def _as_batch(example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[to
 
 
 def check_batch(spec: Sequence[TensorSpec], batch: Sequence[torch.Tensor]) -> None:
-    """Raise ``TraceError`` unless ``batch`` has the traced shapes, dtypes and devices."""
+    """Raise ``TraceError`` unless ``batch`` has the traced shapes, dtypes and devices, and its
+    tensors require grad where the traced example's did (the step computes the gradients of
+    those, and of no other)."""
     if len(batch) != len(spec):
         raise TraceError(f"the batch has {len(batch)} tensors but the step was traced with {len(spec)}")
     for i, (s, t) in enumerate(zip(spec, batch)):
-        if TensorSpec.of(t) != s:
+        if (tuple(t.shape), t.dtype, t.device) != (s.shape, s.dtype, s.device):
             raise TraceError(
                 f"batch[{i}] has shape {tuple(t.shape)}, {t.dtype} on {t.device} but the step was "
                 f"traced with shape {s.shape}, {s.dtype} on {s.device}; plans are shape-specific: "
                 f"trace (or optimize) again with an example of this shape"
+            )
+        if t.requires_grad != s.requires_grad:
+            raise TraceError(
+                f"batch[{i}] requires grad but the step was traced with an example batch[{i}] that "
+                f"does not, so the step does not compute its gradient: trace (or optimize) again with "
+                f"an example batch whose batch[{i}] requires grad"
+                if t.requires_grad else
+                f"batch[{i}] does not require grad but the step was traced with an example batch[{i}] "
+                f"that does, so the step computes its gradient: pass a batch[{i}] that requires grad, "
+                f"or trace (or optimize) again with an example batch whose batch[{i}] does not"
             )
 
 
@@ -394,7 +455,7 @@ def _check_loss(loss: object) -> None:
         )
 
 
-def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, flat, kinds_by_name):
+def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_inputs, flat, kinds_by_name):
     wrapper = _Wrapper(model, loss_fn)
     n_train, n_frozen, n_buf = len(trainable), len(frozen), len(buffer_keys)
     names = ["model." + k for k in trainable + frozen + buffer_keys]
@@ -412,14 +473,16 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, flat, kind
     cache_enabled = torch.is_autocast_cache_enabled()  # make_fx turns it off; eager has it as the user set it
 
     def step(*tensors):
-        for t in tensors[:n_train]:
+        batch = tensors[n_train + n_frozen + n_buf :]
+        wrt = [*tensors[:n_train], *(batch[i] for i in grad_inputs)]  # (the batch's as eager: leaves)
+        for t in wrt:
             t.requires_grad_(True)
         state = dict(zip(names, tensors[: n_train + n_frozen + n_buf]))
         with autocast_cache(cache_enabled):
-            loss = torch.func.functional_call(wrapper, state, tuple(tensors[n_train + n_frozen + n_buf :]))
+            loss = torch.func.functional_call(wrapper, state, tuple(batch))
         _check_loss(loss)
         marks["backward_start"] = _last_node_name()
-        grads = torch.autograd.grad(loss, tensors[:n_train], allow_unused=True)
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         if all(g is None for g in grads):
             raise TraceError(
                 "autograd produced no gradient for any trainable parameter although the loss "
@@ -682,14 +745,19 @@ def _lift_constants(gm: fx.GraphModule, inputs: list[InputSlot]) -> list[torch.T
     return constants
 
 
-def _output_slots(gm: fx.GraphModule, trainable: list[str], inputs: list[InputSlot]) -> list[OutputSlot]:
-    """Name the outputs and move input mutations (``copy_`` into a placeholder at the end)
-    to extra outputs, so the graph is functional and recomputing never sees a mutated input."""
+def _output_slots(gm: fx.GraphModule, trainable: list[str], grad_inputs: list[str],
+                  inputs: list[InputSlot]) -> list[OutputSlot]:
+    """Name the outputs (the loss, the trainable parameters' gradients, the gradients of the
+    batch tensors ``grad_inputs`` names) and move input mutations (``copy_`` into a placeholder
+    at the end) to extra outputs, so the graph is functional and recomputing never sees a
+    mutated input."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     values = _output_values(gm)
     slot_of = {s.fx_name: s for s in inputs}
     slots = [OutputSlot(OutputRole.LOSS, "loss", values[0].name)]
-    slots += [OutputSlot(OutputRole.GRAD, k, v.name if v is not None else None) for k, v in zip(trainable, values[1:])]
+    roles = [OutputRole.GRAD] * len(trainable) + [OutputRole.INPUT_GRAD] * len(grad_inputs)
+    slots += [OutputSlot(r, k, v.name if v is not None else None)
+              for r, k, v in zip(roles, trainable + grad_inputs, values[1:], strict=True)]
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
