@@ -1,6 +1,7 @@
 """The comparison against eager PyTorch detects every kind of difference."""
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -27,6 +28,19 @@ def test_each_difference_is_named():
                   "buffer running_mean", "random generator state"):
         assert label in text
     assert a.max_abs_diff == 1.0
+
+
+def test_parameters_and_batch_tensors_modified_in_place_and_input_gradients_are_compared():
+    def with_io(param=1.0, x=2.0, grad=3.0):
+        return replace(state(), params={"emb.weight": torch.tensor([param])}, batch={"batch[1]": torch.tensor([x])},
+                       batch_grads={"batch[0]": torch.tensor([grad]), "batch[2]": None})
+
+    assert compare(with_io(), with_io()).bitwise
+    a = compare(with_io(param=1.5, x=2.25, grad=3.125), with_io())
+    assert a.mismatches == ("grad batch[0]: max |diff| 0.125", "param emb.weight: max |diff| 0.5",
+                            "batch[1]: max |diff| 0.25")
+    assert compare(replace(with_io(), batch_grads={"batch[0]": None, "batch[2]": None}), with_io()).mismatches == (
+        "grad batch[0]: present in one step only",)
 
 
 def test_shape_mismatch():

@@ -1,28 +1,36 @@
-"""Checking a planned step against plain PyTorch: same loss, gradients, buffers and random
-state, and the measured peak next to the simulated one."""
+"""Checking a planned step against plain PyTorch: same loss, gradients (of the parameters and of
+the batch tensors that require grad), buffers, parameters and batch tensors the step modifies
+in place, and random state, and the measured peak next to the simulated one. Each step runs on
+its own copies of the model and of the batch."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import torch
 
 from remat.execute import PlannedStep
 from remat.memory import MemoryReport, measure_peak, resident_bytes_of
-from remat.trace import TracedStep
+from remat.trace import InputRole, TracedStep, batch_index
 
 
 @dataclass(frozen=True, eq=False)
 class StepState:
-    """Everything a training step changes: loss, gradients, buffers, the random generator."""
+    """Everything a training step changes: loss, gradients, buffers, the random generator; the
+    parameters it modified in place (``params``, by name) and the batch tensors (``batch``, by
+    ``"batch[i]"``); the gradients of the batch tensors that require grad (``batch_grads``, by
+    ``"batch[i]"``)."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
     rng_state: torch.Tensor
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    batch: dict[str, torch.Tensor] = field(default_factory=dict)
+    batch_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,11 +62,18 @@ def _mismatch_label(mismatch: str) -> str:
     return mismatch.split(":")[0]
 
 
+def _copied(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A step's own copy of the batch: each tensor cloned, requiring grad where it did (as a leaf:
+    the gradient a step hands to a tensor computed outside it is compared, not passed on), so a
+    step that modifies its input in place leaves the caller's, and the other step's, as they were."""
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in batch]
+
+
 def eager_step(
     model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor], *, seed: int = 0
 ) -> tuple[StepState, MemoryReport]:
-    """One plain PyTorch step (``loss_fn(model, *batch).backward()``) on a copy of ``model``,
-    with its measured peak (parameters, buffers and batch counted as resident), measured the
+    """One plain PyTorch step (``loss_fn(model, *batch).backward()``) on a copy of ``model`` and
+    of ``batch``, with its measured peak (parameters, buffers and batch counted as resident), measured the
     way the step's device is (``measure_peak``: the profiler on CPU, the allocator on CUDA)."""
     anchors = [*list(model.parameters())[:1], *batch]  # (only their device is read)
     return _eager(model, batch, loss_fn, seed,
@@ -80,7 +95,10 @@ def _eager(model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Calla
     (``resident``: the bytes of the copy's parameters and buffers and of the batch), and
     ``run``'s result."""
     model = copy.deepcopy(model)
-    resident = resident_bytes_of(list(model.parameters()), list(model.buffers()), list(batch))
+    batch = _copied(batch)
+    resident = resident_bytes_of(list(model.parameters()), list(model.buffers()), batch)
+    versions = {k: p._version for k, p in model.named_parameters()}
+    batch_versions = [t._version for t in batch]
     torch.manual_seed(seed)
     kept: list[torch.Tensor] = []
 
@@ -95,6 +113,9 @@ def _eager(model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Calla
         grads={k: p.grad for k, p in model.named_parameters()},
         buffers={k: b.clone() for k, b in model.named_buffers()},
         rng_state=torch.get_rng_state(),
+        params={k: p.detach() for k, p in model.named_parameters() if p._version != versions[k]},
+        batch={f"batch[{i}]": t.detach() for i, t in enumerate(batch) if t._version != batch_versions[i]},
+        batch_grads={f"batch[{i}]": t.grad for i, t in enumerate(batch) if t.requires_grad},
     )
     return state, result
 
@@ -102,7 +123,7 @@ def _eager(model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Calla
 def planned_step(
     model: torch.nn.Module, batch: Sequence[torch.Tensor], traced: TracedStep, step: PlannedStep, *, seed: int = 0
 ) -> tuple[StepState, MemoryReport]:
-    """Run a planned step once, measured, on a fresh copy of ``model``."""
+    """Run a planned step once, measured, on a fresh copy of ``model`` and of ``batch``."""
     return _planned(model, batch, traced, step, seed, lambda run, flat: measure_peak(run, *flat))
 
 
@@ -114,23 +135,30 @@ def _planned_state(model: torch.nn.Module, batch: Sequence[torch.Tensor], traced
 
 def _planned(model: torch.nn.Module, batch: Sequence[torch.Tensor], traced: TracedStep, step: PlannedStep, seed: int,
              run: Callable[[Callable[..., None], list], _Run]) -> tuple[StepState, _Run]:
-    """One planned step on a fresh copy of ``model``, called through ``run(step, flat_inputs)``,
-    and ``run``'s result."""
+    """One planned step on a fresh copy of ``model`` and of ``batch``, called through
+    ``run(step, flat_inputs)``, and ``run``'s result. The step's updates are applied as
+    ``TrainingStep`` applies them (to buffers, parameters and batch tensors)."""
     model = copy.deepcopy(model)
+    batch = _copied(batch)
     flat = traced.flat_inputs(model, batch)
+    targets = traced.update_targets(model, batch)
     kept: list = []
     torch.manual_seed(seed)
     report = run(lambda *a: kept.append(step(*a)), flat)
     rng_state = torch.get_rng_state()
     out = traced.unpack(kept.pop())
-    buffers = dict(model.named_buffers())
-    for k, v in out.updates.items():
-        buffers[k].copy_(v)
+    with torch.no_grad():
+        for k, v in out.updates.items():
+            targets[k].copy_(v)
+    role_of = {s.key: s.role for s in traced.inputs}
     state = StepState(
         loss=out.loss,
         grads=out.grads,
-        buffers={k: b.clone() for k, b in buffers.items()},
+        buffers={k: b.clone() for k, b in model.named_buffers()},
         rng_state=rng_state,
+        params={k: targets[k].detach() for k in out.updates if role_of[k] is InputRole.PARAM},
+        batch={k: targets[k].detach() for k in out.updates if role_of[k] is InputRole.INPUT},
+        batch_grads=dict(out.input_grads),
     )
     return state, report
 
@@ -161,17 +189,39 @@ def compare(got: StepState, want: StepState) -> Agreement:
     check("loss", got.loss, want.loss)
     for key in sorted(set(got.grads) | set(want.grads)):
         check(f"grad {key}", got.grads.get(key), want.grads.get(key))
+    for key in sorted(set(got.batch_grads) | set(want.batch_grads), key=batch_index):
+        check(f"grad {key}", got.batch_grads.get(key), want.batch_grads.get(key))
     for key in sorted(set(got.buffers) | set(want.buffers)):
         check(f"buffer {key}", got.buffers.get(key), want.buffers.get(key))
+    for key in sorted(set(got.params) | set(want.params)):
+        check(f"param {key}", got.params.get(key), want.params.get(key))
+    for key in sorted(set(got.batch) | set(want.batch), key=batch_index):
+        check(key, got.batch.get(key), want.batch.get(key))
     check("random generator state", got.rng_state, want.rng_state)
     return Agreement(bitwise=not mismatches, max_abs_diff=worst, mismatches=tuple(mismatches))
+
+
+def _compare_modified(got: StepState, want: StepState, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> Agreement:
+    """``compare``, where a parameter or batch tensor one step modified in place and the other
+    did not is compared with the value the other left it at: ``model``'s, ``batch``'s (both
+    steps ran on copies of them)."""
+    params = dict(model.named_parameters())
+
+    def left(state: StepState, other: StepState) -> StepState:
+        return replace(state, params={**{k: params[k].detach() for k in other.params if k in params}, **state.params},
+                       batch={**{k: batch[batch_index(k)].detach() for k in other.batch}, **state.batch})
+
+    return compare(left(got, want), left(want, got))
 
 
 def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch.Tensor, seed: int = 0,
                eager_repeats: int = 2) -> Agreement:
     """Run one eager PyTorch step and one step of ``step`` (a ``remat.TrainingStep``) from copies
-    of its model, with the same seed, and compare loss, gradients, buffers and the random
-    generator's state. ``step.model`` is left as it was; it needs the memory of an eager step.
+    of its model and of the batch (each step its own: requiring grad where the batch does), with
+    the same seed, and compare loss, gradients (``"grad batch[0]"`` for a batch tensor that
+    requires grad), buffers, the parameters (``"param 0.weight"``) and batch tensors
+    (``"batch[0]"``) a step modified in place, and the random generator's state. ``step.model``
+    and the batch are left as they were; it needs the memory of an eager step.
     When they differ, eager runs ``eager_repeats`` more times against its first run, and the
     result names the tensors eager itself does not reproduce (``Agreement``): a difference
     there is eager's own, not the plan's.
@@ -187,13 +237,13 @@ def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch
     batch = step._batch(batch)
     want = _eager_state(step.model, batch, loss_fn, seed=seed)  # (states only: no peak is read here)
     got = _planned_state(step.model, batch, step.traced, step.planned, seed=seed)
-    agreement = compare(got, want)
+    agreement = _compare_modified(got, want, step.model, batch)
     if agreement.bitwise:
         return agreement
     unstable: dict[str, None] = {}
     worst = 0.0
     for _ in range(eager_repeats):
-        again = compare(_eager_state(step.model, batch, loss_fn, seed=seed), want)
+        again = _compare_modified(_eager_state(step.model, batch, loss_fn, seed=seed), want, step.model, batch)
         unstable.update(dict.fromkeys(map(_mismatch_label, again.mismatches)))
         worst = max(worst, again.max_abs_diff)
     return replace(agreement, eager_nondeterministic=tuple(unstable), eager_self_diff=worst)
