@@ -48,6 +48,7 @@ from remat.errors import TraceError
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
+from remat.guards import ModuleState, module_state
 from remat.trace_errors import BatchNormWatch, RnnWatch, check_dense, explain_trace_failure
 
 LossFn = Callable[..., torch.Tensor]
@@ -136,6 +137,8 @@ class TracedStep:
     random_nodes: tuple[int, ...]
     batch_spec: tuple[TensorSpec, ...]
     training: bool
+    #: the model's Python state the step was traced with (``guards``), checked before every run
+    module_state: ModuleState | None = None
 
     def fx_node(self, i: int) -> fx.Node:
         return self._fx_nodes[i]
@@ -184,6 +187,8 @@ class TracedStep:
                 f"the step was traced with the model in {mode} mode but it is now in the other "
                 f"mode; call model.{mode}() or trace again"
             )
+        if self.module_state is not None:
+            self.module_state.check(model)
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         constants = iter(self.constants)
@@ -338,6 +343,7 @@ def trace(
         random_nodes=random_nodes,
         batch_spec=tuple(TensorSpec.of(t) for t in batch),
         training=model.training,
+        module_state=module_state(model),
     )
     if cost_model is not None:
         # (meta models are only estimated, from the fake tensors' metadata)

@@ -1,0 +1,82 @@
+"""remat.guards: a traced step refuses to run once the Python state it was traced with has
+changed (eager PyTorch would compute something else), naming what changed; unchanged, it runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.errors import TraceError
+from remat.verify import check_step
+
+
+class _Scaled(nn.Module):
+    """A hook on an intermediate reads a Python attribute; dropout in a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.drop = nn.Dropout(0.1)
+        self.scale = 0.5
+        self.unused = math.nan  # (NaN is not equal to itself: still unchanged)
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        h.register_hook(lambda g: g * self.scale)
+        return self.b(self.drop(h))
+
+
+def _step():
+    torch.manual_seed(0)
+    model, x, y = _Scaled(), torch.randn(4, 8), torch.randint(0, 3, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    return model, x, y, loss_fn, remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all",
+                                                cost_model=None)
+
+
+def test_an_unchanged_model_runs_and_matches_eager():
+    model, x, y, loss_fn, step = _step()
+    for _ in range(2):
+        step(x, y)
+    assert check_step(step, loss_fn, x, y).bitwise
+
+
+def test_a_changed_attribute_is_refused_and_restored_it_runs():
+    model, x, y, loss_fn, step = _step()
+    model.scale = 0.25  # eager's gradients would now be half of the traced step's
+    with pytest.raises(TraceError, match="the model \\(_Scaled\\) attribute 'scale' is now 0.25 but was 0.5 when "
+                                         "the step was traced.*trace again"):
+        step(x, y)
+    assert all(p.grad is None for p in model.parameters())  # nothing written
+    model.scale = 0.5
+    step(x, y)
+    assert check_step(step, loss_fn, x, y).bitwise
+
+
+def test_a_submodule_switched_to_eval_is_refused():
+    model, x, y, loss_fn, step = _step()
+    model.drop.eval()
+    with pytest.raises(TraceError, match="module 'drop' \\(Dropout\\) attribute 'training' is now False but was True"):
+        step(x, y)
+
+
+def test_freezing_a_parameter_after_tracing_is_refused():
+    model, x, y, loss_fn, step = _step()
+    model.a.weight.requires_grad_(False)
+    with pytest.raises(TraceError, match="parameter 'a.weight' has requires_grad=False but had True when the step "
+                                         "was traced.*after freezing or unfreezing"):
+        step(x, y)
+
+
+def test_a_hook_added_after_tracing_is_refused():
+    model, x, y, loss_fn, step = _step()
+    handle = model.b.register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.raises(TraceError, match="module 'b' \\(Linear\\) has 1 forward/backward hook\\(s\\) but had 0"):
+        step(x, y)
+    handle.remove()
+    step(x, y)
