@@ -151,15 +151,7 @@ def test_check_step_compares_the_gradients_of_inputs_that_require_grad(monkeypat
     agreement = check_step(step, _loss, x, y)
     assert agreement.bitwise, agreement.mismatches
     assert x.grad is None and all(p.grad is None for p in model.parameters())  # (each step ran on copies)
-    planned = verify._planned
-
-    def nudged(*args, **kwargs):
-        state, result = planned(*args, **kwargs)
-        g = state.batch_grads["batch[0]"]
-        state.batch_grads["batch[0]"] = torch.nextafter(g, torch.full_like(g, math.inf))
-        return state, result
-
-    monkeypatch.setattr(verify, "_planned", nudged)
+    _nudge_planned(monkeypatch, "batch_grads", "batch[0]")
     agreement = check_step(step, _loss, x, y)
     assert not agreement.bitwise and len(agreement.mismatches) == 1
     assert agreement.mismatches[0].startswith("grad batch[0]: max |diff| ")
@@ -258,14 +250,7 @@ def test_check_step_and_planned_step_apply_and_compare_parameters_modified_in_pl
     assert agreement.bitwise, agreement.mismatches
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     planned = verify._planned
-
-    def nudged(*args, **kwargs):
-        state, result = planned(*args, **kwargs)
-        w = state.params["bag.weight"]
-        state.params["bag.weight"] = torch.nextafter(w, torch.full_like(w, math.inf))
-        return state, result
-
-    monkeypatch.setattr(verify, "_planned", nudged)
+    _nudge_planned(monkeypatch, "params", "bag.weight")
     agreement = check_step(step, _max_norm_loss, *batch)
     assert len(agreement.mismatches) == 1 and agreement.mismatches[0].startswith("param bag.weight: max |diff| ")
 
@@ -335,3 +320,16 @@ def test_an_input_the_forward_modifies_in_place_is_modified_as_in_eager_and_chec
     monkeypatch.setattr(verify, "_planned", nudged)
     agreement = check_step(step, _loss, x, y)
     assert agreement.mismatches == ("batch[0]: max |diff| 1",)
+
+
+def _nudge_planned(monkeypatch, field: str, key: str) -> None:
+    """Every planned run's ``StepState.<field>[key]`` one ulp up: a difference check_step must name."""
+    planned = verify._planned
+
+    def nudged(*args, **kwargs):
+        state, result = planned(*args, **kwargs)
+        t = getattr(state, field)[key]
+        getattr(state, field)[key] = torch.nextafter(t, torch.full_like(t, math.inf))
+        return state, result
+
+    monkeypatch.setattr(verify, "_planned", nudged)
