@@ -787,3 +787,57 @@ def test_upsampling_measured_peak_matches_the_prediction(monkeypatch):
     assert measured <= report.budget_bytes, f"measured {measured} B over the budget {report.budget_bytes} B"
     predicted = report.predicted_peak_bytes
     assert abs(measured - predicted) <= 64, f"measured {measured} B, predicted {predicted} B"
+
+
+class _RenormedEmbedding(nn.Module):
+    """``max_norm`` renormalizes the looked-up rows of the weight in place, in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(50, 16, max_norm=1.0), nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).tanh()).mean(1)
+
+
+@pytest.mark.parametrize("budget", ["60%", 10**9])
+def test_a_parameter_the_region_modifies_in_place_is_modified_once(budget):
+    """A fractional budget runs the region once eagerly to measure its peak; that run reached
+    the parameters through aliases, so an embedding's ``max_norm`` renormalized the real weight
+    a second time and the step's weight and gradients were not eager's, silently (planned or
+    fallen back alike)."""
+    torch.manual_seed(0)
+    model, ids, y = _RenormedEmbedding(), torch.randint(0, 50, (8, 12)), torch.randint(0, 3, (8,))
+    with torch.no_grad():
+        model.emb.weight.mul_(3.0)  # (rows above the norm, so the renorm changes them)
+    loss_fn = lambda m, ids, y: F.cross_entropy(m(ids), y)  # noqa: E731
+
+    def weights_after(be):
+        copied = copy.deepcopy(model)
+        torch.manual_seed(0)
+        step = (lambda *b: loss_fn(copied, *b)) if be is None else torch.compile(lambda *b: loss_fn(copied, *b),
+                                                                                  backend=be)
+        step(ids, y).backward()
+        return {k: (p.detach().clone(), p.grad) for k, p in copied.named_parameters()}
+
+    want = weights_after(None)
+    torch._dynamo.reset()
+    got = weights_after(make_backend(budget, method="checkpoint_all" if budget == 10**9 else "milp"))
+    for k, (w, g) in want.items():
+        assert torch.equal(got[k][0], w), f"parameter {k} differs by {(got[k][0] - w).abs().max()}"
+        assert torch.equal(got[k][1], g), f"gradient of {k} differs"
+
+
+def test_the_eager_measurement_leaves_parameters_as_they_were():
+    from remat.memory import _mutated_inputs, region_eager_peak
+
+    weight, ids = nn.Parameter(torch.randn(10, 4) * 3), torch.randint(0, 10, (6,))
+    before = weight.detach().clone()
+
+    def region(w, i):
+        return (F.embedding(i, w, max_norm=1.0).square().sum(),)
+
+    assert _mutated_inputs(region, [weight, ids]) == {0}
+    assert _mutated_inputs(lambda w, i: (F.embedding(i, w).sum(),), [weight, ids]) == set()
+    assert region_eager_peak(region, [weight, ids]).peak_bytes > 0
+    assert torch.equal(weight.detach(), before) and weight.grad is None

@@ -199,15 +199,21 @@ def region_eager_peak(fn: Callable[..., object], inputs: list) -> MemoryReport:
     computed outside: the backward starts from every output that requires grad, with a
     gradient of ones, the outputs held until it ends.
 
-    Parameters take part through detached aliases (their ``.grad`` is untouched); every other
-    tensor is cloned first, so buffers the region updates in place stay as they were; the
-    random generators are restored. The resident bytes are those of the region's inputs."""
+    Parameters take part through detached aliases (their ``.grad`` is untouched), except those
+    the region modifies in place (an embedding's ``max_norm`` renormalizes its weight), which
+    are cloned, as is every other tensor, so parameters and buffers the region updates stay as
+    they were (found by running the region's forward on fake copies, ``_mutated_inputs``; a
+    region that cannot run so is not measured); the random generators are restored. The
+    resident bytes are those of the region's inputs."""
+    mutated = _mutated_inputs(fn, inputs)
     args = []
-    for t in inputs:
+    for k, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor):
             args.append(t)
-        elif isinstance(t, torch.nn.Parameter) or t.requires_grad:
+        elif (isinstance(t, torch.nn.Parameter) or t.requires_grad) and k not in mutated:
             args.append(t.detach().requires_grad_(t.requires_grad))
+        elif t.requires_grad:
+            args.append(t.detach().clone().requires_grad_(True))
         else:
             args.append(t.clone())
 
@@ -224,6 +230,20 @@ def region_eager_peak(fn: Callable[..., object], inputs: list) -> MemoryReport:
     with torch.random.fork_rng(devices=_cuda_devices(args)):
         # the anchor tensor only tells measure_peak the device
         return measure_peak(lambda _: step(), anchor, resident_bytes=resident_bytes_of(inputs))
+
+
+def _mutated_inputs(fn: Callable[..., object], inputs: list) -> set[int]:
+    """The positions of the tensors among ``inputs`` that ``fn``'s forward modifies in place:
+    ``fn`` runs on fake copies of them (no data, no kernels), and an in-place op bumps a copy's
+    version counter as it would the tensor's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    before = [f._version if isinstance(f, torch.Tensor) else None for f in fakes]
+    with torch.random.fork_rng(devices=_cuda_devices(inputs)), torch.enable_grad(), mode:
+        fn(*fakes)
+    return {k for k, (f, v) in enumerate(zip(fakes, before)) if isinstance(f, torch.Tensor) and f._version != v}
 
 
 def _cuda_devices(values: list) -> list[int]:
