@@ -841,3 +841,19 @@ def test_the_eager_measurement_leaves_parameters_as_they_were():
     assert _mutated_inputs(lambda w, i: (F.embedding(i, w).sum(),), [weight, ids]) == set()
     assert region_eager_peak(region, [weight, ids]).peak_bytes > 0
     assert torch.equal(weight.detach(), before) and weight.grad is None
+
+
+def test_a_sparse_gradient_falls_back_with_the_reason_named():
+    """A sparse embedding's gradient failed inside the graph builder, and the fallback warning
+    quoted PyTorch's "Cannot access storage of SparseTensorImpl"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16, sparse=True), nn.Linear(16, 3))
+    ids, y = torch.randint(0, 50, (8, 4)), torch.randint(0, 3, (8,))
+    loss_fn = lambda m, ids, y: F.cross_entropy(m(ids).mean(1), y)  # noqa: E731
+    be = make_backend(0.9)
+    with pytest.warns(rb.RematFallbackWarning, match="makes a torch.sparse_coo tensor.*set sparse=False"):
+        got = run_step(model, (ids, y), loss_fn, be)
+    want = run_step(model, (ids, y), loss_fn)
+    assert torch.equal(got[0], want[0])
+    for k, g in want[1].items():
+        assert torch.equal(got[1][k].to_dense(), g.to_dense()), k
