@@ -73,3 +73,11 @@ def test_format_bytes():
     assert format_bytes(12) == "12 B"
     assert format_bytes(3 * 2**20) == "3.00 MiB"
     assert format_bytes(5 * 2**40) == "5120.00 GiB"
+
+
+def test_exact_byte_counts_are_shown_only_where_the_size_is_rounded():
+    from remat.units import format_bytes_exactly
+
+    assert format_bytes_exactly(139) == "139 B"  # (the backend wrote "139 B (139 B)")
+    assert format_bytes_exactly(69529) == "67.90 KiB (69529 B)"
+    assert format_bytes_exactly(3 * 2**20) == "3.00 MiB (3145728 B)"

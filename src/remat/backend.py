@@ -73,7 +73,7 @@ from remat.planning import GraphPlan, plan_graph
 from remat.schedule import Plan, Schedule
 from remat.scratch import ScratchModel, node_scratch
 from remat.simulate import simulate
-from remat.units import EAGER, BudgetError, check_budget, format_bytes, parse_budget
+from remat.units import EAGER, BudgetError, check_budget, format_bytes, format_bytes_exactly, parse_budget
 
 log = logging.getLogger("remat.backend")
 
@@ -500,9 +500,9 @@ def _bound_overhead(planned: GraphPlan) -> float | None:
 
 
 def _infeasible(budget_bytes: int, least: int | None, method: str, unoptimized: int) -> _NotPlanned:
-    smallest = f"{format_bytes(least)} ({least} B)" if least is not None else "unknown"
+    smallest = format_bytes_exactly(least) if least is not None else "unknown"
     return _NotPlanned(
-        f"budget {format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for method {method!r}: the "
+        f"budget {format_bytes_exactly(budget_bytes)} is infeasible for method {method!r}: the "
         f"smallest feasible budget is {smallest}; the unoptimized peak is {format_bytes(unoptimized)}",
         least,
     )

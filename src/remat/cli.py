@@ -41,7 +41,7 @@ from remat.graph import Graph
 from remat.solvers import methods as registered_methods
 from remat.solvers import solve
 from remat.sweep import ResultStore, SweepPoint, checkpoint_all_peak, run_interruptibly, sweep
-from remat.units import format_bytes
+from remat.units import format_bytes, format_bytes_exactly
 
 # Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -241,7 +241,7 @@ def _solve_and_run(args: argparse.Namespace, budget: int, options: dict[str, obj
                                      run=True, traced=_traced(args))
     record = comparison.runs[0]
     if record.status == "infeasible":
-        err.print(f"[red]no plan fits:[/red] budget {format_bytes(budget)} ({budget} B) is infeasible for "
+        err.print(f"[red]no plan fits:[/red] budget {format_bytes_exactly(budget)} is infeasible for "
                   f"method {args.method!r} on {args.model}: {record.note}", highlight=False)
         return EXIT_INFEASIBLE
     if record.status == "not applicable":

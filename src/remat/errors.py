@@ -47,7 +47,7 @@ class InfeasibleBudgetError(RematError):
         graph_name: str = "graph",
         detail: str = "",
     ) -> None:
-        from remat.units import format_bytes
+        from remat.units import format_bytes_exactly
 
         self.budget_bytes = int(budget_bytes)
         self.min_budget_bytes = None if min_budget_bytes is None else int(min_budget_bytes)
@@ -58,13 +58,13 @@ class InfeasibleBudgetError(RematError):
         else:
             remedy = (
                 f"the smallest budget method {method!r} can meet is "
-                f"{format_bytes(self.min_budget_bytes)} ({self.min_budget_bytes} B); raise the "
+                f"{format_bytes_exactly(self.min_budget_bytes)}; raise the "
                 f"budget to at least that"
             )
             if method != "milp":
                 remedy += " or use method 'milp', which finds the cheapest plan at any feasible budget"
         message = (
-            f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible for "
+            f"budget {format_bytes_exactly(self.budget_bytes)} is infeasible for "
             f"method {method!r} on graph {graph_name!r}: {remedy}"
         )
         if detail:

@@ -229,6 +229,12 @@ def check_budget(budget: object, *, time_limit_s: object = None, cuda_free: bool
     return read_budget(budget, cuda_free=cuda_free, of=of).canonical()
 
 
+def format_bytes_exactly(n_bytes: int) -> str:
+    """``format_bytes`` with the exact count where it rounds: ``'67.90 KiB (69529 B)'``, ``'139 B'``."""
+    shown = format_bytes(n_bytes)
+    return shown if shown == f"{int(n_bytes)} B" else f"{shown} ({int(n_bytes)} B)"
+
+
 def format_bytes(n_bytes: float) -> str:
     """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
     value = float(n_bytes)
