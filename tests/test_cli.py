@@ -52,6 +52,7 @@ def test_infeasible_budget_exits_1_and_names_the_minimum(capsys):
         (["sweep", "--graph", "chain:4", "--budgets", "10%:90%:x"], "COUNT must be an integer"),
         (["sweep", "--graph", "chain:4", "--budgets", "10%:90%:0"], "COUNT must be at least 1"),
         (["sweep", "--graph", "chain:4", "--budgets", ","], "lists no budget"),
+        (["sweep", "--graph", "chain:4", "--budgets", "10%:20%"], "a range is LOW:HIGH:COUNT, e.g. 30%:100%:8"),
         (["sweep", "--graph", "chain:4", "--methods", "checkpoint_all,nope"], "unknown method 'nope'"),
     ],
 )
@@ -224,8 +225,9 @@ def test_every_help_works(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "0"], "time limit 0.0 s must be a positive"),
-        (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "-5"], "time limit -5.0 s must be a positive"),
+        (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "0"],
+         "time limit 0 s must be a positive, finite number of seconds; e.g. --time-limit 60"),
+        (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "-5"], "time limit -5 s must be a positive"),
         (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "nan"], "time limit nan s must be"),
         (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "soon"], "'soon' is not a number of seconds"),
         (["solve", "--graph", "chain:4", "--budget", "1e400"], "'1e400' is not a finite number"),
@@ -346,6 +348,7 @@ def test_solve_model_infeasible_exits_1(capsys):
 def test_model_usage_errors(capsys, argv, message):
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err
+    assert "tracing" not in err  # (refused before any work is announced)
 
 
 def test_demo_writes_table_json_and_plot(capsys, tmp_path):

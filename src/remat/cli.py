@@ -95,14 +95,13 @@ def _traced(args: argparse.Namespace):
         from remat.trace import trace
 
         meta = _on_meta(args)
+        w = _workload(args, meta=True) if meta else _workload(args)  # (an unknown model is refused first)
         if meta:
             err.print(f"tracing {args.model} (batch {args.batch}) on the meta device: costs are estimated from "
                       f"FLOPs and bytes, no tensor is allocated", highlight=False)
-            w = _workload(args, meta=True)
         else:
             what = "and timing every node" if args.costs == "profile" else "with estimated costs"
             err.print(f"tracing {args.model} (batch {args.batch}) on real tensors {what}", highlight=False)
-            w = _workload(args)
         args._workload = w
         cost_model = CostModel.PROFILE if args.costs == "profile" else CostModel.ESTIMATE
         with _activity(f"tracing {args.model}"):

@@ -5,6 +5,7 @@ into budgets, methods and paths, or a ``UsageError`` (one line, exit code 2) bef
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -56,6 +57,9 @@ def time_limit(text: str) -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"time limit {text!r} is not a number of seconds; e.g. --time-limit 60") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"time limit {text} s must be a positive, finite number of seconds; e.g. --time-limit 60 "
+                         f"(leave it out for the method's default)")
     return check_time_limit(value)
 
 
@@ -184,6 +188,9 @@ def budget_list(text: str, graph: Graph | None) -> list[int]:
         if graph is None:
             return []
         return [lo] if k == 1 else [round(lo + (hi - lo) * j / (k - 1)) for j in range(k)]
+    if ":" in text:
+        raise UsageError(f"--budgets {text!r}: a range is LOW:HIGH:COUNT, e.g. 30%:100%:8; or list budgets, "
+                         f"e.g. 50%,75%,100%")
     budgets = [resolve(part) for part in text.split(",") if part.strip()]
     if not budgets:
         raise UsageError(f"--budgets {text!r} lists no budget; e.g. --budgets 50%,75%,100% or 30%:100%:8")
