@@ -78,3 +78,26 @@ def test_a_long_first_line_is_cut_at_a_word_boundary():
     assert cut.endswith(" ...") and len(cut) <= 404 and words.startswith(cut[:-4])
     assert cut[:-4].split(" ")[-1] in words.split(" ")  # a whole word
     assert _first_line(RuntimeError("short.\nmore")) == "short" and _first_line(RuntimeError("")) == ""
+
+
+def test_an_input_computed_outside_and_modified_in_place_is_refused_with_the_clone_named():
+    """Eager lets the forward modify a batch tensor with a grad_fn in place; remat traces batch
+    tensors as leaves, where autograd refuses it, and the message quoted only autograd's words."""
+
+    class Doubling(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 3)
+
+        def forward(self, x):
+            x.mul_(2.0)
+            return self.linear(x)
+
+    torch.manual_seed(0)
+    model, encoder = Doubling(), nn.Linear(4, 8)
+    x = encoder(torch.randn(5, 4))  # (a grad_fn: eager allows the in-place change)
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    loss_fn(model, x.clone()).backward()
+    with pytest.raises(TraceError, match="an in-place operation on a tensor that requires grad and has no history.*"
+                                         "clone it before modifying it \\(x = x.clone\\(\\)\\)"):
+        remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)

@@ -101,6 +101,13 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
                 "values); transformers' \"grouped_mm\" (its default) and \"batched_mm\" compute the same with "
                 "fixed shapes, and remat plans them: model.set_experts_implementation(\"grouped_mm\")"
             )
+    elif "leaf Variable that requires grad is being used in an in-place operation" in str(exc):
+        what = "an in-place operation on a tensor that requires grad and has no history (a leaf)"
+        remedy = (
+            "eager PyTorch refuses that too for a parameter or a leaf batch tensor; but remat traces every batch "
+            "tensor as a leaf, so a batch tensor computed outside the step (one with a grad_fn, which eager lets "
+            "the forward modify in place) is refused here: clone it before modifying it (x = x.clone())"
+        )
     elif "fake impl" in str(exc) or "register_fake" in str(exc):
         what = f"an op with no fake-tensor implementation ({_first_line(exc)})"
         remedy = "register one with torch.library.register_fake (or @op.register_fake) so it can be traced"
