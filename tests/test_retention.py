@@ -120,6 +120,7 @@ def test_solve_finds_the_best_plan_of_its_family(graph: Graph) -> None:
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_forward=st.integers(4, 24), seed=st.integers(0, 10_000), where=st.floats(0.0, 1.0))
 @example(n_forward=20, seed=8, where=0.25)  # a gap under 1%: the single-instant bound is reported
+@example(n_forward=23, seed=1254, where=0.0)  # several instants' bound takes 2.7 of its 3 s here
 def test_milp_without_the_exact_model_is_never_worse_than_a_baseline(n_forward: int, seed: int, where: float) -> None:
     graph = random_training_graph(n_forward, seed)
     low = minimum_budget(graph, exact_max_nodes=0).budget_bytes
@@ -132,11 +133,12 @@ def test_milp_without_the_exact_model_is_never_worse_than_a_baseline(n_forward: 
     bounds = InstantBounds(graph)
     single = bounds.cost_bound(budget, multi=False).value
     assert result.lower_bound >= single - 1e-6 or result.gap == 0
-    # (within the time milp gives them, min(BOUND_MAX_S, BOUND_TIME_SHARE * limit), and only where
-    # milp's other work left it that time: a loaded machine makes every bound stop earlier)
+    # (what they prove in a quarter of the time milp gives them, min(BOUND_MAX_S, BOUND_TIME_SHARE
+    # * limit), and only where milp's other work left it that time: a bound that takes most of its
+    # time on a quiet machine is cut short on a loaded one, 411 against 417 once)
     bound_s = min(BOUND_MAX_S, BOUND_TIME_SHARE * 20)
     if result.objective > single * (1 + EXACT_RESCUE_GAP) and result.solve_s <= 20 - 2 * bound_s:
-        together = bounds.cost_bound(budget, time_limit_s=bound_s).value
+        together = bounds.cost_bound(budget, time_limit_s=bound_s / 4).value
         assert result.lower_bound >= together - 1e-6 or result.gap == 0
     assert_no_baseline_cheaper(graph, budget, result.objective)
     if result.status is SolveStatus.OPTIMAL:
