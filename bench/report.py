@@ -7,6 +7,7 @@ Run it after any benchmark: ``python bench/report.py``.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -47,11 +48,16 @@ def render() -> str:
     return "\n".join(parts)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Write BENCHMARKS.md; ``argv`` is the command line's arguments (none: just write it)."""
+    parser = argparse.ArgumentParser(
+        prog="report.py", description="Regenerate BENCHMARKS.md (and nothing else) from the JSON under bench/results/ that the "
+                    "benchmark scripts wrote.")
+    parser.parse_args([] if argv is None else argv)
     (ROOT / "BENCHMARKS.md").write_text(render())
     print(f"wrote {ROOT / 'BENCHMARKS.md'}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -527,3 +527,16 @@ def test_scaling_cli_refuses_unknown_workloads(capsys):
     with pytest.raises(SystemExit) as exit_info:
         scaling_mod.main(["--workloads", "gpt2-3L"])
     assert exit_info.value.code == 2 and "unknown workload gpt2-3L" in capsys.readouterr().err
+
+
+def test_the_report_answers_help_without_writing(capsys, monkeypatch, tmp_path):
+    """``python bench/report.py --help`` rewrote BENCHMARKS.md instead of printing its usage."""
+    report = _load("report")
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    with pytest.raises(SystemExit) as done:
+        report.main(["--help"])
+    assert done.value.code == 0 and "usage: report.py" in capsys.readouterr().out.replace("\n", " ")
+    assert not (tmp_path / "BENCHMARKS.md").exists()
+    with pytest.raises(SystemExit) as done:
+        report.main(["--nope"])
+    assert done.value.code == 2 and not (tmp_path / "BENCHMARKS.md").exists()
