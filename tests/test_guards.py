@@ -61,7 +61,7 @@ def test_a_changed_attribute_is_refused_and_restored_it_runs():
 def test_a_submodule_switched_to_eval_is_refused():
     model, x, y, loss_fn, step = _step()
     model.drop.eval()
-    with pytest.raises(TraceError, match="module 'drop' \\(Dropout\\) attribute 'training' is now False but was True"):
+    with pytest.raises(TraceError, match=r"module 'drop' \(Dropout\) was traced in train mode but is now in eval mode; call model.get_submodule\('drop'\).train\(\)"):
         step(x, y)
 
 

@@ -271,7 +271,12 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(TraceError, match=r"shape \(5, 3\).*traced with shape \(2, 3\).*trace \(or optimize\) again"):
         t.flat_inputs(model, (torch.randn(5, 3),))
     model.eval()
-    with pytest.raises(TraceError, match="traced with the model in train mode"):
+    with pytest.raises(TraceError, match=r"the model \(Linear\) was traced in train mode but is now in eval mode; call model.train\(\)"):
+        t.flat_inputs(model, (X,))
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    t = trace(model, X, lambda m, x: m(x).sum(), cost_model=None)
+    model[0].eval()
+    with pytest.raises(TraceError, match=r"module '0' \(Linear\) was traced in train mode but is now in eval mode; call model.get_submodule\('0'\).train\(\)"):
         t.flat_inputs(model, (X,))
 
 

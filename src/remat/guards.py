@@ -65,6 +65,13 @@ class ModuleState:
             if module is None:
                 raise TraceError(f"module {name!r} is gone from the model since the step was traced; trace again")
             now = module.__dict__.get(key, _MISSING)
+            if key == "training" and isinstance(now, bool) and now != value:
+                mode, other = ("train", "eval") if value else ("eval", "train")
+                call = "model" if not name else f"model.get_submodule({name!r})"
+                raise TraceError(
+                    f"{_where(name, module)} was traced in {mode} mode but is now in {other} mode; "
+                    f"call {call}.{mode}() or trace again (remat.optimize)"
+                )
             if not _same(now, value):
                 shown = "is no longer set" if now is _MISSING else f"is now {now!r}"
                 raise TraceError(

@@ -136,9 +136,9 @@ class TracedStep:
     storage_owners: tuple[tuple[int, ...], ...]
     random_nodes: tuple[int, ...]
     batch_spec: tuple[TensorSpec, ...]
-    training: bool
-    #: the model's Python state the step was traced with (``guards``), checked before every run
-    module_state: ModuleState | None = None
+    #: the model's Python state the step was traced with (``guards``: attributes, train or eval
+    #: mode, hooks, requires_grad), checked before every run
+    module_state: ModuleState
 
     def fx_node(self, i: int) -> fx.Node:
         return self._fx_nodes[i]
@@ -181,14 +181,7 @@ class TracedStep:
         constants."""
         batch = _as_batch(batch)
         check_batch(self.batch_spec, batch)
-        if model.training != self.training:
-            mode = "train" if self.training else "eval"
-            raise TraceError(
-                f"the step was traced with the model in {mode} mode but it is now in the other "
-                f"mode; call model.{mode}() or trace again"
-            )
-        if self.module_state is not None:
-            self.module_state.check(model)
+        self.module_state.check(model)
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         constants = iter(self.constants)
@@ -342,7 +335,6 @@ def trace(
         storage_owners=owners,
         random_nodes=random_nodes,
         batch_spec=tuple(TensorSpec.of(t) for t in batch),
-        training=model.training,
         module_state=module_state(model),
     )
     if cost_model is not None:
