@@ -152,12 +152,13 @@ def _check_supported(joint: fx.GraphModule) -> None:
                     f"node {n.name!r} has symbolic (dynamic) shapes, which remat cannot size; compile "
                     f"with torch.compile(..., dynamic=False)"
                 )
-            if isinstance(t, torch.Tensor) and t.layout is not torch.strided:
-                raise UnsupportedJointGraph(
-                    f"node {n.name!r} ({n.target}) makes a {t.layout} tensor (an embedding with sparse=True "
-                    f"gives a sparse gradient); remat plans dense tensors only, whose bytes it counts: set "
-                    f"sparse=False for remat to plan this graph"
-                )
+        layout = fx_graph.non_strided_layout(n)
+        if layout is not None:
+            raise UnsupportedJointGraph(
+                f"node {n.name!r} ({n.target}) makes a {layout} tensor (an embedding with sparse=True "
+                f"gives a sparse gradient); remat plans dense tensors only, whose bytes it counts: set "
+                f"sparse=False for remat to plan this graph"
+            )
         if n.op != "call_function":
             continue
         if "val" not in n.meta:

@@ -55,6 +55,14 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+def non_strided_layout(n: fx.Node) -> torch.layout | None:
+    """The layout of the first tensor node ``n`` makes that is not dense (strided), or None. A
+    sparse tensor (the gradient of an embedding with ``sparse=True``) has no storage whose bytes
+    ``build_graph`` could count, so both routes refuse such a graph before building it, each
+    naming the remedy in its own terms."""
+    return next((t.layout for t in _tensors(n.meta.get("val")) if t.layout is not torch.strided), None)
+
+
 def split_multi_outputs(gm: fx.GraphModule, kinds: dict[str, NodeKind]) -> None:
     """Clone small outputs of multi-output ops that outlive a larger sibling.
 

@@ -9,9 +9,9 @@ import re
 import traceback
 
 import torch
-from torch.utils import _pytree as pytree
 
 from remat.errors import TraceError
+from remat.fx_graph import non_strided_layout
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)), "site-packages")
 # nn.Module's call plumbing: a frame there names the module being called, not the one failing
@@ -308,8 +308,7 @@ def check_dense(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     whose bytes remat can count and plan, nor a traced form the step could return as eager
     PyTorch does. Names the node, and the modules set to produce it."""
     for n in gm.graph.nodes:
-        layout = next((t.layout for t in pytree.tree_leaves(n.meta.get("val"))
-                       if isinstance(t, torch.Tensor) and t.layout is not torch.strided), None)
+        layout = non_strided_layout(n)
         if layout is None:
             continue
         sparse = [name for name, m in model.named_modules()
