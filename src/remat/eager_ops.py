@@ -294,6 +294,12 @@ def _under_fake_mode(mode: object) -> tuple[Callable[..., object], contextlib.Ab
     return pytorchs, contextlib.nullcontext() if active else mode  # type: ignore[return-value]
 
 
+def _on_cpu(t: object) -> bool:
+    """Whether ``t`` is a tensor on the CPU, or on the meta device, which stands in for the CPU
+    while tracing: where the CPU kernels' outputs are what the fake kernels below give."""
+    return isinstance(t, torch.Tensor) and t.device.type in ("cpu", "meta")
+
+
 def _cpu_grouped_mm(mode: object, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``aten._grouped_mm`` under the fake mode while tracing: on the CPU (and the meta device,
@@ -302,7 +308,7 @@ def _cpu_grouped_mm(mode: object, mat_a: torch.Tensor, mat_b: torch.Tensor, offs
     2-D x 3-D (a token-sorted batch against per-expert weights) gives one row per token, 2-D x
     2-D (a weight gradient) one matrix per group, 3-D x 3-D a batched product."""
     pytorchs, allocating = _under_fake_mode(mode)
-    if mat_a.device.type not in ("cpu", "meta"):
+    if not _on_cpu(mat_a):
         return pytorchs(torch.ops.aten._grouped_mm.default, mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
     if mat_a.dim() == 2 and mat_b.dim() == 2:
         size = [offs.size(0) if offs is not None else 1, mat_a.size(0), mat_b.size(1)]
@@ -331,7 +337,7 @@ def _cpu_layout(op: torch._ops.OpOverload, input_index: int) -> Callable:
         out = pytorchs(op, *args, **kwargs)
         x = args[input_index]
         first = out[0] if isinstance(out, (tuple, list)) else out
-        if not (isinstance(x, torch.Tensor) and isinstance(first, torch.Tensor)) or x.device.type not in ("cpu", "meta"):
+        if not (_on_cpu(x) and isinstance(first, torch.Tensor)):
             return out
         layout = suggest_memory_format(x)
         if first.is_contiguous(memory_format=layout):
@@ -365,8 +371,7 @@ def _cpu_loss_storage(op: torch._ops.OpOverload, reduction_index: int) -> Callab
         x, target = args[0], args[1]
         reduction = kwargs.get("reduction", args[reduction_index] if len(args) > reduction_index else 1)
         if (reduction == 0 or not isinstance(out, torch.Tensor) or out.dim() != 0
-                or not (isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor))
-                or x.device.type not in ("cpu", "meta")):
+                or not (_on_cpu(x) and isinstance(target, torch.Tensor))):
             return out
         with allocating:
             return _with_storage(out, torch.broadcast_shapes(x.shape, target.shape).numel())
@@ -386,7 +391,7 @@ def _cpu_embedding_bag(op: torch._ops.OpOverload) -> Callable:
         pytorchs, allocating = _under_fake_mode(mode)
         out = pytorchs(op, *args, **kwargs)
         given = dict(zip(names, args), **kwargs)
-        if given["weight"].device.type not in ("cpu", "meta"):  # type: ignore[attr-defined]
+        if not _on_cpu(given["weight"]):
             return out
         out = list(out)
         with allocating:
