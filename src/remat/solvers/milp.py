@@ -14,8 +14,7 @@ Every call returns the cheapest plan it found among:
   (``repair.prune``; greedy lowering and fixed recursions leave such work behind);
 * on graphs of at most ``exact_max_nodes`` nodes, Checkmate's exact MILP (``milp_model``),
   started from the best of the above (above ``EXACT_ALWAYS_NODES`` nodes, a rescue of at
-  most ``EXACT_RESCUE_MAX_S`` that branches only if its LP relaxation rises above the bound,
-  on graphs of at most ``EXACT_RESCUE_MAX_NODES``).
+  most ``EXACT_RESCUE_MAX_S`` that branches only if its LP relaxation rises above the bound).
 
 and reports the instant bound (``bounds``), a lower bound on the cost of *every* plan of the
 graph, as ``lower_bound`` (raised by the exact model's relaxation or search where it proves
@@ -76,7 +75,13 @@ __all__ = ["MilpBackend", "MinimumBudget", "milp", "minimum_budget"]
 #: more than ``EXACT_RESCUE_GAP`` above the bound. The exact model's plans may compute a value
 #: three times or more, which the retention model's cannot; its bound can prove what the
 #: instant bound cannot (a chain's floor, where everything is recomputed from the input).
-EXACT_MAX_NODES = 160
+#: Above 128 nodes its relaxation alone outlasts a rescue's seconds (U-Net b32, 147 nodes, at
+#: 40%: 4.4 s; those seconds give the several-instant bound's MIP what it needs to be strong
+#: there, ``bounds.MULTI_EXTRA``), and where nothing else fits, its search and the exact
+#: least-peak model of ``minimum_budget`` found nothing in a minute (a 158-node masked-attention
+#: model 0.26% above its smallest budget: 57 s and 56 s for no plan) that the least-peak plan,
+#: pruned and reshuffled in that time, improves on (1.571x -> 1.469x).
+EXACT_MAX_NODES = 128
 EXACT_ALWAYS_NODES = 60
 EXACT_RESCUE_GAP = 0.01
 #: Above ``EXACT_ALWAYS_NODES`` nodes, with a plan in hand, the exact model gets at most this
@@ -89,10 +94,6 @@ EXACT_RESCUE_GAP = 0.01
 #: bound (U-Net b32 at 40%: 1.045x against 1.177x, 4.4 s) and a search used up the whole time
 #: limit for nothing.
 EXACT_RESCUE_MAX_S = 2.5
-#: ... and only on graphs of at most this many nodes: above, its relaxation alone takes longer
-#: than the rescue's seconds (U-Net b32, 147 nodes, at 40%: 4.4 s), and those seconds give the
-#: several-instant bound's MIP what it needs to be strong there (``bounds.MULTI_EXTRA``).
-EXACT_RESCUE_MAX_NODES = 128
 
 #: The least time handed to a solver after earlier steps used up the rest of the limit.
 MIN_SOLVER_TIME_S = 1.0
@@ -266,7 +267,7 @@ def milp(
     lower = bound.value
     stats = SolverStats(backend="highs", n_variables=prep.retention.n_cols)
     if exact and graph.n > EXACT_ALWAYS_NODES and best is not None:  # a rescue
-        exact = graph.n <= EXACT_RESCUE_MAX_NODES and best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP))
+        exact = best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP))
     if exact and (best is None or best.cost > target) and not timed_out:
         until, beat = deadline, None
         if graph.n > EXACT_ALWAYS_NODES and best is not None:  # a rescue: see EXACT_RESCUE_MAX_S
