@@ -3,6 +3,7 @@ agreeing, and every error path (time limit, infeasible budget, bad options, miss
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 
@@ -484,3 +485,32 @@ def test_exact_schedule_alone_finds_the_known_optima_and_says_none_below_them(ca
         assert simulate(g, schedule.lower(g)).peak_bytes <= 8
         assert exact_schedule(g, 2, time_limit_s=10) is None  # below what any plan needs
     assert not caplog.records, "a block's solve is internal: nothing to warn the user about"
+
+
+def test_a_plan_returned_for_a_smaller_budget_serves_a_larger_one(monkeypatch) -> None:
+    """Plans returned earlier are candidates at every later budget they fit: with the searches
+    finding nothing at the larger budget, the plan returned at the smaller one is returned
+    (never the least-peak fallback), so a sweep never pays more at a larger budget."""
+    import remat.solvers.milp as milp_module
+    from remat.solvers.prepared import clear, prepared
+
+    clear()
+    graph = random_training_graph(10, seed=4)
+    floor = minimum_budget(graph, exact_max_nodes=0).budget_bytes
+    small = solve(graph, floor, method="milp", exact_max_nodes=0, time_limit_s=10)
+    kept = prepared(graph).returned
+    assert [(c.peak_bytes, c.cost) for c in kept] == [(small.peak_bytes, small.objective)]
+    assert kept[0].name.endswith("(returned for an earlier budget)")
+    for name in ("_retention", "_repair", "_restarted", "_pruned", "_reshuffled"):
+        monkeypatch.setattr(milp_module, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(milp_module, "baseline_candidates", lambda *args, **kwargs: [])
+    larger = solve(graph, floor + floor // 4, method="milp", exact_max_nodes=0, time_limit_s=10)
+    assert larger.stats.plan_from == kept[0].name and larger.objective == small.objective
+    # checkpoint-all peaks higher but costs less: kept too, after it; a plan seen again is not
+    from remat.solvers.milp_start import baseline_candidates
+
+    everything, = baseline_candidates(graph, 10**12, methods=("checkpoint_all",))
+    prepared(graph).saw_plan(everything)
+    prepared(graph).saw_plan(kept[0])
+    assert [(c.peak_bytes, c.cost) for c in prepared(graph).returned] == [
+        (small.peak_bytes, small.objective), (everything.peak_bytes, graph.total_cost)]

@@ -243,7 +243,7 @@ def test_the_smallest_budget_search_starts_from_the_least_peak_plan_returned_so_
     graph = random_training_graph(6, seed=0)
     prepared_state = prepared(graph)
     prepared_state.minimum = None
-    prepared_state.lowest = None
+    prepared_state.returned = []
     alone = minimum_budget(graph, exact_max_nodes=0).budget_bytes
     prepared_state.minimum = None
     result = solve(graph, alone, method="milp")

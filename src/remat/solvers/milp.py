@@ -218,7 +218,9 @@ def milp(
         if everything and everything[0].peak_bytes <= budget_bytes:
             return _finish(graph, budget_bytes, everything[0], None, graph.total_cost, SolveStatus.OPTIMAL, started,
                            SolverStats(backend=backend.value, nodes_explored=0), "checkpoint-all fits: no search needed")
-    best = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
+    # the baselines' plans, and those returned for earlier budgets (a sweep's plan at a larger
+    # budget is never dearer than one it already returned at a smaller)
+    best = best_fitting([*baseline_candidates(graph, budget_bytes), *prep.returned], budget_bytes)
     bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s),
                                    threads=threads, multi=False)
     if not bound.feasible:

@@ -64,6 +64,11 @@ class Candidate:
         stages, nodes = stage_order(self.schedule.R)
         return measure_order(graph, stages, nodes, self.name)
 
+    def compact(self, graph: Graph) -> Candidate:
+        """The same plan kept as its compute order, measured (not as n x n matrices): what a
+        graph's cache can hold many of."""
+        return Candidate.of_plan(self.name, graph, self.as_plan(graph))
+
 
 def best_fitting(candidates: Iterable[Candidate], budget_bytes: int) -> Candidate | None:
     """The cheapest candidate within the budget (ties: lower peak), or None."""

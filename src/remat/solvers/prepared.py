@@ -7,11 +7,14 @@ far, the smallest budget) are kept per graph, keyed by the graph's fingerprint, 
 few graphs planned. Everything here is derived from the graph alone, so a cached value is
 the value a fresh computation would give: caching changes how long planning takes, never
 which plan it returns for a budget, except that plans found for earlier budgets can serve
-as starting points of the search.
+as starting points of the search, and a plan returned for an earlier budget is returned for
+a later one it fits when the search finds nothing cheaper (so a sweep never pays more at a
+larger budget than at a smaller one planned before it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from functools import cached_property
@@ -26,6 +29,9 @@ if TYPE_CHECKING:
 
 #: How many graphs keep their prepared state (least recently planned dropped first).
 CACHED_GRAPHS = 4
+#: How many returned plans a graph keeps (those no other returned plan beats in both peak and
+#: cost; beyond this many, the ones of highest peak are dropped).
+RETURNED_PLANS = 16
 
 
 class PreparedGraph:
@@ -40,10 +46,11 @@ class PreparedGraph:
         self.retention_rows: set[int] = set()
         #: the smallest budget once found (see ``remat.solvers.milp.minimum_budget``)
         self.minimum: object | None = None
-        #: the plan of least simulated peak any call returned so far: a candidate of the
-        #: smallest-budget search (a plan the exact model found at one budget may reach below
-        #: every baseline's)
-        self.lowest: Candidate | None = None
+        #: the plans calls returned so far that no other returned plan beats in both peak and
+        #: cost, by increasing peak, as compact compute orders: candidates at every later
+        #: budget they fit, and the first is a candidate of the smallest-budget search (a plan
+        #: the exact model found at one budget may reach below every baseline's)
+        self.returned: list[Candidate] = []
 
     @cached_property
     def bounds(self) -> InstantBounds:
@@ -65,14 +72,34 @@ class PreparedGraph:
             self.retention_plans.append(solution)
 
     def saw_plan(self, plan: Candidate) -> None:
-        """Note a plan returned for some budget (kept if its peak is the least seen)."""
-        if self.lowest is None or (plan.peak_bytes, plan.cost) < (self.lowest.peak_bytes, self.lowest.cost):
-            self.lowest = plan
+        """Note a plan returned for some budget: kept, as its compute order, unless a plan
+        returned before is no dearer and peaks no higher."""
+        if any(_dominates(kept, plan) for kept in self.returned):
+            return
+        compact = plan.compact(self.graph)
+        if not compact.name.endswith(_EARLIER):
+            compact = dataclasses.replace(compact, name=compact.name + _EARLIER)
+        if any(_dominates(kept, compact) for kept in self.returned):
+            return
+        frontier = [kept for kept in self.returned if not _dominates(compact, kept)] + [compact]
+        self.returned = sorted(frontier, key=lambda c: (c.peak_bytes, c.cost))[:RETURNED_PLANS]
+
+    @property
+    def lowest(self) -> Candidate | None:
+        """The returned plan of least peak (the cheapest of those), or None."""
+        return self.returned[0] if self.returned else None
 
     def best_retention_plan(self, budget_bytes: int) -> RetentionSolution | None:
         """The cheapest retention plan found so far whose model peak fits the budget."""
         fitting = [s for s in self.retention_plans if s.model_peak_bytes <= budget_bytes]
         return min(fitting, key=lambda s: (s.cost, s.model_peak_bytes), default=None)
+
+
+_EARLIER = " (returned for an earlier budget)"
+
+
+def _dominates(a: Candidate, b: Candidate) -> bool:
+    return a.peak_bytes <= b.peak_bytes and a.cost <= b.cost
 
 
 _CACHE: OrderedDict[str, PreparedGraph] = OrderedDict()
