@@ -333,3 +333,39 @@ def _nudge_planned(monkeypatch, field: str, key: str) -> None:
         return state, result
 
     monkeypatch.setattr(verify, "_planned", nudged)
+
+
+# ---------------------------------------------------------------------------- one gradient, two parameters
+class _TwoEmbeddings(nn.Module):
+    """Two parameters added whole (no broadcast): the step computes one gradient for both."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 16)
+        self.pos = nn.Parameter(torch.randn(8, 16))
+        self.typ = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) + self.pos + self.typ)
+
+
+def _squares(m, x):
+    return (m(x) ** 2).sum()
+
+
+def test_parameters_with_one_gradient_get_tensors_of_their_own():
+    """Sharing the step's one tensor as both .grad made accumulation and clipping count it
+    twice (both grads ended as g1 + 2 g2), silently."""
+    eager, planned = _TwoEmbeddings(), _TwoEmbeddings()
+    step = remat.optimize(planned, (torch.randn(8, 16),), _squares, budget="100%", method="checkpoint_all")
+    torch.manual_seed(1)
+    batches = [torch.randn(8, 16) for _ in range(2)]
+    for x in batches:  # two micro-batches, no zero_grad: the second adds to the first
+        _squares(eager, x).backward()
+        step(x)
+    assert planned.pos.grad.untyped_storage().data_ptr() != planned.typ.grad.untyped_storage().data_ptr()
+    _equal_grads(eager, planned)
+    for m in (eager, planned):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    _equal_grads(eager, planned)

@@ -139,9 +139,10 @@ class TrainingStep:
         outputs = self.traced.unpack(self.planned(*flat))
         params = dict(self.model.named_parameters())
         with torch.no_grad():
+            handed: set[int] = set()  # the storages of the gradients handed out as .grad so far
             for key, grad in outputs.grads.items():
                 if grad is not None:
-                    _accumulate(params[key], grad)
+                    _accumulate(params[key], grad, handed)
             for key, value in outputs.updates.items():
                 targets[key].copy_(value)
         roots = [(batch[batch_index(key)], grad) for key, grad in outputs.input_grads.items() if grad is not None]
@@ -270,11 +271,16 @@ def _describe(args: tuple[object, ...]) -> str:
     return f"{len(args)} argument(s): " + ", ".join(one(a) for a in args)
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+def _accumulate(param: torch.Tensor, grad: torch.Tensor, handed: set[int]) -> None:
+    """Add ``grad`` into ``param.grad`` as autograd does. A fresh ``.grad`` has the parameter's
+    strides (autograd's layout contract) and a storage of its own: two parameters whose
+    gradients are one value (``x + pos + typ``) get one tensor from the step, and sharing it
+    would make an in-place change of one ``.grad`` (accumulation, clipping) change both."""
     if param.grad is None:
-        # autograd's layout contract: a fresh .grad has the parameter's strides
-        if grad.stride() != param.stride():
+        storage = grad.untyped_storage().data_ptr()
+        if grad.stride() != param.stride() or storage in handed:
             grad = torch.empty_strided(param.shape, param.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+        handed.add(grad.untyped_storage().data_ptr())
         param.grad = grad
     else:
         param.grad += grad
