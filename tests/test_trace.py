@@ -807,6 +807,41 @@ def test_tensors_a_forward_stores_on_its_module_are_not_left_fake():
     assert check_step(step, loss_fn, x).bitwise
 
 
+class _Aliased(nn.Module):
+    """A submodule registered under two names, called under both."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mid = nn.Linear(16, 16)
+        self.alias = self.mid
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.alias(torch.tanh(self.mid(x))))
+
+
+def test_a_module_registered_twice_keeps_its_parameters_and_trains_like_eager():
+    """functional_call swapped the twice-registered module's tensors in twice and back once: the
+    user's model was left with fake parameters, and every later use of it failed."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from remat.verify import check_step
+
+    model, eager = _Aliased(), _Aliased()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    weight = model.mid.weight
+    step = remat.optimize(model, (x, y), loss_fn, budget=10**9, method="recompute_all", cost_model=None)
+    assert model.mid.weight is weight and model.alias.weight is weight
+    assert not any(isinstance(t, FakeTensor) for t in (*model.parameters(), *model.state_dict().values()))
+    assert check_step(step, loss_fn, x, y).bitwise
+    for m, run in ((eager, lambda: loss_fn(eager, x, y).backward()), (model, lambda: step(x, y))):
+        run()
+    for (k, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), k
+
+
 def test_a_distributions_argument_check_is_refused_with_the_switch_named():
     """torch.distributions validates its arguments by reading their values (transformers' time
     series models' losses); the refusal names the switch that turns the checks off."""

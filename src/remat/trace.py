@@ -610,11 +610,19 @@ def _module_attributes_kept(model: torch.nn.Module) -> Iterator[None]:
     attribute, as RecurrentGemma's ``recurrent_states``) is a fake tensor of the trace: afterwards
     each such attribute gets its value from before tracing back (or goes, if it had none). Left
     there, it was a fake tensor with a ``grad_fn`` on the user's model, which ``copy.deepcopy``
-    (and so ``check_step``) refused."""
+    (and so ``check_step``) refused. Parameters and buffers are put back too: with a submodule
+    registered under two names (``self.alias = self.mid``), ``functional_call`` swaps its
+    tensors in twice and back once, and left the user's model with fake parameters."""
     before = [(m, dict(m.__dict__)) for m in model.modules()]
+    registered = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
     try:
         yield
     finally:
+        for module, parameters, buffers in registered:
+            for table, was in ((module._parameters, parameters), (module._buffers, buffers)):
+                for name, value in was.items():
+                    if table.get(name, _ABSENT) is not value:
+                        table[name] = value
         for module, attributes in before:
             for name, value in list(module.__dict__.items()):
                 if isinstance(value, torch.Tensor) and attributes.get(name, _ABSENT) is not value:
