@@ -80,3 +80,82 @@ def test_a_hook_added_after_tracing_is_refused():
         step(x, y)
     handle.remove()
     step(x, y)
+
+
+# ---------------------------------------------------------------------------- state the step itself changes
+class _Counting(nn.Module):
+    """A forward that counts its calls (under ``attribute``) and warms a scale up from them."""
+
+    def __init__(self, attribute: str = "calls") -> None:
+        super().__init__()
+        self.attribute = attribute
+        setattr(self, attribute, 0)
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x):
+        calls = getattr(self, self.attribute) + 1
+        setattr(self, self.attribute, calls)
+        return self.lin(x) * min(1.0, calls / 3)
+
+
+@pytest.mark.parametrize("attribute", ["calls", "_calls"])
+def test_a_forward_that_changes_its_module_at_every_call_is_refused_and_left_as_it_was(attribute):
+    """Traced, the step kept the scale of its one traced call while eager's counter went on:
+    gradients 0.04-0.06 apart at every step, silently (a private counter alike)."""
+    model, x = _Counting(attribute), torch.randn(4, 8)
+    with pytest.raises(TraceError, match=rf"the model \(_Counting\) attribute '{attribute}' changes each time the "
+                                         rf"step runs \(0 -> 1 -> 2 over two traces\).*register_buffer\('calls'"):
+        remat.optimize(model, (x,), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all", cost_model=None)
+    assert getattr(model, attribute) == 0
+
+
+class _InstallsOnce(nn.Module):
+    """Sets a flag on its first call only (as transformers' output-capturing hooks do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x):
+        if not getattr(self, "_installed", False):
+            self._installed = True
+        return self.lin(x).tanh()
+
+
+def test_a_flag_a_forward_sets_once_settles_and_the_step_is_eagers():
+    model, x = _InstallsOnce(), torch.randn(4, 8)
+    loss_fn = lambda m, x: m(x).square().sum()  # noqa: E731
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert model._installed is True
+    assert check_step(step, loss_fn, x).bitwise
+
+
+def _python_draw(m, x):
+    import random
+
+    return (m(x) * (1.0 if random.random() < 0.5 else -1.0)).sum()
+
+
+def _numpy_draw(m, x):
+    import numpy as np
+
+    return (m(x) * float(np.random.beta(0.4, 0.4))).sum()
+
+
+@pytest.mark.parametrize("loss_fn, which", [(_python_draw, "Python's random module"),
+                                            (_numpy_draw, r"numpy's global generator \(np.random\)")])
+def test_a_draw_from_a_generator_outside_torch_is_refused_and_the_generator_left_as_it_was(loss_fn, which):
+    """Traced, every step reused the number drawn once (a random flip, mixup's lambda), silently."""
+    import random
+
+    import numpy as np
+
+    model, x = nn.Linear(8, 3), torch.randn(4, 8)
+    random.seed(5)
+    np.random.seed(5)
+    with pytest.raises(TraceError, match=rf"the training step draws from {which} while it runs.*draw with torch instead"):
+        remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    drawn = random.random(), np.random.random()
+    random.seed(5)
+    np.random.seed(5)
+    assert drawn == (random.random(), np.random.random())

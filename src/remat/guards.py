@@ -11,12 +11,26 @@ has them, naming the module, the attribute and both values.
 Recorded per module: every public attribute holding a number, string, bool or None (or a tuple
 of them), ``training``, and the number of forward, backward and state-dict hooks; per
 parameter, ``requires_grad``. Tensors are inputs of the step, not recorded here.
+
+The step's own Python can change that state too, which a traced step never does: a forward
+counting its calls (``self.calls += 1``, a warm-up scale read from it) kept the value of the
+one traced call while eager's went on counting, and a draw from Python's ``random`` or numpy's
+generator was the same number at every step, both silently. ``PythonState`` is taken before
+tracing; ``PythonState.settle`` refuses a trace that drew from those generators, and one whose
+module attributes change again when traced a second time (a flag set on the first call only,
+such as transformers' ``_output_capturing_hooks_installed``, settles and is kept). A refused
+trace leaves the attributes and generators as they were before it.
 """
 
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
 
 import torch
 
@@ -117,3 +131,103 @@ def module_state(model: torch.nn.Module) -> ModuleState:
         hooks.append((name, _hook_count(module)))
     requires_grad = tuple((key, p.requires_grad) for key, p in model.named_parameters())
     return ModuleState(tuple(attributes), tuple(hooks), requires_grad)
+
+
+T = TypeVar("T")
+
+
+def _scalar_attributes(model: torch.nn.Module) -> dict[tuple[str, str], object]:
+    """Every module's attributes holding numbers, strings, bools or None (or tuples of them),
+    private ones included, by (module name, attribute)."""
+    return {(name, key): value for name, module in model.named_modules(remove_duplicate=False)
+            for key, value in vars(module).items() if _recordable(value)}
+
+
+@dataclass(frozen=True)
+class PythonState:
+    """The Python state a training step's code may change while traced (see the module)."""
+
+    attributes: dict[tuple[str, str], object]
+    python_random: object
+    numpy_random: tuple
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> PythonState:
+        return cls(_scalar_attributes(model), random.getstate(), np.random.get_state())
+
+    def changes(self, model: torch.nn.Module) -> list[tuple[str, str, object, object]]:
+        """(module name, attribute, value before, value now) for each attribute that differs;
+        ``_MISSING`` for one absent on either side."""
+        now = _scalar_attributes(model)
+        modules = dict(model.named_modules(remove_duplicate=False))
+        for (name, key) in self.attributes.keys() - now.keys():  # gone, or no longer a scalar
+            module = modules.get(name)
+            now[(name, key)] = module.__dict__.get(key, _MISSING) if module is not None else _MISSING
+        return [(name, key, self.attributes.get((name, key), _MISSING), value)
+                for (name, key), value in now.items() if not _same(self.attributes.get((name, key), _MISSING), value)]
+
+    def drew(self) -> str | None:
+        """Which global generator outside torch was drawn from since, if one was."""
+        if random.getstate() != self.python_random:
+            return "Python's random module"
+        state = np.random.get_state()
+        if any(not np.array_equal(a, b) for a, b in zip(state, self.numpy_random, strict=True)):
+            return "numpy's global generator (np.random)"
+        return None
+
+    def restore(self, model: torch.nn.Module) -> None:
+        """Put the attributes and the generators back as they were."""
+        modules = dict(model.named_modules(remove_duplicate=False))
+        for name, key, before, _ in self.changes(model):
+            module = modules.get(name)
+            if module is None:
+                continue
+            if before is _MISSING:
+                module.__dict__.pop(key, None)
+            else:
+                module.__dict__[key] = before
+        random.setstate(self.python_random)
+        np.random.set_state(self.numpy_random)
+
+    def settle(self, model: torch.nn.Module, again: Callable[[], T]) -> T | None:
+        """After one trace taken from this state: refuse (``TraceError``, this state restored) a
+        trace that drew from Python's or numpy's generator; where module attributes changed,
+        trace ``again`` and refuse if they change once more (a counter, not a flag set once).
+        Returns the second trace, taken from the settled state, or None when nothing changed."""
+        drew = self.drew()
+        if drew is not None:
+            self.restore(model)
+            raise TraceError(
+                f"the training step draws from {drew} while it runs (in the model's forward or in "
+                f"loss_fn): a traced step runs no Python, so every step would reuse the numbers drawn "
+                f"when it was traced; draw with torch instead (torch.rand, torch.randint, "
+                f"torch.bernoulli: remat replays torch's generator), or draw outside the step and pass "
+                f"the values in the batch"
+            )
+        if not self.changes(model):
+            return None
+        settled = PythonState.of(model)
+        try:
+            result = again()
+        except BaseException:
+            self.restore(model)
+            raise
+        moving = settled.changes(model)
+        drew = settled.drew()
+        if not moving and drew is None:
+            return result
+        self.restore(model)
+        if drew is not None:
+            raise TraceError(f"the training step draws from {drew} while it runs (in the model's forward or "
+                             f"in loss_fn); draw with torch instead (torch.rand, torch.randint)")
+        modules = dict(model.named_modules(remove_duplicate=False))
+        name, key, second, third = moving[0]
+        first = self.attributes.get((name, key), _MISSING)
+        shown = " -> ".join("(unset)" if v is _MISSING else repr(v) for v in (first, second, third))
+        raise TraceError(
+            f"{_where(name, modules.get(name))} attribute {key!r} changes each time the step runs "
+            f"({shown} over two traces): a traced step runs no Python, so it would keep one value while "
+            f"eager PyTorch changes it at every step; keep such state in a tensor buffer the forward "
+            f"updates in place (self.register_buffer({key.lstrip('_')!r}, torch.zeros(())), then "
+            f"self.{key.lstrip('_')}.add_(1)), or change it outside the model between steps"
+        )

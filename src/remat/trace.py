@@ -48,7 +48,7 @@ from remat.errors import TraceError
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
-from remat.guards import ModuleState, module_state
+from remat.guards import ModuleState, PythonState, module_state
 from remat.trace_errors import BatchNormWatch, RnnWatch, check_dense, explain_trace_failure
 
 LossFn = Callable[..., torch.Tensor]
@@ -300,8 +300,20 @@ def trace(
     fake_mode = FakeTensorMode()
     fakes = [_fake_input(fake_mode, t) for t in flat]
     kinds_by_name: dict[str, NodeKind] = {}
+    before = PythonState.of(model)
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms:
-        gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name)
+        try:
+            gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name)
+        except BaseException:  # a refused trace changes nothing of the user's Python state
+            before.restore(model)
+            raise
+
+        def again() -> fx.GraphModule:
+            kinds_by_name.clear()
+            return _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes,
+                                     kinds_by_name)
+
+        gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
     rnns.check_graph(gm)
     check_dense(gm, model)
 
