@@ -101,3 +101,26 @@ def test_an_input_computed_outside_and_modified_in_place_is_refused_with_the_clo
     with pytest.raises(TraceError, match="an in-place operation on a tensor that requires grad and has no history.*"
                                          "clone it before modifying it \\(x = x.clone\\(\\)\\)"):
         remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+
+
+class _OwnGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+        self.gen = torch.Generator().manual_seed(123)
+
+    def forward(self, x):
+        h = self.lin(x).relu()
+        return h * (torch.rand(h.shape, generator=self.gen) > 0.3)
+
+
+def test_a_random_op_with_a_generator_of_its_own_is_refused_and_the_generator_left_untouched():
+    """remat replays the default generator where a plan recomputes a random op: a mask drawn
+    from the model's own generator came out another mask when recomputed (gradients 5e-3 off),
+    and profiling drew from it too."""
+    model = _OwnGenerator()
+    state = model.gen.get_state().clone()
+    with pytest.raises(TraceError, match=r"node rand \(aten.rand.generator\) draws from a torch.Generator of its "
+                                         r"own.*drop generator=\.\.\., seed it with torch.manual_seed"):
+        remat.optimize(model, (torch.randn(4, 8),), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all")
+    assert torch.equal(model.gen.get_state(), state)

@@ -49,7 +49,7 @@ from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outpu
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
 from remat.guards import ModuleState, PythonState, module_state
-from remat.trace_errors import BatchNormWatch, RnnWatch, check_dense, explain_trace_failure
+from remat.trace_errors import BatchNormWatch, RnnWatch, check_default_generator, check_dense, explain_trace_failure
 
 LossFn = Callable[..., torch.Tensor]
 log = logging.getLogger("remat.trace")
@@ -316,6 +316,7 @@ def trace(
         gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
     rnns.check_graph(gm)
     check_dense(gm, model)
+    check_default_generator(gm)
 
     roles = [InputRole.PARAM] * len(params) + [InputRole.BUFFER] * len(buffers) + [InputRole.INPUT] * len(batch)
     slot_keys = keys + [f"batch[{i}]" for i in range(len(batch))]

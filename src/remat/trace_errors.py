@@ -323,6 +323,30 @@ def check_dense(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
         )
 
 
+def check_default_generator(gm: torch.fx.GraphModule) -> None:
+    """Refuse a random op that draws from a ``torch.Generator`` of the user's own
+    (``torch.rand(..., generator=self.gen)``): remat replays the default generator's state
+    where a plan recomputes a random op, and a private generator's draws would differ (a
+    dropout mask recomputed for the backward came out another mask: gradients 5e-3 off,
+    silently). Names the node and the line of the user's code that made it."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        values = [getattr(gm, str(a.target), None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else a
+                  for a in (*n.args, *n.kwargs.values())]
+        if not any(isinstance(v, torch.Generator) for v in values):
+            continue
+        stack = n.meta.get("stack_trace") or ""
+        line = next((ln.strip() for ln in reversed(stack.splitlines()) if ln.strip().startswith("File ")), "")
+        where = f" ({line})" if line else ""
+        raise TraceError(
+            f"node {n.name} ({n.target}) draws from a torch.Generator of its own{where}; remat replays "
+            f"torch's default generator where a plan recomputes a random op, so a recomputation would "
+            f"draw other numbers than eager's: draw from the default generator (drop generator=..., "
+            f"seed it with torch.manual_seed)"
+        )
+
+
 # ---------------------------------------------------------------------------- batch norm on CUDA
 _BATCH_NORMS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
 #: the smallest eps for which ATen hands a batch norm to cuDNN (CUDNN_BN_MIN_EPSILON)
