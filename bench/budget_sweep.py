@@ -433,7 +433,8 @@ def check_methods(text: str) -> list[str]:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog or "budget_sweep.py", description=__doc__.splitlines()[0])
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    p = Parser(prog=prog or "budget_sweep.py", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=None,
                    help=f"comma-separated workloads (default: {','.join(f'{m}:{b}' for m, b in MODELS.items())} as model:batch)")
     p.add_argument("--batch", type=int, default=None, help="one batch size for every model (smoke runs)")

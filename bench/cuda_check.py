@@ -721,7 +721,8 @@ def summary(results: dict) -> str:
 
 # ---------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--batch", type=int, default=None, help="one batch size for every model")
     parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS), help="remat budgets, fractions")

@@ -92,7 +92,8 @@ def markdown(results: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--time-limit", type=float, default=20.0, help="MILP / LP time limit per solve (s)")
     parser.add_argument("--threads", type=int, default=1)

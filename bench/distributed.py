@@ -324,7 +324,8 @@ FINDINGS: list[str] = [
 
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
     parser.add_argument("--budgets", default=None,
                         help="fractions, comma-separated, for every engine (default: 0.7,0.5; 0.8,0.7 per block)")

@@ -435,7 +435,8 @@ def parse_bytes(text: str) -> int:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog or "max_batch.py", description=__doc__.splitlines()[0])
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    p = Parser(prog=prog or "max_batch.py", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated workloads")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per lp_round / milp solve")

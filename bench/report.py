@@ -7,7 +7,6 @@ Run it after any benchmark: ``python bench/report.py``.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -50,7 +49,8 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write BENCHMARKS.md; ``argv`` is the command line's arguments (none: just write it)."""
-    parser = argparse.ArgumentParser(
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    parser = Parser(
         prog="report.py", description="Regenerate BENCHMARKS.md (and nothing else) from the JSON under bench/results/ that the "
                     "benchmark scripts wrote.")
     parser.parse_args([] if argv is None else argv)

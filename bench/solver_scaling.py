@@ -24,7 +24,6 @@ whose key changed and skips the rest. ``--fresh`` recomputes everything.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -319,7 +318,8 @@ def plot(results: dict, path: Path = PLOT) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from: {', '.join(WORKLOADS)}")
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per call")
     p.add_argument("--out", type=Path, default=RESULTS)

@@ -70,7 +70,8 @@ def check_model(name: str, batch: int, positions, time_limit_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--batch", type=int, default=None, help="one batch size for every model")
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per milp solve")

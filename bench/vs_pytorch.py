@@ -620,7 +620,8 @@ def plot(results: dict, suffix: str = "", folder: Path = PLOTS) -> list[Path]:
 
 # ---------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vs_pytorch.py", description=__doc__,
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    parser = Parser(prog="vs_pytorch.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller batch, fewer budgets and rounds; own JSON")
     parser.add_argument("--layers", type=int, default=4, choices=range(4, 13), metavar="4..12")

@@ -391,7 +391,8 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(ARCHITECTURES),
                         help=f"comma-separated subset of {', '.join(ARCHITECTURES)}")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="float32, bfloat16 or both")
