@@ -240,6 +240,11 @@ def test_every_help_works(capsys):
         (["demo", "--methods", ""], "--methods '' lists no method"),
         (["demo", "--budgets", "60%,lots"], "'lots' is not understood"),
         (["sweep", "--graph", "chain:4", "--budgets", "10%:200%:3"], "percentage in (0%, 100%]"),
+        (["solve", "--graph", "chain:4", "--budget", "50%", "--unknown"],
+         "remat solve: error: unrecognized arguments: --unknown (see `remat solve --help`)"),
+        (["methods", "--verbose-ish"], "remat methods: error: unrecognized arguments: --verbose-ish"),
+        (["bench", "sweep", "--bogus-option"],
+         "remat bench sweep: error: unrecognized arguments: --bogus-option (see `remat bench sweep --help`)"),
     ],
 )
 def test_bad_usage_exits_2_with_one_line(capsys, argv, message):

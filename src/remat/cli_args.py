@@ -38,6 +38,15 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        # argparse reports a subcommand's unknown options at the top: name the subcommand's help
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            prog = f"{self.prog} {command}" if isinstance(command, str) else self.prog
+            self.exit(EXIT_USAGE, f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see `{prog} --help`)\n")
+        return parsed
+
 
 def arg_type(check: Callable[[str], object]) -> Callable[[str], object]:
     """An argparse type from a checker that raises ValueError with the whole message."""
