@@ -305,7 +305,7 @@ def test_user_factory_and_bad_specs(tmp_path, monkeypatch):
         get_workload("my_factories:missing", 2)
     with pytest.raises(WorkloadError, match="returned a tuple; it must return a remat.models.Workload"):
         get_workload("my_factories:wrong", 2)
-    with pytest.raises(WorkloadError, match="'NOT_CALLABLE' is a int, not a function"):
+    with pytest.raises(WorkloadError, match="'NOT_CALLABLE' is an int, not a function"):
         get_workload("my_factories:NOT_CALLABLE", 2)
     with pytest.raises(WorkloadError, match="unknown workload 'resnet'; use one of cnn, fcn8, .*, vgg19 or a factory spec"):
         get_workload("resnet", 2)

@@ -40,7 +40,7 @@ def test_key_makes_enums_tuples_and_paths_plain(tmp_path):
     json.dumps(k)
 
 
-@pytest.mark.parametrize("value, message", [(object(), "field 'thing' is a object"), (float("nan"), "finite")])
+@pytest.mark.parametrize("value, message", [(object(), "field 'thing' is an object"), (float("nan"), "finite")])
 def test_key_refuses_what_json_cannot_hold(value, message):
     with pytest.raises(TypeError, match=message):
         key(thing=value)

@@ -264,7 +264,7 @@ def test_batch_tensors_that_require_grad_get_their_gradients_as_outputs():
 def test_bad_inputs_are_clear_errors():
     with pytest.raises(TraceError, match="no trainable parameter"):
         trace(nn.ReLU(), (X,), lambda m, x: m(x).sum(), cost_model=None)
-    with pytest.raises(TraceError, match=r"batch\[1\] is a int, not a tensor"):
+    with pytest.raises(TraceError, match=r"batch\[1\] is an int, not a tensor"):
         trace(nn.Linear(3, 3), (X, 3), lambda m, x, k: m(x).sum() * k, cost_model=None)
     model = nn.Linear(3, 3)
     t = trace(model, X, lambda m, x: m(x).sum(), cost_model=None)

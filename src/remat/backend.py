@@ -65,7 +65,7 @@ from remat.backend_joint import JointStep, UnsupportedJointGraph
 from remat.backend_split import split
 from remat.cost import CostModel, node_costs
 from remat.eager_ops import EAGER_KERNEL_OPS, _replaced_py_kernels
-from remat.errors import InfeasibleBudgetError, RematError, SolverError
+from remat.errors import InfeasibleBudgetError, RematError, SolverError, a_type
 from remat.fx_graph import with_scratch
 from remat.graph import Graph
 from remat.memory import region_eager_peak
@@ -130,7 +130,7 @@ class Budget:
         if isinstance(budget, str):
             return cls._parse_text(budget)
         raise BudgetError(
-            f"budget {budget!r} is a {type(budget).__name__}; give bytes (int), a fraction (float) or a "
+            f"budget {budget!r} is {a_type(budget)}; give bytes (int), a fraction (float) or a "
             f"string such as '60%', '2GiB' or 'cuda-free'"
         )
 

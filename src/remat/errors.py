@@ -70,3 +70,9 @@ class InfeasibleBudgetError(RematError):
         if detail:
             message += f" ({detail})"
         super().__init__(message)
+
+
+def a_type(value: object) -> str:
+    """``value``'s type with its article, for messages: "an int", "a float", "a NoneType"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

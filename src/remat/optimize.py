@@ -42,7 +42,7 @@ import torch
 
 from remat.cost import CostModel
 from remat.distributed import refuse_wrapped
-from remat.errors import ScheduleError, TraceError
+from remat.errors import ScheduleError, TraceError, a_type
 from remat.execute import PlanFacts, PlannedStep, build_module
 from remat.planning import plan_graph
 from remat.schedule import Plan, Schedule, plan_from_order
@@ -264,7 +264,7 @@ _NAMES = ("x", "y", "z", *(f"t{i}" for i in range(3, 64)))
 
 def _describe(args: tuple[object, ...]) -> str:
     def one(a: object) -> str:
-        return f"a tensor of shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else f"a {type(a).__name__}"
+        return f"a tensor of shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else a_type(a)
 
     if not args:
         return "no batch"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from remat.errors import InfeasibleBudgetError, UnsupportedGraphError
+from remat.errors import InfeasibleBudgetError, UnsupportedGraphError, a_type
 from remat.graph import Graph
 from remat.solvers import solve
 
@@ -259,7 +259,7 @@ def _plain(value: object, where: str) -> object:
     if isinstance(value, Mapping):
         return {str(k): _plain(v, f"{where}.{k}") for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     raise TypeError(
-        f"result key field {where!r} is a {type(value).__name__} ({value!r}), which JSON cannot hold; pass "
+        f"result key field {where!r} is {a_type(value)} ({value!r}), which JSON cannot hold; pass "
         f"a string, number, list or dict that identifies it"
     )
 

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_leaves
 from remat import cost as cost_mod
 from remat.batch_norm import use_eager_kernels as use_eager_batch_norm_kernels
 from remat.eager_ops import autocast_cache, fake_kernel, tracing_as_eager, untraced
-from remat.errors import TraceError
+from remat.errors import TraceError, a_type
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
@@ -384,7 +384,7 @@ def _as_batch(example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[to
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):
             raise TraceError(
-                f"batch[{i}] is a {type(t).__name__}, not a tensor; pass the batch as a tuple of "
+                f"batch[{i}] is {a_type(t)}, not a tensor; pass the batch as a tuple of "
                 f"tensors and bake other arguments into loss_fn (e.g. with functools.partial)"
             )
     return batch
@@ -449,7 +449,7 @@ def _last_node_name() -> str | None:
 def _check_loss(loss: object) -> None:
     if not isinstance(loss, torch.Tensor):
         raise TraceError(
-            f"loss_fn returned a {type(loss).__name__}, not a tensor; it must return the loss as "
+            f"loss_fn returned {a_type(loss)}, not a tensor; it must return the loss as "
             f"a scalar tensor, e.g. `lambda model, x, y: F.cross_entropy(model(x), y)`"
         )
     if loss.numel() != 1:

@@ -21,7 +21,7 @@ import numbers
 import re
 from dataclasses import dataclass
 
-from remat.errors import RematError
+from remat.errors import RematError, a_type
 
 _UNITS = {
     "b": 1,
@@ -119,7 +119,7 @@ def read_budget(value: object, *, cuda_free: bool = False, of: str = CHECKPOINT_
         return _fraction(float(value), shown, python_float=True, of=of)
     if isinstance(value, str):
         return _read_text(value, cuda_free=cuda_free, of=of)
-    raise BudgetError(f"budget {shown} is a {type(value).__name__}; give {_FORMS}")
+    raise BudgetError(f"budget {shown} is {a_type(value)}; give {_FORMS}")
 
 
 def _fraction(value: float, shown: str, *, python_float: bool, of: str) -> BudgetSpec:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from remat.errors import TraceError
+from remat.errors import TraceError, a_type
 
 
 class WorkloadError(TraceError):
@@ -88,7 +88,7 @@ def load_factory(spec: str) -> Factory:
             f"`def {func_name}(batch_size: int) -> remat.models.Workload` there"
         )
     if not callable(factory):
-        raise WorkloadError(f"factory spec {spec!r}: {func_name!r} is a {type(factory).__name__}, not a function")
+        raise WorkloadError(f"factory spec {spec!r}: {func_name!r} is {a_type(factory)}, not a function")
     return factory
 
 
@@ -112,7 +112,7 @@ def get_workload(name: str, batch_size: int = 8, *, seed: int = 0) -> Workload:
         workload = factory(batch_size)
     if not isinstance(workload, Workload):
         raise WorkloadError(
-            f"factory for {name!r} returned a {type(workload).__name__}; it must return a "
+            f"factory for {name!r} returned {a_type(workload)}; it must return a "
             f"remat.models.Workload(name, model, batch, loss_fn)"
         )
     return workload
