@@ -124,3 +124,48 @@ def test_a_random_op_with_a_generator_of_its_own_is_refused_and_the_generator_le
                                          r"own.*drop generator=\.\.\., seed it with torch.manual_seed"):
         remat.optimize(model, (torch.randn(4, 8),), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all")
     assert torch.equal(model.gen.get_state(), state)
+
+
+class _LogSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(20, 12)
+
+    def forward(self, x):
+        return self.lin(x).log_softmax(-1)
+
+
+_WEIGHTS = torch.linspace(0.5, 2.0, 12)
+
+
+def _ctc(m, x, t):
+    return F.ctc_loss(m(x), t, torch.full((4,), 40), torch.tensor([10, 5, 8, 3]))
+
+
+def _closure_weights(m, x, t):
+    return F.nll_loss(m(x).flatten(0, 1), t.flatten(), weight=_WEIGHTS)
+
+
+def _logs(m, x, t):
+    loss = F.nll_loss(m(x).flatten(0, 1), t.flatten())
+    print(loss.item())
+    return loss
+
+
+@pytest.mark.parametrize("loss_fn, targets, message", [
+    (_ctc, torch.randint(1, 12, (4, 10)),
+     r"op aten._ctc_loss.Tensor, which sizes its working tensors by the values of its inputs .* in loss_fn at "
+     r"test_trace_errors.py:\d+ .*no fixed-shape form of it exists in PyTorch.*train this model without remat"),
+    (_closure_weights, torch.randint(0, 12, (40, 4)),
+     r"reached aten.nll_loss_forward.default in loss_fn at .*loss_fn uses a tensor that is neither the model's nor "
+     r"the batch's .*pass it in the batch"),
+    (_logs, torch.randint(0, 12, (40, 4)),
+     r"a tensor's value read in Python .* in loss_fn at test_trace_errors.py:\d+ `print\(loss.item\(\)\)`.*to log "
+     r"the loss, read the tensor step\(batch\) returns"),
+])
+def test_a_failure_in_loss_fn_is_placed_in_loss_fn_with_a_remedy_that_applies(loss_fn, targets, message):
+    """loss_fn takes the model as its first argument, so its frame was taken for one of the
+    model's methods ("in the model (M)"); and ctc_loss was told to use torch.where."""
+    with pytest.raises(TraceError, match=message):
+        remat.optimize(_LogSoftmax(), (torch.randn(40, 4, 20), targets), loss_fn, budget=1.0,
+                       method="checkpoint_all", cost_model=None)

@@ -514,7 +514,7 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
     except TraceError:
         raise
     except Exception as exc:  # translate torch's failure into one naming the construct and module
-        raise explain_trace_failure(exc, model) from exc
+        raise explain_trace_failure(exc, model, loss_fn) from exc
     finally:
         for h in handles:
             h.remove()

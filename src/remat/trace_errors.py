@@ -18,9 +18,10 @@ _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspat
 _MODULE_MACHINERY = frozenset({"_call_impl", "_wrapped_call_impl", "__call__"})
 
 
-def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceError:
-    """A ``TraceError`` naming the construct torch could not trace, the module it sits in
-    (innermost ``forward`` of ``model`` on the stack) and a remedy."""
+def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: object = None) -> TraceError:
+    """A ``TraceError`` naming the construct torch could not trace, where it sits (the innermost
+    method of one of ``model``'s modules on the stack, or ``loss_fn`` when the failure is in its
+    own code) and a remedy."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
@@ -33,6 +34,8 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
         cause = cause.__cause__ or cause.__context__
     modules = {id(m): name for name, m in model.named_modules()}
     module_desc, module, user_line = None, None, None
+    in_loss_fn = False  # the innermost frame of the user's code is loss_fn's own
+    loss_code = getattr(loss_fn, "__code__", None)
     module_names: frozenset[str] = frozenset()  # the names the module's failing method uses
     custom_backward = None  # the autograd.Function whose backward was running, if one was
     validating = False  # a torch.distributions argument check was running
@@ -46,15 +49,18 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
                 custom_backward = getattr(getattr(ctx, "_forward_cls", None), "__name__", None) or type(ctx).__name__
             obj = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
             filename = code.co_filename
-            if obj is not None and id(obj) in modules and code.co_name not in _MODULE_MACHINERY:
-                module_desc, module = _describe_module(model, modules[id(obj)]), obj
+            if code is loss_code:
+                module_desc, module, in_loss_fn = None, None, True
+            elif (obj is not None and id(obj) in modules and code.co_name not in _MODULE_MACHINERY
+                  and _is_method_of(code, obj)):  # (not a function given the model, as loss_fn is)
+                module_desc, module, in_loss_fn = _describe_module(model, modules[id(obj)]), obj, False
                 module_names = frozenset(code.co_names)
             if not any(d in filename for d in _LIBRARY_DIRS):
                 code = _source_line(filename, lineno)
                 if filename.startswith("<") and code is None:  # generated code (``<string>``): no line to show
                     continue
                 user_line = f"{os.path.basename(filename)}:{lineno}" + (f" `{code}`" if code else "")
-    where = module_desc or f"loss_fn or model {type(model).__name__}"
+    where = module_desc or ("loss_fn" if in_loss_fn else f"loss_fn or model {type(model).__name__}")
     if user_line:
         where += f" at {user_line}"
     op = next((str(getattr(e, "func", "")) for e in chain if getattr(e, "func", None) is not None), None)
@@ -67,6 +73,9 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
             "control flow and shapes must not depend on tensor values; use torch.where or "
             "arithmetic masks instead of Python branches, and keep values as tensors"
         )
+        if in_loss_fn:
+            remedy += ("; to log the loss, read the tensor step(batch) returns (loss.item() after the "
+                       "step), not the loss inside loss_fn")
         # LayerDrop only where the failing method reads its setting (a module, or a config its
         # submodules share, may set it while something else reads a value)
         drops = (_layer_drop_settings(module) if module is not None and module.training
@@ -90,6 +99,12 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
                 "num_batches_tracked counter as a Python number on every step, so a traced step "
                 "would keep the first step's factor; give it a fixed momentum (e.g. momentum=0.1)"
             )
+    elif any(isinstance(e, DynamicOutputShapeException) for e in chain) and op is not None and any(
+            name in op for name in _SIZED_BY_VALUES):
+        what = f"op {op}, which sizes its working tensors by the values of its inputs (the target lengths)"
+        remedy = ("no fixed-shape form of it exists in PyTorch, so one traced step cannot serve every batch; "
+                  "remat cannot plan a step that calls it: train this model without remat (or with "
+                  "torch.utils.checkpoint)")
     elif any(isinstance(e, DynamicOutputShapeException) for e in chain):
         what = f"op {op} whose output shape depends on tensor values (nonzero, unique, boolean masks)"
         remedy = "use a fixed-shape formulation (torch.where, multiplying by a mask) instead"
@@ -125,6 +140,12 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> TraceEr
                 f"with the model's parameters; remat cannot trace such a backward: recompute with "
                 f"torch.utils.checkpoint instead (remat traces it as plain calls and plans the recomputation "
                 f"itself), or train this model without remat"
+            )
+        elif in_loss_fn:
+            remedy = (
+                "loss_fn uses a tensor that is neither the model's nor the batch's (from a closure or a global, "
+                "such as class weights); pass it in the batch, or register it on the model (register_buffer) "
+                "and read it there, so that remat traces it as an input of the step"
             )
         else:
             remedy = (
@@ -184,6 +205,19 @@ def _source_line(filename: str, lineno: int) -> str | None:
 
     line = linecache.getline(filename, lineno).strip()
     return line or None
+
+
+#: ops whose outputs are sized by their inputs' values with no fixed-shape alternative: the
+#: "use torch.where" remedy does not apply to them
+_SIZED_BY_VALUES = ("aten._ctc_loss", "aten.ctc_loss")
+
+
+def _is_method_of(code: object, obj: object) -> bool:
+    """Whether ``code`` is a method of ``obj``'s class (or a base's): ``forward`` and what it
+    calls on ``self``, not a function that takes the model as its first argument."""
+    name = getattr(code, "co_name", None)
+    return any(getattr(getattr(cls.__dict__.get(name), "__func__", cls.__dict__.get(name)), "__code__", None) is code
+               for cls in type(obj).__mro__)
 
 
 def _describe_module(model: torch.nn.Module, name: str) -> str:
