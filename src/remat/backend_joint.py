@@ -378,9 +378,21 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
     for i, nm in enumerate(node_names):
         if nm in markers or (i in random_nodes and not replayable(fx_by_name[nm])) or fx_graph.is_collective(fx_by_name[nm]):
             nodes_out[i] = replace(nodes_out[i], recomputable=False)
+    # The caller may modify a forward output in place before the backward runs (eager and
+    # torch.compile allow it wherever autograd saved no part of it), and AOTAutograd hands an
+    # output that views an intermediate over as a new tensor sharing the storage, so no version
+    # counter check would see that change. A forward node reading an output's storage is
+    # therefore computed once, in the forward: recomputed in the backward, it read the changed
+    # values (gradients 12% off, silently).
+    ids = {nm: i for i, nm in enumerate(node_names)}
+    visible = {o for v in fwd_outs if isinstance(v, fx.Node) and env[v].name in ids
+               for o in owners[ids[env[v].name]]}
+    for i, node in enumerate(nodes_out):
+        if kinds[node_names[i]] is NodeKind.FORWARD and i not in visible and visible.intersection(node.deps) \
+                and i in owners[i]:  # (views derive from their base where read)
+            nodes_out[i] = replace(node, recomputable=False)
     graph = Graph(nodes=tuple(nodes_out), fixed_bytes=graph.fixed_bytes, outputs=graph.outputs, name=name)
     n_forward = next((i for i, nm in enumerate(node_names) if kinds[nm] is NodeKind.BACKWARD), len(node_names))
-    ids = {nm: i for i, nm in enumerate(node_names)}
     final_outs = pytree.arg_tree_leaves(*next(n for n in gm.graph.nodes if n.op == "output").args)
     n_out = len(outputs)
     dep = _depends_on({fx_by_name[m] for m in markers}, [fx_by_name[nm] for nm in node_names])
