@@ -199,6 +199,43 @@ def test_an_output_the_caller_modifies_in_place_is_not_read_again_in_the_backwar
         assert torch.equal(got[k], g), k
 
 
+class _ShiftsItsBuffer(nn.Module):
+    """Reads a buffer, then updates it in place under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.ls = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])
+        self.out = nn.Linear(32, 5)
+        self.register_buffer("shift", torch.randn(32) * 0.1)
+
+    def forward(self, x):
+        for lin in self.ls:
+            x = x + torch.sin(lin(x) + self.shift)
+        with torch.no_grad():
+            self.shift.add_(0.5)
+        return self.out(x).sum()
+
+
+def test_a_fallback_for_a_graph_that_modifies_an_input_recomputes_nothing():
+    """PyTorch's min-cut partitioner recomputed lin(x) + shift in the backward from the updated
+    buffer (gradients 0.9 off): a fallback of such a graph uses the partitioner that recomputes
+    nothing, and gets eager's gradients."""
+    x = torch.randn(8, 32)
+
+    def grads(be):
+        torch._dynamo.reset()
+        model = _ShiftsItsBuffer()
+        (model if be is None else torch.compile(model, backend=be))(x).backward()
+        return {k: p.grad for k, p in model.named_parameters()}
+
+    want = grads(None)
+    with pytest.warns(rb.RematFallbackWarning, match="default partitioner, which recomputes nothing"):
+        got = grads(make_backend(10))  # (no plan fits 10 bytes)
+    for k, g in want.items():
+        assert torch.equal(got[k], g), k
+
+
 def test_loss_outside_the_compiled_region():
     model, batch, loss_fn = dropout_mlp()
     want = run_step(model, batch, loss_fn, seed=4)

@@ -330,17 +330,25 @@ class RematBackend:
             if not self.fallback:
                 raise
             reason = _reason(exc)
+            from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+            # PyTorch's min-cut partitioner may recompute, in the backward, a value read from an
+            # input the forward then modifies in place (a buffer updated under no_grad): it reads
+            # the new value (torch 2.13: gradients 0.9 off). Such a graph gets the partitioner
+            # that recomputes nothing.
+            mutating = backend_joint.mutates_inputs(joint, num_fwd_outputs)
+            instead = ("default partitioner, which recomputes nothing (the graph modifies an input in place, "
+                       "which the min-cut partitioner may recompute from after the change)" if mutating
+                       else "default min-cut partitioner")
             warnings.warn(
-                f"remat.backend: not planning {name} ({reason}); using PyTorch's default min-cut "
-                f"partitioner for it instead",
+                f"remat.backend: not planning {name} ({reason}); using PyTorch's {instead} for it instead",
                 RematFallbackWarning,
                 stacklevel=2,
             )
             self.reports.append(PartitionReport(name, self.method, fallback=reason,
                                                 min_budget_bytes=getattr(exc, "min_budget_bytes", None)))
-            from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-            return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+            partition = default_partition if mutating else min_cut_rematerialization_partition
+            return partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         self.reports.append(report)
         log.info("remat.backend: %s", report)
         return fw, bw

@@ -117,6 +117,15 @@ def _is_tangent(n: fx.Node) -> bool:
     return n.op == "placeholder" and "tangents" in str(n.target)
 
 
+def mutates_inputs(joint: fx.GraphModule, num_fwd_outputs: int) -> bool:
+    """Whether the joint graph's forward modifies an input in place (a buffer updated under
+    ``no_grad``, batch norm's running statistics): in the graph, or by AOTAutograd's runtime."""
+    out = next(n for n in joint.graph.nodes if n.op == "output")
+    descs = list(out.meta.get("desc") or [])[:num_fwd_outputs]
+    return any(_is_epilogue_copy(n) for n in joint.graph.nodes) or any(
+        isinstance(d, InputMutationAOTOutput) for d in descs)
+
+
 def _is_epilogue_copy(n: fx.Node) -> bool:
     """``copy_(primal, new_value)`` with no user: AOTAutograd keeping an input mutation (batch
     norm's running statistics) in the graph, to run once at the end of the forward."""
