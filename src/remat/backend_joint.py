@@ -400,7 +400,18 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
         if kinds[node_names[i]] is NodeKind.FORWARD and i not in visible and visible.intersection(node.deps) \
                 and i in owners[i]:  # (views derive from their base where read)
             nodes_out[i] = replace(node, recomputable=False)
-    graph = Graph(nodes=tuple(nodes_out), fixed_bytes=graph.fixed_bytes, outputs=graph.outputs, name=name)
+    # A random op the plan runs twice saves the generator's state at its first run and holds it
+    # until the last: on the CPU that state is a tensor of the CPU generator's size (5,056 B)
+    # in the memory the plan is budgeted in (a CUDA generator's state is host memory). Which
+    # random ops a plan replays is the plan's choice, so each one that can be replayed counts
+    # it for the whole step: a few KiB more than some plans need, never less (uncounted,
+    # planned regions measured 5 KiB per replayed op over their budget).
+    cpu_replayable = sum(1 for i in random_nodes if nodes_out[i].recomputable and any(
+        isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        for t in pytree.tree_leaves(fx_by_name[node_names[i]].meta.get("val"))))
+    state_bytes = cpu_replayable * torch.get_rng_state().numel() * torch.get_rng_state().element_size()
+    graph = Graph(nodes=tuple(nodes_out), fixed_bytes=graph.fixed_bytes + state_bytes, outputs=graph.outputs,
+                  name=name)
     n_forward = next((i for i, nm in enumerate(node_names) if kinds[nm] is NodeKind.BACKWARD), len(node_names))
     final_outs = pytree.arg_tree_leaves(*next(n for n in gm.graph.nodes if n.op == "output").args)
     n_out = len(outputs)
