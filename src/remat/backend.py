@@ -78,6 +78,9 @@ from remat.units import EAGER, BudgetError, check_budget, format_bytes, format_b
 log = logging.getLogger("remat.backend")
 
 CUDA_FREE = "cuda-free"
+#: How many times a plan whose replayed random ops' generator states do not fit beside it is
+#: planned again with that much less budget (each time the states of the new plan are counted).
+REPLAY_STATE_TRIES = 3
 #: Methods that look for the cheapest plan: computing every node once is their answer
 #: whenever it fits, so it is not solved for.
 OPTIMAL_METHODS = ("milp", "lp_round")
@@ -391,7 +394,24 @@ class RematBackend:
         else:
             agreement = None
             record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes), budget_bytes, unoptimized)
+            # the generator states of the random ops the plan replays (which the simulator does
+            # not see) must fit beside it: planned again with that much less, until they do
+            for _ in range(REPLAY_STATE_TRIES):
+                planned = simulate(graph, plan)
+                held = backend_joint.replay_state_bytes(step, planned.compute_counts)
+                if planned.peak_bytes + held <= budget_bytes:
+                    break
+                try:
+                    record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes - held), budget_bytes - held,
+                                                       unoptimized)
+                except _NotPlanned as exc:
+                    raise _NotPlanned(f"the plan replays random ops whose generator states ({format_bytes(held)}) "
+                                      f"do not fit beside it in the budget: {exc}") from None
+            else:
+                raise _NotPlanned("the generator states of the random ops the plans replay do not fit beside them "
+                                  "in the budget")
         sim = simulate(graph, plan)
+        held = backend_joint.replay_state_bytes(step, sim.compute_counts)
         parts = split(step, joint, plan, sim)
         report = PartitionReport(
             graph_name=name,
@@ -402,7 +422,7 @@ class RematBackend:
             unoptimized_peak_bytes=unoptimized,
             eager_peak_bytes=eager,
             reference=reference,
-            predicted_peak_bytes=sim.peak_bytes,
+            predicted_peak_bytes=sim.peak_bytes + held,
             overhead=record.get("overhead"),
             status=record.get("status"),
             solve_s=record.get("solve_s"),
@@ -554,6 +574,16 @@ def _check_method(method: str, options: dict[str, object]) -> None:
     if method not in methods():
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(methods())}")
     base._check_options(method, base._REGISTRY[method], options)
+    # the options' values too (threads=0, mip_gap=-1, an unknown MILP backend): the method
+    # checks them when it runs, which would be inside a compile, where a failure falls back
+    from remat.builders import chain_graph
+
+    try:
+        base.solve(chain_graph(2, bytes_per_node=1), 10**6, method=method, **options)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (remat.backend(method={method!r}, ...))") from None
+    except RematError:
+        pass  # (about the tiny graph it was tried on, not about the options)
 
 
 def create(
@@ -610,6 +640,9 @@ def create(
         raise ValueError(f"cost_model {cost_model!r} is not a CostModel; use CostModel.PROFILE or CostModel.ESTIMATE")
     if scratch is not None and not isinstance(scratch, ScratchModel):
         raise ValueError(f"scratch {scratch!r} is not a ScratchModel; use ScratchModel.MEASURE, ESTIMATE or NONE")
+    if not isinstance(fallback, bool):
+        raise ValueError(f"fallback={fallback!r} must be True (a graph remat cannot plan gets PyTorch's "
+                         f"partitioner, with a warning) or False (it raises)")
     if cache_dir == "default":
         directory = backend_cache.default_cache_dir()
     else:

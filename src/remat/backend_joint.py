@@ -400,18 +400,7 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
         if kinds[node_names[i]] is NodeKind.FORWARD and i not in visible and visible.intersection(node.deps) \
                 and i in owners[i]:  # (views derive from their base where read)
             nodes_out[i] = replace(node, recomputable=False)
-    # A random op the plan runs twice saves the generator's state at its first run and holds it
-    # until the last: on the CPU that state is a tensor of the CPU generator's size (5,056 B)
-    # in the memory the plan is budgeted in (a CUDA generator's state is host memory). Which
-    # random ops a plan replays is the plan's choice, so each one that can be replayed counts
-    # it for the whole step: a few KiB more than some plans need, never less (uncounted,
-    # planned regions measured 5 KiB per replayed op over their budget).
-    cpu_replayable = sum(1 for i in random_nodes if nodes_out[i].recomputable and any(
-        isinstance(t, torch.Tensor) and t.device.type == "cpu"
-        for t in pytree.tree_leaves(fx_by_name[node_names[i]].meta.get("val"))))
-    state_bytes = cpu_replayable * torch.get_rng_state().numel() * torch.get_rng_state().element_size()
-    graph = Graph(nodes=tuple(nodes_out), fixed_bytes=graph.fixed_bytes + state_bytes, outputs=graph.outputs,
-                  name=name)
+    graph = Graph(nodes=tuple(nodes_out), fixed_bytes=graph.fixed_bytes, outputs=graph.outputs, name=name)
     n_forward = next((i for i, nm in enumerate(node_names) if kinds[nm] is NodeKind.BACKWARD), len(node_names))
     final_outs = pytree.arg_tree_leaves(*next(n for n in gm.graph.nodes if n.op == "output").args)
     n_out = len(outputs)
@@ -436,6 +425,21 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
         joint_placeholders=tuple(placeholders),
         joint=joint,
     )
+
+
+def replay_state_bytes(step: JointStep, compute_counts: object) -> int:
+    """The bytes of generator states a plan holds in the budgeted memory: a random op the plan
+    runs more than once saves its generator's state at its first run and holds it to its last.
+    On the CPU that state is a tensor of the CPU generator's size (5,056 B); a CUDA
+    generator's state is host memory, outside a CUDA budget. The simulator does not see it,
+    so the backend adds it to a plan's peak (uncounted, regions measured 5 KiB per replayed op
+    over their budget). A replay also takes the generator's current state aside while it runs:
+    one state more, counted as if at the peak."""
+    replayed = [i for i in step.random_nodes if compute_counts[i] > 1]
+    on_cpu = sum(1 for i in replayed if any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                           for t in pytree.tree_leaves(step.fx_node(i).meta.get("val"))))
+    state = torch.get_rng_state()
+    return (on_cpu + 1 if on_cpu else 0) * state.numel() * state.element_size()
 
 
 # ---------------------------------------------------------------------------- real inputs

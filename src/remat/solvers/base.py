@@ -11,6 +11,7 @@ import enum
 import inspect
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,10 +250,16 @@ def _check_options(method: str, fn: SolverFn, options: dict[str, object]) -> Non
         return
     accepted = [name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
                 or (p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and name not in ("graph", "budget_bytes"))]
-    for name in options:
+    for name, value in options.items():
         if name not in accepted:
             listed = ", ".join(accepted) if accepted else "none"
             raise ValueError(f"method {method!r} has no option {name!r}; its options are: {listed}")
+        default = params[name].default
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ValueError(f"option {name}={value!r} of method {method!r} must be True or False")
+        if (isinstance(default, (int, float)) and not isinstance(default, bool)
+                and (isinstance(value, bool) or not isinstance(value, numbers.Real))):
+            raise ValueError(f"option {name}={value!r} of method {method!r} must be a number (default {default!r})")
 
 
 def _load_builtin() -> None:
