@@ -621,7 +621,7 @@ def test_plan_is_logged(caplog):
     [
         (0, "must be a positive number of bytes"),
         (-5, "must be a positive number of bytes"),
-        (1.5, "must be in \\(0, 1\\]; give bytes as an int \\(e.g. budget=1\\)"),
+        (1.5, "must be in \\(0, 1\\]; give bytes as an int \\(e.g. budget=1073741824\\)"),
         (float("nan"), "fraction of the eager peak"),
         ("150%", "percentage in \\(0%, 100%\\]"),
         ("abc%", "is not a percentage"),

@@ -43,6 +43,12 @@ CUDA_FREE = "cuda-free"
 _FORMS = "bytes ('1500000', '2GiB', '512MB'), a fraction of the checkpoint-all peak (0.6) or a percentage ('60%')"
 
 
+def _forms(of: str) -> str:
+    """The budget forms, with what a fraction is of for the caller (``CHECKPOINT_ALL``, ``EAGER``)."""
+    what = "the checkpoint-all peak" if of.startswith("the unoptimized peak") else of
+    return f"bytes ('1500000', '2GiB', '512MB'), a fraction of {what} (0.6) or a percentage ('60%')"
+
+
 class BudgetError(RematError, ValueError):
     """A budget or time limit that remat cannot use (wrong type, out of range, unknown unit,
     'cuda-free' without CUDA)."""
@@ -109,22 +115,22 @@ def read_budget(value: object, *, cuda_free: bool = False, of: str = CHECKPOINT_
     """
     shown = repr(value)
     if isinstance(value, bool) or value is None:
-        raise BudgetError(f"budget {shown} is not a budget; give {_FORMS}")
+        raise BudgetError(f"budget {shown} is not a budget; give {_forms(of)}")
     if isinstance(value, numbers.Integral):
         value = int(value)
         if value <= 0:
-            raise BudgetError(f"budget {value} B must be a positive number of bytes; give {_FORMS}")
+            raise BudgetError(f"budget {value} B must be a positive number of bytes; give {_forms(of)}")
         return BudgetSpec(bytes=value, text=shown)
     if isinstance(value, numbers.Real):
         return _fraction(float(value), shown, python_float=True, of=of)
     if isinstance(value, str):
         return _read_text(value, cuda_free=cuda_free, of=of)
-    raise BudgetError(f"budget {shown} is {a_type(value)}; give {_FORMS}")
+    raise BudgetError(f"budget {shown} is {a_type(value)}; give {_forms(of)}")
 
 
 def _fraction(value: float, shown: str, *, python_float: bool, of: str) -> BudgetSpec:
     if not (math.isfinite(value) and 0 < value <= 1):
-        hint = (f"give bytes as an int (e.g. budget={int(value) if math.isfinite(value) and value > 1 else 2**30})"
+        hint = (f"give bytes as an int (e.g. budget={int(value) if math.isfinite(value) and value >= 1024 else 2**30})"
                 if python_float else "write bytes as an integer ('1500000') or with a unit ('1.5GB')")
         kind = "a float" if python_float else "not a whole number of bytes"
         raise BudgetError(
@@ -138,19 +144,19 @@ def _read_text(text: str, *, cuda_free: bool, of: str) -> BudgetSpec:
     if text.strip().lower() == CUDA_FREE:
         if not cuda_free:
             raise BudgetError(
-                f"budget {shown} (the CUDA device's free memory) is understood by remat.backend only; give {_FORMS}"
+                f"budget {shown} (the CUDA device's free memory) is understood by remat.backend only; give {_forms(of)}"
             )
         return BudgetSpec(cuda_free=True, text=shown)
     match = _NUMBER_RE.match(text)
     if text.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
-        raise BudgetError(f"budget {shown} is not a finite number; write {_FORMS}")
+        raise BudgetError(f"budget {shown} is not a finite number; write {_forms(of)}")
     if match is None:
         if text.strip().endswith("%"):
             raise BudgetError(f"budget {shown} is not a percentage; write e.g. '60%'")
-        raise BudgetError(f"budget {shown} is not understood; write {_FORMS}")
+        raise BudgetError(f"budget {shown} is not understood; write {_forms(of)}")
     value, unit = float(match.group(1)), match.group(2).lower()
     if not math.isfinite(value):
-        raise BudgetError(f"budget {shown} is not a finite number; write {_FORMS}")
+        raise BudgetError(f"budget {shown} is not a finite number; write {_forms(of)}")
     if unit == "%":
         if not 0 < value <= 100:
             raise BudgetError(
@@ -159,7 +165,7 @@ def _read_text(text: str, *, cuda_free: bool, of: str) -> BudgetSpec:
             )
         return BudgetSpec(fraction=value / 100.0, text=shown)
     if value <= 0:
-        raise BudgetError(f"budget {shown} must be positive; write {_FORMS}")
+        raise BudgetError(f"budget {shown} must be positive; write {_forms(of)}")
     if unit == "":
         if _INTEGER_RE.match(text):
             return _positive_bytes(int(text), shown)
