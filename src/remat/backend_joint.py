@@ -158,8 +158,11 @@ def _check_supported(joint: fx.GraphModule) -> None:
                 isinstance(t, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride()))
             ):
                 raise UnsupportedJointGraph(
-                    f"node {n.name!r} has symbolic (dynamic) shapes, which remat cannot size; compile "
-                    f"with torch.compile(..., dynamic=False)"
+                    f"node {n.name!r} has symbolic (dynamic) shapes, which remat cannot size; shapes "
+                    f"become symbolic when dynamo compiles for several sizes (compile with "
+                    f"torch.compile(..., dynamic=False), and do not mark_dynamic an input) or when an op's "
+                    f"output size depends on values (nonzero, boolean masks: a fixed-shape form such as "
+                    f"torch.where plans)"
                 )
         layout = fx_graph.non_strided_layout(n)
         if layout is not None:
