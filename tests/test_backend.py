@@ -520,6 +520,21 @@ def test_rnn_frames_dynamo_skips_warn_naming_the_module():
         assert str(report).startswith("graph0: not captured by dynamo, ran eagerly")
 
 
+@pytest.mark.parametrize("wrap", ["closure", "partial"])
+def test_an_rnn_is_warned_about_through_a_users_wrapper_of_the_backend(wrap):
+    """The watch recognised the backend only as dynamo wraps it; behind a user's own wrapper the
+    warning (and the report) that the RNN runs eagerly, unplanned, went missing."""
+    import functools
+
+    torch._dynamo.reset()
+    be = make_backend(0.8, method="chen_greedy")
+    backend = ((lambda gm, inputs: be(gm, inputs)) if wrap == "closure"
+               else functools.partial(lambda b, gm, inputs: b(gm, inputs), be))
+    gru = nn.GRU(8, 16, batch_first=True)
+    with pytest.warns(rb.RematFallbackWarning, match="dynamo does not capture"):
+        torch.compile(gru, backend=backend)(torch.randn(2, 3, 8))
+
+
 def test_an_rnn_warned_about_once_is_not_warned_about_in_later_compiles():
     """A backend made before ``torch._dynamo.reset()`` installs its compile callbacks again
     from inside the next compile, whose start it never sees: that compile warned about every

@@ -14,6 +14,7 @@ later PyTorch moves it, the watch says nothing rather than fail a compile.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import warnings
@@ -95,18 +96,45 @@ def _compiling_for() -> tuple[object | None, dict]:
     frame = sys._getframe()
     while frame is not None:
         if frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals:
-            fn = frame.f_locals["compiler_fn"]
-            for _ in range(8):  # dynamo wraps the backend (debug wrapper, torch.compile wrapper)
-                if any(fn is b for b in _BACKENDS):
-                    frame_locals = frame.f_locals.get("locals")
-                    return fn, frame_locals if isinstance(frame_locals, dict) else {}
-                inner = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
-                if inner is None or inner is fn:
-                    break
-                fn = inner
-            return None, {}
+            found = _remat_backend_in(frame.f_locals["compiler_fn"])
+            if found is None:
+                return None, {}
+            frame_locals = frame.f_locals.get("locals")
+            return found, frame_locals if isinstance(frame_locals, dict) else {}
         frame = frame.f_back
     return None, {}
+
+
+def _remat_backend_in(fn: object) -> object | None:
+    """The remat backend ``fn`` is or wraps: through dynamo's wrappers (debug wrapper,
+    torch.compile's), ``functools.partial``, ``functools.wraps`` and the closure of a user's
+    own wrapper function (``lambda gm, inputs: be(gm, inputs)``), a few levels deep."""
+    seen, level = set(), [fn]
+    for _ in range(8):
+        following = []
+        for f in level:
+            if id(f) in seen:
+                continue
+            seen.add(id(f))
+            if any(f is b for b in _BACKENDS):
+                return f
+            following += [getattr(f, name, None) for name in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__",
+                                                              "func")]
+            following += [c.cell_contents for c in (getattr(f, "__closure__", None) or ()) if _filled(c)]
+            if isinstance(f, functools.partial):
+                following += [*f.args, *f.keywords.values()]
+        level = [f for f in following if f is not None and callable(f)]
+        if not level:
+            break
+    return None
+
+
+def _filled(cell: object) -> bool:
+    try:
+        cell.cell_contents  # type: ignore[attr-defined]
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def _module_text(key: str) -> str:
