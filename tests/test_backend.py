@@ -978,6 +978,27 @@ def test_the_eager_measurement_leaves_parameters_as_they_were():
     assert torch.equal(weight.detach(), before) and weight.grad is None
 
 
+def test_a_region_that_reads_a_value_is_measured_eagerly_with_every_input_cloned(capsys):
+    """A region with a value read in Python (a float attribute passed as a 0-d tensor, .item())
+    cannot run on fake copies: the measurement failed, so a fractional budget silently became a
+    fraction of the unoptimized peak, and fx printed the generated code's traceback. Every input
+    is now cloned instead, and nothing is printed."""
+    from remat.memory import _mutated_inputs, region_eager_peak
+
+    weight, scale = nn.Parameter(torch.randn(8, 8)), torch.tensor(0.5)
+    before = weight.detach().clone()
+
+    def region(w, s):
+        w.data.mul_(1.0)  # (an in-place change the measurement must not make on the real weight)
+        return ((w * s.item()).square().sum(),)
+
+    with pytest.raises(Exception):
+        _mutated_inputs(region, [weight, scale])
+    assert region_eager_peak(region, [weight, scale]).peak_bytes > 0
+    assert torch.equal(weight.detach(), before) and weight.grad is None
+    assert weight._version == 0 and capsys.readouterr().err == ""
+
+
 def test_a_sparse_gradient_falls_back_with_the_reason_named():
     """A sparse embedding's gradient failed inside the graph builder, and the fallback warning
     quoted PyTorch's "Cannot access storage of SparseTensorImpl"."""

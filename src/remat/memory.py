@@ -15,7 +15,9 @@ parameters, buffers, batch), the same quantity a traced ``Graph`` calls ``fixed_
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import io
 import os
 import weakref
 from collections.abc import Callable
@@ -203,9 +205,12 @@ def region_eager_peak(fn: Callable[..., object], inputs: list) -> MemoryReport:
     the region modifies in place (an embedding's ``max_norm`` renormalizes its weight), which
     are cloned, as is every other tensor, so parameters and buffers the region updates stay as
     they were (found by running the region's forward on fake copies, ``_mutated_inputs``; a
-    region that cannot run so is not measured); the random generators are restored. The
+    region that cannot run so has every input cloned); the random generators are restored. The
     resident bytes are those of the region's inputs."""
-    mutated = _mutated_inputs(fn, inputs)
+    try:
+        mutated = _mutated_inputs(fn, inputs)
+    except Exception:  # (a value read in Python, a value-sized op: no fake run) every tensor may be
+        mutated = set(range(len(inputs)))  # modified: all are cloned, which the peak does not count
     args = []
     for k, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor):
@@ -241,7 +246,9 @@ def _mutated_inputs(fn: Callable[..., object], inputs: list) -> set[int]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
     before = [f._version if isinstance(f, torch.Tensor) else None for f in fakes]
-    with torch.random.fork_rng(devices=_cuda_devices(inputs)), torch.enable_grad(), mode:
+    # (fx prints the generated code's traceback before raising: the caller handles the failure)
+    with torch.random.fork_rng(devices=_cuda_devices(inputs)), torch.enable_grad(), mode, \
+            contextlib.redirect_stderr(io.StringIO()):
         fn(*fakes)
     return {k for k, (f, v) in enumerate(zip(fakes, before)) if isinstance(f, torch.Tensor) and f._version != v}
 
