@@ -369,3 +369,25 @@ def test_parameters_with_one_gradient_get_tensors_of_their_own():
     for m in (eager, planned):
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
     _equal_grads(eager, planned)
+
+
+# ---------------------------------------------------------------------------- hooks on parameters
+def test_hooks_on_parameters_run_as_in_eager():
+    """A traced step computes gradients without autograd, so hooks registered on parameters did
+    not run: a hook halving a gradient was ignored, and a post-accumulate hook (an optimizer
+    stepping in the backward) never fired, silently."""
+    eager, planned = _mlp(), _mlp()
+    x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
+    step = _recomputing_step(planned, (x, y))
+    fired = {"eager": [], "planned": []}
+    for model, name in ((eager, "eager"), (planned, "planned")):
+        model[0].weight.register_hook(lambda g: g * 0.5)
+        model[2].bias.register_hook(lambda g: g.add_(1.0))  # in place, returning None
+        model[4].weight.register_post_accumulate_grad_hook(lambda p, name=name: fired[name].append(p.grad.clone()))
+    assert check_step(step, _loss, x, y).bitwise
+    for _ in range(2):
+        _loss(eager, x, y).backward()
+        step(x, y)
+    _equal_grads(eager, planned)
+    assert len(fired["planned"]) == len(fired["eager"]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(fired["planned"], fired["eager"]))

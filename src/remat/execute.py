@@ -371,3 +371,15 @@ def _compile_program(traced: TracedStep, plan: Plan, sim: SimResult) -> tuple[In
     for o in graph.outputs:  # an output view dropped with an earlier instance of its owner
         ensure(o, temps)
     return tuple(program)
+
+
+def grad_through_hooks(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as the hooks registered on ``param`` (``param.register_hook``) leave it, in the
+    order they were registered, as autograd runs them before accumulating: a traced step
+    computes gradients without autograd, so it runs them itself (they used to be skipped, and a
+    hook halving a gradient was silently ignored)."""
+    for hook in list((getattr(param, "_backward_hooks", None) or {}).values()):
+        out = hook(grad)
+        if out is not None:
+            grad = out
+    return grad

@@ -43,7 +43,7 @@ import torch
 from remat.cost import CostModel
 from remat.distributed import refuse_wrapped
 from remat.errors import ScheduleError, TraceError, a_type
-from remat.execute import PlanFacts, PlannedStep, build_module
+from remat.execute import PlanFacts, PlannedStep, build_module, grad_through_hooks
 from remat.planning import plan_graph
 from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
@@ -140,11 +140,16 @@ class TrainingStep:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             handed: set[int] = set()  # the storages of the gradients handed out as .grad so far
+            written = []
             for key, grad in outputs.grads.items():
                 if grad is not None:
-                    _accumulate(params[key], grad, handed)
+                    _accumulate(params[key], grad_through_hooks(params[key], grad), handed)
+                    written.append(params[key])
             for key, value in outputs.updates.items():
                 targets[key].copy_(value)
+            for param in written:  # (after the step's own updates, as eager's come after its forward)
+                for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                    hook(param)
         roots = [(batch[batch_index(key)], grad) for key, grad in outputs.input_grads.items() if grad is not None]
         if roots:  # as loss.backward() reaches them: into a leaf's .grad, or on into the graph that made it
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import torch
 
-from remat.execute import PlannedStep
+from remat.execute import PlannedStep, grad_through_hooks
 from remat.memory import MemoryReport, measure_peak, resident_bytes_of
 from remat.trace import InputRole, TracedStep, batch_index
 
@@ -147,13 +147,15 @@ def _planned(model: torch.nn.Module, batch: Sequence[torch.Tensor], traced: Trac
     report = run(lambda *a: kept.append(step(*a)), flat)
     rng_state = torch.get_rng_state()
     out = traced.unpack(kept.pop())
-    with torch.no_grad():
+    params = dict(model.named_parameters())
+    with torch.no_grad():  # (the gradients through the parameters' hooks, as TrainingStep hands them out)
+        grads = {k: g if g is None else grad_through_hooks(params[k], g) for k, g in out.grads.items()}
         for k, v in out.updates.items():
             targets[k].copy_(v)
     role_of = {s.key: s.role for s in traced.inputs}
     state = StepState(
         loss=out.loss,
-        grads=out.grads,
+        grads=grads,
         buffers={k: b.clone() for k, b in model.named_buffers()},
         rng_state=rng_state,
         params={k: targets[k].detach() for k in out.updates if role_of[k] is InputRole.PARAM},
