@@ -159,3 +159,18 @@ def test_a_draw_from_a_generator_outside_torch_is_refused_and_the_generator_left
     random.seed(5)
     np.random.seed(5)
     assert drawn == (random.random(), np.random.random())
+
+
+def test_a_parameter_stored_in_another_layout_is_refused_naming_it():
+    """A weight stored transposed after tracing gave gradients a rounding apart (1.5e-8),
+    silently; one of another shape failed deep inside a kernel."""
+    model, x, y, loss_fn, step = _step()
+    model.a.weight.data = model.a.weight.data.t().contiguous().t()
+    with pytest.raises(TraceError, match=r"parameter 'a.weight' is now shape \(16, 8\), torch.float32 on cpu, strides "
+                                         r"\(1, 16\) but was shape \(16, 8\), torch.float32 on cpu, strides \(8, 1\) "
+                                         r"when the step was traced.*trace again"):
+        step(x, y)
+    model.a.weight.data = model.a.weight.data.contiguous()
+    model.b.bias.data = torch.zeros(5)
+    with pytest.raises(TraceError, match=r"parameter 'b.bias' is now shape \(5,\)"):
+        step(x, y)

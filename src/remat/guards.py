@@ -10,7 +10,10 @@ has them, naming the module, the attribute and both values.
 
 Recorded per module: every public attribute holding a number, string, bool or None (or a tuple
 of them), ``training``, and the number of forward, backward and state-dict hooks; per
-parameter, ``requires_grad``. Tensors are inputs of the step, not recorded here.
+parameter, ``requires_grad``; per parameter and buffer, its shape, dtype, device and strides
+(the step's kernels were chosen for them: a weight stored transposed after tracing gave
+gradients a rounding apart, and one of another shape failed deep in a kernel). Tensors' values
+are inputs of the step, not recorded here.
 
 The step's own Python can change that state too, which a traced step never does: a forward
 counting its calls (``self.calls += 1``, a warm-up scale read from it) kept the value of the
@@ -70,6 +73,9 @@ class ModuleState:
     hooks: tuple[tuple[str, int], ...]
     #: (parameter name, requires_grad when traced)
     requires_grad: tuple[tuple[str, bool], ...]
+    #: ("parameter" or "buffer", name, shape, dtype, device, strides) when traced: the step's
+    #: kernels were chosen for them (a transposed weight's gradient rounds differently)
+    layouts: tuple[tuple[str, str, tuple[int, ...], torch.dtype, torch.device, tuple[int, ...]], ...] = ()
 
     def check(self, model: torch.nn.Module) -> None:
         """Raise ``TraceError`` naming the first value that differs from when the step was traced."""
@@ -102,7 +108,18 @@ class ModuleState:
                     f"was traced; the traced step runs the hooks it was traced with: trace again "
                     f"(remat.optimize) after adding or removing hooks"
                 )
-        params = dict(model.named_parameters())
+        tensors = {"parameter": dict(model.named_parameters()), "buffer": dict(model.named_buffers())}
+        for kind, key, shape, dtype, device, stride in self.layouts:
+            t = tensors[kind].get(key)
+            if t is None:
+                continue  # (a tensor gone is named below, or by the step's own inputs)
+            if (tuple(t.shape), t.dtype, t.device, t.stride()) != (shape, dtype, device, stride):
+                raise TraceError(
+                    f"{kind} {key!r} is now {_layout(t.shape, t.dtype, t.device, t.stride())} but was "
+                    f"{_layout(shape, dtype, device, stride)} when the step was traced; the traced step's "
+                    f"kernels were chosen for that layout: trace again (remat.optimize) after changing it"
+                )
+        params = tensors["parameter"]
         for key, flag in self.requires_grad:
             p = params.get(key)
             if p is None:
@@ -114,6 +131,10 @@ class ModuleState:
                     f"eager PyTorch now would{'' if p.requires_grad else ' not'}; trace again (remat.optimize) "
                     f"after freezing or unfreezing parameters"
                 )
+
+
+def _layout(shape: object, dtype: torch.dtype, device: torch.device, stride: object) -> str:
+    return f"shape {tuple(shape)}, {dtype} on {device}, strides {tuple(stride)}"
 
 
 def _where(name: str, module: torch.nn.Module | None) -> str:
@@ -130,7 +151,10 @@ def module_state(model: torch.nn.Module) -> ModuleState:
                 attributes.append((name, key, value))
         hooks.append((name, _hook_count(module)))
     requires_grad = tuple((key, p.requires_grad) for key, p in model.named_parameters())
-    return ModuleState(tuple(attributes), tuple(hooks), requires_grad)
+    layouts = tuple((kind, key, tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
+                    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
+                    for key, t in named)
+    return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts)
 
 
 T = TypeVar("T")
