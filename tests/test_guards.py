@@ -174,3 +174,15 @@ def test_a_parameter_stored_in_another_layout_is_refused_naming_it():
     model.b.bias.data = torch.zeros(5)
     with pytest.raises(TraceError, match=r"parameter 'b.bias' is now shape \(5,\)"):
         step(x, y)
+
+
+def test_a_step_called_under_another_autocast_is_refused():
+    """Called under an autocast it was not traced under, the step's ops were cast again by the
+    dispatcher, and its gradients failed to assign (a bfloat16 gradient for a float32 weight)."""
+    model, x, y, loss_fn, step = _step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TraceError, match=r"step\(\) runs under torch.autocast\('cpu', dtype=torch.bfloat16\) but "
+                                             r"the step was traced under no autocast.*put the autocast inside loss_fn"):
+            step(x, y)
+    assert all(p.grad is None for p in model.parameters())
+    step(x, y)

@@ -76,6 +76,8 @@ class ModuleState:
     #: ("parameter" or "buffer", name, shape, dtype, device, strides) when traced: the step's
     #: kernels were chosen for them (a transposed weight's gradient rounds differently)
     layouts: tuple[tuple[str, str, tuple[int, ...], torch.dtype, torch.device, tuple[int, ...]], ...] = ()
+    #: the autocast around the call when traced, per device type: (device type, dtype) where on
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()
 
     def check(self, model: torch.nn.Module) -> None:
         """Raise ``TraceError`` naming the first value that differs from when the step was traced."""
@@ -108,6 +110,17 @@ class ModuleState:
                     f"was traced; the traced step runs the hooks it was traced with: trace again "
                     f"(remat.optimize) after adding or removing hooks"
                 )
+        now = _autocast_state()
+        if now != self.autocast:
+            def shown(state: tuple) -> str:
+                return ", ".join(f"torch.autocast({d!r}, dtype={dtype})" for d, dtype in state) or "no autocast"
+
+            raise TraceError(
+                f"step() runs under {shown(now)} but the step was traced under {shown(self.autocast)}; the "
+                f"traced step's casts are those of its trace: put the autocast inside loss_fn (with "
+                f"torch.autocast(...): return ...) and call step() outside any, or trace again (remat.optimize) "
+                f"under the same autocast"
+            )
         tensors = {"parameter": dict(model.named_parameters()), "buffer": dict(model.named_buffers())}
         for kind, key, shape, dtype, device, stride in self.layouts:
             t = tensors[kind].get(key)
@@ -133,6 +146,10 @@ class ModuleState:
                 )
 
 
+def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+
+
 def _layout(shape: object, dtype: torch.dtype, device: torch.device, stride: object) -> str:
     return f"shape {tuple(shape)}, {dtype} on {device}, strides {tuple(stride)}"
 
@@ -154,7 +171,7 @@ def module_state(model: torch.nn.Module) -> ModuleState:
     layouts = tuple((kind, key, tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
                     for key, t in named)
-    return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts)
+    return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state())
 
 
 T = TypeVar("T")
