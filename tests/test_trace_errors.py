@@ -169,3 +169,35 @@ def test_a_failure_in_loss_fn_is_placed_in_loss_fn_with_a_remedy_that_applies(lo
     with pytest.raises(TraceError, match=message):
         remat.optimize(_LogSoftmax(), (torch.randn(40, 4, 20), targets), loss_fn, budget=1.0,
                        method="checkpoint_all", cost_model=None)
+
+
+def _passes_through(f):
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args, **kwargs)
+
+    return wrapper
+
+
+class _Decorated(nn.Module):
+    """A forward behind a decorator, as transformers' are."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @_passes_through
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 0:
+            return h
+        return -h
+
+
+def test_a_failure_in_a_decorated_forward_names_its_module():
+    model = nn.Sequential(_Decorated())
+    with pytest.raises(TraceError, match=r"in module '0' \(_Decorated\) at test_trace_errors.py:\d+ `if h.sum\(\) > 0:`"):
+        remat.optimize(model, (torch.randn(2, 4),), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all",
+                       cost_model=None)

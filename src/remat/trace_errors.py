@@ -213,11 +213,11 @@ _SIZED_BY_VALUES = ("aten._ctc_loss", "aten.ctc_loss")
 
 
 def _is_method_of(code: object, obj: object) -> bool:
-    """Whether ``code`` is a method of ``obj``'s class (or a base's): ``forward`` and what it
-    calls on ``self``, not a function that takes the model as its first argument."""
+    """Whether ``code`` is (by name) a method of ``obj``'s class or a base's: ``forward`` and
+    what it calls on ``self``, decorated or not, but not a function that takes the model as its
+    first argument (a ``loss_fn`` given the model)."""
     name = getattr(code, "co_name", None)
-    return any(getattr(getattr(cls.__dict__.get(name), "__func__", cls.__dict__.get(name)), "__code__", None) is code
-               for cls in type(obj).__mro__)
+    return isinstance(name, str) and name.isidentifier() and callable(getattr(type(obj), name, None))
 
 
 def _describe_module(model: torch.nn.Module, name: str) -> str:
