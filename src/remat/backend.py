@@ -339,7 +339,7 @@ class RematBackend:
             # input the forward then modifies in place (a buffer updated under no_grad): it reads
             # the new value (torch 2.13: gradients 0.9 off). Such a graph gets the partitioner
             # that recomputes nothing.
-            mutating = backend_joint.mutates_inputs(joint, num_fwd_outputs)
+            mutating = bool(backend_joint.mutated_inputs(joint, num_fwd_outputs))
             instead = ("default partitioner, which recomputes nothing (the graph modifies an input in place, "
                        "which the min-cut partitioner may recompute from after the change)" if mutating
                        else "default min-cut partitioner")
@@ -394,24 +394,24 @@ class RematBackend:
         else:
             agreement = None
             record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes), budget_bytes, unoptimized)
-            # the generator states of the random ops the plan replays (which the simulator does
-            # not see) must fit beside it: planned again with that much less, until they do
-            for _ in range(REPLAY_STATE_TRIES):
-                planned = simulate(graph, plan)
-                held = backend_joint.replay_state_bytes(step, planned.compute_counts)
-                if planned.peak_bytes + held <= budget_bytes:
-                    break
-                try:
-                    record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes - held), budget_bytes - held,
-                                                       unoptimized)
-                except _NotPlanned as exc:
-                    raise _NotPlanned(f"the plan replays random ops whose generator states ({format_bytes(held)}) "
-                                      f"do not fit beside it in the budget: {exc}") from None
-            else:
-                raise _NotPlanned("the generator states of the random ops the plans replay do not fit beside them "
-                                  "in the budget")
         sim = simulate(graph, plan)
         held = backend_joint.replay_state_bytes(step, sim.compute_counts)
+        # the generator states of the random ops the plan replays (which the simulator does not
+        # see) must fit beside it: planned again with that much less, until they do
+        tries = 0
+        while agreement is None and sim.peak_bytes + held > budget_bytes:
+            if tries == REPLAY_STATE_TRIES:
+                raise _NotPlanned("the generator states of the random ops the plans replay do not fit beside them "
+                                  "in the budget")
+            tries += 1
+            try:
+                record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes - held), budget_bytes - held,
+                                                   unoptimized)
+            except _NotPlanned as exc:
+                raise _NotPlanned(f"the plan replays random ops whose generator states ({format_bytes(held)}) "
+                                  f"do not fit beside it in the budget: {exc}") from None
+            sim = simulate(graph, plan)
+            held = backend_joint.replay_state_bytes(step, sim.compute_counts)
         parts = split(step, joint, plan, sim)
         report = PartitionReport(
             graph_name=name,
@@ -573,9 +573,9 @@ def _check_method(method: str, options: dict[str, object]) -> None:
 
     if method not in methods():
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(methods())}")
-    base._check_options(method, base._REGISTRY[method], options)
-    # the options' values too (threads=0, mip_gap=-1, an unknown MILP backend): the method
-    # checks them when it runs, which would be inside a compile, where a failure falls back
+    # the options' names and values (threads=0, mip_gap=-1, an unknown MILP backend): solve
+    # checks the names and the method the values when it runs, which would be inside a compile,
+    # where a failure falls back; so the method runs now, on a tiny graph
     from remat.builders import chain_graph
 
     try:

@@ -117,13 +117,16 @@ def _is_tangent(n: fx.Node) -> bool:
     return n.op == "placeholder" and "tangents" in str(n.target)
 
 
-def mutates_inputs(joint: fx.GraphModule, num_fwd_outputs: int) -> bool:
-    """Whether the joint graph's forward modifies an input in place (a buffer updated under
-    ``no_grad``, batch norm's running statistics): in the graph, or by AOTAutograd's runtime."""
-    out = next(n for n in joint.graph.nodes if n.op == "output")
+def mutated_inputs(joint: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
+    """The placeholders of the inputs the joint graph's forward modifies in place (a buffer
+    updated under ``no_grad``, batch norm's running statistics): in the graph (epilogue copies)
+    or by AOTAutograd's runtime (forward outputs describing an input mutation)."""
+    nodes = list(joint.graph.nodes)
+    out = next(n for n in nodes if n.op == "output")
     descs = list(out.meta.get("desc") or [])[:num_fwd_outputs]
-    return any(_is_epilogue_copy(n) for n in joint.graph.nodes) or any(
-        isinstance(d, InputMutationAOTOutput) for d in descs)
+    mutated_descs = [d.mutated_input for d in descs if isinstance(d, InputMutationAOTOutput)]
+    return ({n.args[0].name for n in nodes if _is_epilogue_copy(n)}
+            | {p.name for p in nodes if p.op == "placeholder" and p.meta.get("desc") in mutated_descs})
 
 
 def _is_epilogue_copy(n: fx.Node) -> bool:
@@ -322,10 +325,7 @@ def prepare(joint: fx.GraphModule, num_fwd_outputs: int, name: str = "joint") ->
     if not used_tangents or not any(isinstance(o, fx.Node) for o in bwd_outs):
         raise UnsupportedJointGraph("the graph has no backward to plan (no gradient reads a tangent)")
     epilogue = [n for n in nodes if _is_epilogue_copy(n)]
-    # inputs mutated after the forward: in the graph (epilogue copies) or by AOTAutograd's
-    # runtime (forward outputs describing an input mutation)
-    mutated_descs = [d.mutated_input for d in descs[:num_fwd_outputs] if isinstance(d, InputMutationAOTOutput)]
-    mutated = {c.args[0].name for c in epilogue} | {p.name for p in placeholders if p.meta.get("desc") in mutated_descs}
+    mutated = mutated_inputs(joint, num_fwd_outputs)
     compute = [n for n in nodes if n.op == "call_function" and n not in epilogue]
     tangent_dep = _depends_on(set(tangents), compute)
     if any(c.args[1] in tangent_dep for c in epilogue):
