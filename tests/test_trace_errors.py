@@ -121,9 +121,12 @@ def test_a_random_op_with_a_generator_of_its_own_is_refused_and_the_generator_le
     model = _OwnGenerator()
     state = model.gen.get_state().clone()
     with pytest.raises(TraceError, match=r"node rand \(aten.rand.generator\) draws from a torch.Generator of its "
-                                         r"own.*drop generator=\.\.\., seed it with torch.manual_seed"):
+                                         r"own \(gen of the model\).*drop generator=\.\.\., seed it with torch.manual_seed"):
         remat.optimize(model, (torch.randn(4, 8),), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all")
     assert torch.equal(model.gen.get_state(), state)
+    nested = nn.Sequential(nn.Identity(), model)  # named by its path in the model
+    with pytest.raises(TraceError, match=r"own \(1\.gen of the model\)"):
+        remat.optimize(nested, (torch.randn(4, 8),), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all")
 
 
 class _LogSoftmax(nn.Module):

@@ -301,7 +301,7 @@ def count_as_kernels(joint: fx.GraphModule) -> None:
 def replayable(n: fx.Node) -> bool:
     """Can a recomputation of random node ``n`` replay its generator state? Only ops that
     draw from the device's default generator on CPU or CUDA."""
-    if n.kwargs.get("generator") is not None or not isinstance(n.target, torch._ops.OpOverload):
+    if fx_graph.explicit_generator(n) is not None or not isinstance(n.target, torch._ops.OpOverload):
         return False
     devices = {t.device.type for t in pytree.tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)}
     return devices <= {"cpu", "cuda"} and bool(devices)

@@ -22,6 +22,29 @@ def is_random(n: fx.Node) -> bool:
     return n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
 
 
+def explicit_generator(n: fx.Node, gm: fx.GraphModule | None = None) -> object | None:
+    """The generator node ``n`` is handed (``torch.rand(..., generator=g)``), None where it draws
+    from the device's default one. A ``get_attr`` argument is resolved in ``gm`` where given;
+    otherwise, or where it does not resolve, the fx node itself stands for the generator.
+    remat replays only default generators' states, so such an op cannot be recomputed."""
+    if n.op != "call_function":
+        return None
+    for a in (*n.args, *n.kwargs.values()):
+        if isinstance(a, fx.Node) and a.op == "get_attr" and gm is not None:
+            value = _attribute(gm, str(a.target))
+            if isinstance(value, torch.Generator):
+                return value
+        elif isinstance(a, torch.Generator):
+            return a
+    return n.kwargs.get("generator")
+
+
+def _attribute(root: object, dotted: str) -> object | None:
+    for part in dotted.split("."):
+        root = getattr(root, part, None)
+    return root
+
+
 #: torch.distributed's functional collectives (what dynamo traces ``all_gather``,
 #: ``reduce_scatter``, ``all_reduce`` and their ``wait_tensor`` into).
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})

@@ -137,7 +137,8 @@ class TracedStep:
     random_nodes: tuple[int, ...]
     batch_spec: tuple[TensorSpec, ...]
     #: the model's Python state the step was traced with (``guards``: attributes, train or eval
-    #: mode, hooks, requires_grad), checked before every run
+    #: mode, hooks, requires_grad, each parameter's and buffer's layout, the ambient autocast),
+    #: checked before every run
     module_state: ModuleState
 
     def fx_node(self, i: int) -> fx.Node:
@@ -316,7 +317,7 @@ def trace(
         gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
     rnns.check_graph(gm)
     check_dense(gm, model)
-    check_default_generator(gm)
+    check_default_generator(gm, model)
 
     roles = [InputRole.PARAM] * len(params) + [InputRole.BUFFER] * len(buffers) + [InputRole.INPUT] * len(batch)
     slot_keys = keys + [f"batch[{i}]" for i in range(len(batch))]

@@ -11,7 +11,7 @@ import traceback
 import torch
 
 from remat.errors import TraceError
-from remat.fx_graph import non_strided_layout
+from remat.fx_graph import explicit_generator, non_strided_layout
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)), "site-packages")
 # nn.Module's call plumbing: a frame there names the module being called, not the one failing
@@ -357,28 +357,33 @@ def check_dense(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
         )
 
 
-def check_default_generator(gm: torch.fx.GraphModule) -> None:
+def check_default_generator(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     """Refuse a random op that draws from a ``torch.Generator`` of the user's own
     (``torch.rand(..., generator=self.gen)``): remat replays the default generator's state
     where a plan recomputes a random op, and a private generator's draws would differ (a
     dropout mask recomputed for the backward came out another mask: gradients 5e-3 off,
-    silently). Names the node and the line of the user's code that made it."""
+    silently). Names the node, and the module attribute holding the generator where one does."""
     for n in gm.graph.nodes:
-        if n.op != "call_function":
+        gen = explicit_generator(n, gm)
+        if gen is None:
             continue
-        values = [getattr(gm, str(a.target), None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else a
-                  for a in (*n.args, *n.kwargs.values())]
-        if not any(isinstance(v, torch.Generator) for v in values):
-            continue
-        stack = n.meta.get("stack_trace") or ""
-        line = next((ln.strip() for ln in reversed(stack.splitlines()) if ln.strip().startswith("File ")), "")
-        where = f" ({line})" if line else ""
+        holders = [f"{name + '.' if name else ''}{attr}" for name, m in model.named_modules()
+                   for attr, value in vars(m).items() if _same_generator(value, gen)]
+        where = f" ({', '.join(holders)} of the model)" if holders else ""
         raise TraceError(
             f"node {n.name} ({n.target}) draws from a torch.Generator of its own{where}; remat replays "
             f"torch's default generator where a plan recomputes a random op, so a recomputation would "
             f"draw other numbers than eager's: draw from the default generator (drop generator=..., "
             f"seed it with torch.manual_seed)"
         )
+
+
+def _same_generator(value: object, gen: object) -> bool:
+    """Is ``value`` the generator the traced graph holds? Tracing hands the graph a copy, so a
+    generator of the same device and state counts (tracing draws nothing from the user's)."""
+    if not isinstance(value, torch.Generator) or not isinstance(gen, torch.Generator):
+        return False
+    return value is gen or (value.device == gen.device and torch.equal(value.get_state(), gen.get_state()))
 
 
 # ---------------------------------------------------------------------------- batch norm on CUDA
