@@ -333,10 +333,9 @@ def test_measured_peak_matches_the_prediction():
         assert report.backward_recomputes > 0
 
 
-def test_the_generator_states_of_replayed_random_ops_are_counted():
-    """A random op the plan runs twice holds a saved CPU generator state (5,056 B) from its first
-    run to its last; uncounted, the measured peak was over the budget by that much per replayed
-    op."""
+def _dropout_chain_peak(be) -> int:
+    """One step of a chain of linear layers with dropout, compiled with ``be`` outside dynamo
+    (warmed up first): its peak measured from the profiler's allocation events."""
     from functorch.compile import aot_function
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -344,7 +343,6 @@ def test_the_generator_states_of_replayed_random_ops_are_counted():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Dropout(0.2), nn.Tanh()) for _ in range(6)])
     x = torch.randn(16, 64, 128)
     params = dict(model.named_parameters())
-    be = make_backend(0.7, fallback=False, time_limit_s=10)
 
     def step(*tensors):
         return torch.func.functional_call(model, dict(zip(params, tensors[:-1])), (tensors[-1],)).square().mean()
@@ -355,10 +353,36 @@ def test_the_generator_states_of_replayed_random_ops_are_counted():
     compiled(*args).backward()  # warm up
     for p in params.values():
         p.grad = None
-    measured = measure_peak(lambda: compiled(*args).backward(), resident_bytes=resident_bytes_of(args)).peak_bytes
+    return measure_peak(lambda: compiled(*args).backward(), resident_bytes=resident_bytes_of(args)).peak_bytes
+
+
+def test_the_generator_states_of_replayed_random_ops_are_counted():
+    """A random op the plan runs twice holds a saved CPU generator state (5,056 B) from its first
+    run to its last; uncounted, the measured peak was over the budget by that much per replayed
+    op."""
+    be = make_backend(0.7, fallback=False, time_limit_s=10)
+    measured = _dropout_chain_peak(be)
     report = be.reports[-1]
     assert report.replayed_random_ops > 0
     assert measured <= report.predicted_peak_bytes <= report.budget_bytes, (measured, report)
+
+
+def test_the_smallest_budget_stated_leaves_room_for_generator_states_and_plans():
+    """The planner's smallest budget leaves no room for the generator states a plan of it
+    replays: stated as such, it was refused when asked for (near it, the re-plans with less
+    budget were infeasible, and the error then named that lesser budget, and a smallest budget
+    below the one asked for). The stated budget adds every random op's state, and plans."""
+    with pytest.warns(rb.RematFallbackWarning, match=r"the smallest feasible budget is .* \(the planner's smallest, "
+                                                  r".*KiB for the generator states of the random ops a plan may "
+                                                  r"replay\)"):
+        refused = make_backend(0.05, time_limit_s=10)
+        _dropout_chain_peak(refused)
+    stated = refused.reports[-1].min_budget_bytes
+    be = make_backend(stated, fallback=False, time_limit_s=10)
+    measured = _dropout_chain_peak(be)
+    report = be.reports[-1]
+    assert report.fallback is None and report.replayed_random_ops > 0
+    assert measured <= report.predicted_peak_bytes <= stated, (measured, report)
 
 
 # ---------------------------------------------------------------------------- plan cache

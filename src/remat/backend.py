@@ -369,6 +369,7 @@ class RematBackend:
             budget_bytes = self.budget.resolve(eager if eager is not None else unoptimized, graph.fixed_bytes,
                                                _device_of(step))
             fingerprint = graph.fingerprint(costs=False)
+            most_held = backend_joint.most_replay_state_bytes(step)
         except Exception as exc:
             if group is not None:  # tell the other ranks (re-raises here)
                 distributed.plan_together(group, None, None, exc, None)
@@ -397,21 +398,25 @@ class RematBackend:
         sim = simulate(graph, plan)
         held = backend_joint.replay_state_bytes(step, sim.compute_counts)
         # the generator states of the random ops the plan replays (which the simulator does not
-        # see) must fit beside it: planned again with that much less, until they do
+        # see) must fit beside it: planned again with that much less, until they do; the last
+        # try leaves room for every random op's state, so that a plan of that budget fits
         tries = 0
         while agreement is None and sim.peak_bytes + held > budget_bytes:
-            if tries == REPLAY_STATE_TRIES:
-                raise _NotPlanned("the generator states of the random ops the plans replay do not fit beside them "
-                                  "in the budget")
             tries += 1
+            cut = held if tries <= REPLAY_STATE_TRIES and held < most_held else most_held
             try:
-                record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes - held), budget_bytes - held,
+                record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes - cut), budget_bytes - cut,
                                                    unoptimized)
             except _NotPlanned as exc:
-                raise _NotPlanned(f"the plan replays random ops whose generator states ({format_bytes(held)}) "
-                                  f"do not fit beside it in the budget: {exc}") from None
+                if cut < most_held:  # the last try
+                    tries = REPLAY_STATE_TRIES
+                    continue
+                least = None if exc.min_budget_bytes is None else exc.min_budget_bytes - most_held  # (it counts them)
+                raise _infeasible(budget_bytes, least, self.method, unoptimized, most_held, states_first=True) from None
             sim = simulate(graph, plan)
             held = backend_joint.replay_state_bytes(step, sim.compute_counts)
+            if cut == most_held and sim.peak_bytes + held > budget_bytes:  # (cannot be: held <= most_held)
+                raise _NotPlanned("the generator states of the random ops the plan replays do not fit beside it")
         parts = split(step, joint, plan, sim)
         report = PartitionReport(
             graph_name=name,
@@ -499,9 +504,11 @@ class RematBackend:
             try:
                 planned = plan_graph(graph, budget_bytes, method=self.method, **self.solver_options)
             except InfeasibleBudgetError as exc:
-                raise _infeasible(budget_bytes, exc.min_budget_bytes, self.method, unoptimized) from exc
+                raise _infeasible(budget_bytes, exc.min_budget_bytes, self.method, unoptimized,
+                                  backend_joint.most_replay_state_bytes(step)) from exc
             except SolverError as exc:
-                planned, method = _rescue(graph, budget_bytes, unoptimized, self.method, exc)
+                planned, method = _rescue(graph, budget_bytes, unoptimized, self.method, exc,
+                                          backend_joint.most_replay_state_bytes(step))
                 note = f"{self.method} failed: {_reason(exc)}"
         record = {
             "fingerprint": graph.fingerprint(costs=False),
@@ -527,16 +534,29 @@ def _bound_overhead(planned: GraphPlan) -> float | None:
     return None if bound is None or total <= 0 else bound / total
 
 
-def _infeasible(budget_bytes: int, least: int | None, method: str, unoptimized: int) -> _NotPlanned:
-    smallest = format_bytes_exactly(least) if least is not None else "unknown"
+def _infeasible(budget_bytes: int, least: int | None, method: str, unoptimized: int, state_bytes: int = 0,
+                states_first: bool = False) -> _NotPlanned:
+    """The error of a budget the method cannot meet. ``least`` is the smallest budget the planner
+    meets; the smallest stated adds ``state_bytes``, the generator states a plan of the graph may
+    hold (``backend_joint.most_replay_state_bytes``), which the planner does not see: a plan of
+    ``least`` that replays a random op would not fit, and with them one always does (``_plan``'s
+    last try). ``states_first``: the budget failed only once those states were set aside."""
+    stated = None if least is None else least + state_bytes
+    smallest = format_bytes_exactly(stated) if stated is not None else "unknown"
+    if state_bytes and least is not None:
+        smallest += (f" (the planner's smallest, {format_bytes(least)}, and {format_bytes(state_bytes)} for the "
+                     f"generator states of the random ops a plan may replay)")
+    what = (f"budget {format_bytes_exactly(budget_bytes)} leaves too little beside the generator states of the "
+            f"random ops a plan may replay ({format_bytes(state_bytes)}) for method {method!r}" if states_first
+            else f"budget {format_bytes_exactly(budget_bytes)} is infeasible for method {method!r}")
     return _NotPlanned(
-        f"budget {format_bytes_exactly(budget_bytes)} is infeasible for method {method!r}: the "
-        f"smallest feasible budget is {smallest}; the unoptimized peak is {format_bytes(unoptimized)}",
-        least,
+        f"{what}: the smallest feasible budget is {smallest}; the unoptimized peak is {format_bytes(unoptimized)}",
+        stated,
     )
 
 
-def _rescue(graph: Graph, budget_bytes: int, unoptimized: int, method: str, error: Exception) -> tuple[GraphPlan, str]:
+def _rescue(graph: Graph, budget_bytes: int, unoptimized: int, method: str, error: Exception,
+            state_bytes: int = 0) -> tuple[GraphPlan, str]:
     """The cheapest plan of ``RESCUE_METHODS`` that fits, after ``method`` failed (warns)."""
     found, least = [], []
     for rescue in RESCUE_METHODS:
@@ -548,7 +568,7 @@ def _rescue(graph: Graph, budget_bytes: int, unoptimized: int, method: str, erro
             log.debug("rescue method %s failed: %s", rescue, exc)
     if not found:
         known = [b for b in least if b is not None]
-        raise _infeasible(budget_bytes, min(known) if known else None, method, unoptimized) from error
+        raise _infeasible(budget_bytes, min(known) if known else None, method, unoptimized, state_bytes) from error
     planned, used = min(found, key=lambda pair: pair[0].sim.total_cost)
     warnings.warn(
         f"remat.backend: method {method!r} failed on {graph.name} ({_reason(error)}); planning it with "

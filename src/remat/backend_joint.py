@@ -445,6 +445,12 @@ def replay_state_bytes(step: JointStep, compute_counts: object) -> int:
     return (on_cpu + 1 if on_cpu else 0) * state.numel() * state.element_size()
 
 
+def most_replay_state_bytes(step: JointStep) -> int:
+    """``replay_state_bytes`` of a plan that replays every random op it may recompute: the most
+    any plan of the graph holds."""
+    return replay_state_bytes(step, [2 if node.recomputable else 1 for node in step.graph.nodes])
+
+
 # ---------------------------------------------------------------------------- real inputs
 def example_inputs(step: JointStep) -> list[torch.Tensor]:
     """Real values for the planning copy's placeholders, to time nodes with: normal floats,
