@@ -544,16 +544,25 @@ def test_rnn_frames_dynamo_skips_warn_naming_the_module():
         assert str(report).startswith("graph0: not captured by dynamo, ran eagerly")
 
 
-@pytest.mark.parametrize("wrap", ["closure", "partial"])
+_GLOBAL_BACKEND = None
+
+
+def _through_a_global(gm, inputs):
+    return _GLOBAL_BACKEND(gm, inputs)
+
+
+@pytest.mark.parametrize("wrap", ["closure", "partial", "global"])
 def test_an_rnn_is_warned_about_through_a_users_wrapper_of_the_backend(wrap):
     """The watch recognised the backend only as dynamo wraps it; behind a user's own wrapper the
     warning (and the report) that the RNN runs eagerly, unplanned, went missing."""
     import functools
 
+    global _GLOBAL_BACKEND
     torch._dynamo.reset()
-    be = make_backend(0.8, method="chen_greedy")
-    backend = ((lambda gm, inputs: be(gm, inputs)) if wrap == "closure"
-               else functools.partial(lambda b, gm, inputs: b(gm, inputs), be))
+    be = _GLOBAL_BACKEND = make_backend(0.8, method="chen_greedy")
+    backend = {"closure": lambda gm, inputs: be(gm, inputs),
+               "partial": functools.partial(lambda b, gm, inputs: b(gm, inputs), be),
+               "global": _through_a_global}[wrap]
     gru = nn.GRU(8, 16, batch_first=True)
     with pytest.warns(rb.RematFallbackWarning, match="dynamo does not capture"):
         torch.compile(gru, backend=backend)(torch.randn(2, 3, 8))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import types
 import warnings
 import weakref
 
@@ -107,8 +108,9 @@ def _compiling_for() -> tuple[object | None, dict]:
 
 def _remat_backend_in(fn: object) -> object | None:
     """The remat backend ``fn`` is or wraps: through dynamo's wrappers (debug wrapper,
-    torch.compile's), ``functools.partial``, ``functools.wraps`` and the closure of a user's
-    own wrapper function (``lambda gm, inputs: be(gm, inputs)``), a few levels deep."""
+    torch.compile's), ``functools.partial``, ``functools.wraps``, and the closure or the module
+    globals of a user's own wrapper function (``lambda gm, inputs: be(gm, inputs)``), a few
+    levels deep."""
     seen, level = set(), [fn]
     for _ in range(8):
         following = []
@@ -121,12 +123,23 @@ def _remat_backend_in(fn: object) -> object | None:
             following += [getattr(f, name, None) for name in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__",
                                                               "func")]
             following += [c.cell_contents for c in (getattr(f, "__closure__", None) or ()) if _filled(c)]
+            following += _globals_named(f)
             if isinstance(f, functools.partial):
                 following += [*f.args, *f.keywords.values()]
         level = [f for f in following if f is not None and callable(f)]
         if not level:
             break
     return None
+
+
+def _globals_named(f: object) -> list[object]:
+    """The module globals function ``f`` names that may be (or wrap) a backend: remat backends,
+    functions and partials (``def wrapper(gm, inputs): return BACKEND(gm, inputs)``)."""
+    code, names = getattr(f, "__code__", None), getattr(f, "__globals__", None)
+    if code is None or not isinstance(names, dict):
+        return []
+    values = [names.get(name) for name in code.co_names]
+    return [v for v in values if any(v is b for b in _BACKENDS) or isinstance(v, (types.FunctionType, functools.partial))]
 
 
 def _filled(cell: object) -> bool:
