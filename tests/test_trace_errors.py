@@ -204,3 +204,56 @@ def test_a_failure_in_a_decorated_forward_names_its_module():
     with pytest.raises(TraceError, match=r"in module '0' \(_Decorated\) at test_trace_errors.py:\d+ `if h.sum\(\) > 0:`"):
         remat.optimize(model, (torch.randn(2, 4),), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all",
                        cost_model=None)
+
+
+class _RunningMean(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(8, 64), nn.Linear(64, 4)
+        self.register_buffer("ema", torch.zeros(64))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        out = self.b(h - self.ema)
+        new = 0.9 * self.ema + 0.1 * h.detach().mean(0)
+        if self.how == "rebind":
+            self.ema = new
+        elif self.how == "data":
+            self.ema.data = new
+        elif self.how == "weight data":
+            self.a.weight.data = self.a.weight.data * 0.5
+        else:  # the remedy the refusal names
+            with torch.no_grad():
+                self.ema.copy_(new)
+        return out
+
+
+@pytest.mark.parametrize("how, message", [
+    ("rebind", r"the model \(_RunningMean\) rebinds its buffer 'ema' \(self.ema = ...\)"),
+    ("data", r"the model \(_RunningMean\) replaces the data of its buffer 'ema' \(self.ema.data = ...\)"),
+    ("weight data", r"module 'a' \(Linear\) replaces the data of its parameter 'weight' \(self.weight.data = ...\)"),
+])
+def test_a_parameter_or_buffer_replaced_in_forward_is_refused_and_the_update_in_place_trains_like_eager(how, message):
+    """A traced step reads the tensors it is handed and writes back what it modified in place: a
+    buffer rebound in forward (a running average) stayed at zero, a weight halved by ``.data =``
+    was not, while eager carried both into the next step (gradients 0.04 off, silently)."""
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    x, y = torch.randn(512, 8), torch.randint(0, 4, (512,))
+    model = _RunningMean(how)
+    weight = model.a.weight.detach().clone()
+    with pytest.raises(TraceError, match=message + r" in the training step.*update it in place under torch.no_grad"):
+        remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert torch.equal(model.ema, torch.zeros(64)) and torch.equal(model.a.weight, weight)  # left as it was
+    torch.manual_seed(0)
+    eager, planned = _RunningMean("in place"), _RunningMean("in place")
+    planned.load_state_dict(eager.state_dict())
+    step = remat.optimize(planned, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    for _ in range(3):
+        eager.zero_grad()
+        planned.zero_grad()
+        want = loss_fn(eager, x, y)
+        want.backward()
+        assert torch.equal(step(x, y), want)
+        assert torch.equal(planned.ema, eager.ema) and eager.ema.abs().sum() > 0
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(planned.parameters(), eager.parameters()))

@@ -49,7 +49,8 @@ from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outpu
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
 from remat.guards import ModuleState, PythonState, module_state
-from remat.trace_errors import BatchNormWatch, RnnWatch, check_default_generator, check_dense, explain_trace_failure
+from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RnnWatch, check_default_generator, check_dense,
+                                explain_trace_failure)
 
 LossFn = Callable[..., torch.Tensor]
 log = logging.getLogger("remat.trace")
@@ -436,7 +437,10 @@ class _Wrapper(torch.nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, *batch: torch.Tensor) -> object:
-        return self.loss_fn(self.model, *batch)
+        handed = RegisteredTensors(self.model)
+        loss = self.loss_fn(self.model, *batch)
+        handed.check(self.model)
+        return loss
 
 
 def _last_node_name() -> str | None:

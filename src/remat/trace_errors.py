@@ -357,6 +357,44 @@ def check_dense(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
         )
 
 
+class RegisteredTensors:
+    """The parameters and buffers of a model as the training step was handed them, to check
+    after ``loss_fn`` ran that the step changed them in place only. A traced step reads the
+    tensors it is given and writes back what it modified in place; a forward that rebinds a
+    buffer (``self.ema = 0.9 * self.ema + ...``) or replaces a tensor's data
+    (``self.weight.data = ...``) leaves eager's model with the new tensor and the traced step
+    with the old one (a running average stayed at zero, a weight halved by hand was not:
+    gradients 0.04 off, silently)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.entries = [(path, kind, table, attr, t, _storage_key(t))
+                        for path, m in model.named_modules()
+                        for kind, table in (("parameter", m._parameters), ("buffer", m._buffers))
+                        for attr, t in table.items() if t is not None]
+
+    def check(self, model: torch.nn.Module) -> None:
+        for path, kind, table, attr, t, key in self.entries:
+            if table.get(attr) is not t:
+                how = f"rebinds its {kind} {attr!r} (self.{attr} = ...)"
+            elif _storage_key(t) != key:
+                how = f"replaces the data of its {kind} {attr!r} (self.{attr}.data = ...)"
+            else:
+                continue
+            raise TraceError(
+                f"{_describe_module(model, path)} {how} in the training step; a traced step keeps the "
+                f"tensor it was given, so the new value would be lost where eager PyTorch carries it into "
+                f"the next step: update it in place under torch.no_grad() (self.{attr}.copy_(new_value)), "
+                f"which remat traces and writes back"
+            )
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage: nothing to compare)
+        return None
+
+
 def check_default_generator(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     """Refuse a random op that draws from a ``torch.Generator`` of the user's own
     (``torch.rand(..., generator=self.gen)``): remat replays the default generator's state
