@@ -257,3 +257,41 @@ def test_a_parameter_or_buffer_replaced_in_forward_is_refused_and_the_update_in_
         assert torch.equal(step(x, y), want)
         assert torch.equal(planned.ema, eager.ema) and eager.ema.abs().sum() > 0
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(planned.parameters(), eager.parameters()))
+
+
+class _CentringAutoencoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(8, 3), nn.Linear(3, 8)
+
+    def forward(self, x):
+        x.sub_(x.mean(0))  # centres its input in place
+        return self.dec(torch.tanh(self.enc(x)))
+
+
+def test_a_batch_tensor_modified_in_place_that_shares_memory_with_another_input_is_refused():
+    """Eager sees an in-place change to ``x`` through every tensor sharing its memory (the
+    target of an autoencoder's batch ``(x, x)``); the traced step read the target as it was
+    handed (loss 9.8 against eager's 1.0, silently)."""
+    loss_fn = lambda m, x, target: F.mse_loss(m(x), target)  # noqa: E731
+    torch.manual_seed(0)
+    model = _CentringAutoencoder()
+    example = torch.randn(16, 8) + 3
+    step = remat.optimize(model, (example, example.clone()), loss_fn, budget=1.0, method="checkpoint_all",
+                          cost_model=None)
+    base = torch.randn(17 * 8) + 3
+    x = base[:128].view(16, 8)
+    kept = base.clone()
+    for target in (x, x.view(-1).view(16, 8), base[8:].view(16, 8)):  # itself, a view, an overlapping view
+        with pytest.raises(TraceError, match=r"batch\[0\] and batch\[1\] share memory, and the step modifies "
+                                             r"batch\[0\] in place.*pass tensors that do not share memory "
+                                             r"\(batch\[1\].clone\(\), which keeps its values\)"):
+            step(x, target)
+    assert torch.equal(base, kept)  # nothing ran
+    eager = _CentringAutoencoder()
+    eager.load_state_dict(model.state_dict())
+    want = loss_fn(eager, x.clone(), x.clone())
+    assert torch.equal(step(x.clone(), x.clone()), want)  # the remedy: as eager with a target of its own
+    halves = torch.randn(256) + 3  # two halves of one storage overlap nowhere: not refused
+    want = loss_fn(eager, halves[:128].clone().view(16, 8), halves[128:].view(16, 8))
+    assert torch.equal(step(halves[:128].view(16, 8), halves[128:].view(16, 8)), want)
