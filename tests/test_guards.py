@@ -186,3 +186,78 @@ def test_a_step_called_under_another_autocast_is_refused():
             step(x, y)
     assert all(p.grad is None for p in model.parameters())
     step(x, y)
+
+
+# ---------------------------------------------------------------------------- values outside modules
+SCHEDULE = {"beta": 0.0}  # a loss weight a training loop anneals between steps
+
+
+class _Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import types
+
+        self.a = nn.Linear(8, 4)
+        self.config = types.SimpleNamespace(temperature=1.0, name="tempered")
+
+    def forward(self, x):
+        return self.a(x) / self.config.temperature
+
+
+class _ScaleGrad(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        _ScaleGrad.calls += 1
+        ctx.k = 1.0 / _ScaleGrad.calls
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k
+
+
+def test_values_read_from_outside_the_modules_are_guarded_and_unchanged_the_step_is_eagers():
+    """A traced step keeps every Python value it read: a KL weight annealed in a global dict,
+    a closure's weight, a config object's temperature, a loss module's setting. Changed after
+    tracing, eager computed another loss (1.67 against 1.50), silently."""
+    smoothing = nn.CrossEntropyLoss(label_smoothing=0.1)
+    aux = 0.125
+
+    def loss_fn(m, x, y):
+        out = m(x)
+        return smoothing(out, y) + SCHEDULE["beta"] * out.pow(2).mean() + aux * out.abs().mean()
+
+    torch.manual_seed(0)
+    model, x, y = _Tempered(), torch.randn(32, 8), torch.randint(0, 4, (32,))
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert check_step(step, loss_fn, x, y).bitwise
+
+    def changed(what, undo):
+        with pytest.raises(TraceError, match=what + r".*when the step was traced, and the traced step computes "
+                                                  r"with that value; trace again"):
+            step(x, y)
+        undo()
+        step(x, y)  # changed back, it runs
+
+    SCHEDULE["beta"] = 0.5
+    changed(r"loss_fn's global 'SCHEDULE'\['beta'\] is now 0.5 but was 0.0", lambda: SCHEDULE.update(beta=0.0))
+    model.config.temperature = 2.0
+    changed(r"model.config.temperature is now 2.0 but was 1.0", lambda: setattr(model.config, "temperature", 1.0))
+    smoothing.label_smoothing = 0.0
+    changed(r"loss_fn's closure variable 'smoothing'.label_smoothing is now 0.0 but was 0.1",
+            lambda: setattr(smoothing, "label_smoothing", 0.1))
+    assert check_step(step, loss_fn, x, y).bitwise
+
+
+def test_a_counter_outside_the_modules_that_the_step_changes_is_refused_and_put_back():
+    """An autograd Function counting its calls in a class attribute (a gradient weight annealed
+    per call): the traced step kept the traced call's weight (gradients 0.056 off), silently."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    loss_fn = lambda m, x, y: F.cross_entropy(m[2](_ScaleGrad.apply(m[1](m[0](x)))), y)  # noqa: E731
+    with pytest.raises(TraceError, match=r"loss_fn's global '_ScaleGrad'.calls changes each time the step runs "
+                                         r"\(0 -> 1 -> 2 over two traces\)"):
+        remat.optimize(model, (torch.randn(4, 8), torch.randint(0, 4, (4,))), loss_fn, budget=1.0,
+                       method="checkpoint_all", cost_model=None)
+    assert _ScaleGrad.calls == 0

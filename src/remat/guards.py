@@ -12,8 +12,10 @@ Recorded per module: every public attribute holding a number, string, bool or No
 of them), ``training``, and the number of forward, backward and state-dict hooks; per
 parameter, ``requires_grad``; per parameter and buffer, its shape, dtype, device and strides
 (the step's kernels were chosen for them: a weight stored transposed after tracing gave
-gradients a rounding apart, and one of another shape failed deep in a kernel). Tensors' values
-are inputs of the step, not recorded here.
+gradients a rounding apart, and one of another shape failed deep in a kernel). Recorded beside
+them: ``held_values``, the scalars the step may read from outside module attributes (a config
+object's fields, a global schedule dict ``loss_fn`` names). Tensors' values are inputs of the
+step, not recorded here.
 
 The step's own Python can change that state too, which a traced step never does: a forward
 counting its calls (``self.calls += 1``, a warm-up scale read from it) kept the value of the
@@ -27,8 +29,11 @@ trace leaves the attributes and generators as they were before it.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import random
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -78,6 +83,8 @@ class ModuleState:
     layouts: tuple[tuple[str, str, tuple[int, ...], torch.dtype, torch.device, tuple[int, ...]], ...] = ()
     #: the autocast around the call when traced, per device type: (device type, dtype) where on
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
+    #: values read from outside module attributes (``HeldValue``) with their values when traced
+    held: tuple[tuple[HeldValue, object], ...] = ()
 
     def check(self, model: torch.nn.Module) -> None:
         """Raise ``TraceError`` naming the first value that differs from when the step was traced."""
@@ -100,6 +107,15 @@ class ModuleState:
                     f"{_where(name, module)} attribute {key!r} {shown} but was {value!r} when the step was "
                     f"traced, and the traced step computes with that value; trace again (remat.optimize) "
                     f"after changing it"
+                )
+        for held, value in self.held:
+            now = held.read(model)
+            if not _same(now, value):
+                shown = "is no longer set" if now is _MISSING else f"is now {now!r}"
+                raise TraceError(
+                    f"{held.label} {shown} but was {value!r} when the step was traced, and the traced step "
+                    f"computes with that value; trace again (remat.optimize) after changing it, or pass a value "
+                    f"that changes between steps in the batch, as a tensor"
                 )
         for name, count in self.hooks:
             module = modules.get(name)
@@ -159,8 +175,8 @@ def _where(name: str, module: torch.nn.Module | None) -> str:
     return f"module {name!r} ({kind})" if name else f"the model ({kind})"
 
 
-def module_state(model: torch.nn.Module) -> ModuleState:
-    """``model``'s Python state as a traced step relies on it (see the module)."""
+def module_state(model: torch.nn.Module, loss_fn: object = None) -> ModuleState:
+    """``model``'s (and ``loss_fn``'s) Python state as a traced step relies on it (see the module)."""
     attributes, hooks = [], []
     for name, module in model.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
@@ -171,7 +187,157 @@ def module_state(model: torch.nn.Module) -> ModuleState:
     layouts = tuple((kind, key, tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
                     for key, t in named)
-    return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state())
+    return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state(),
+                       tuple(held_values(model, loss_fn)))
+
+
+# ---------------------------------------------------------------------------- values held outside modules
+@dataclass(frozen=True)
+class HeldValue:
+    """A Python number, string, bool or None the step may read from outside the model's module
+    attributes: a field of an object a module holds (``self.config.temperature``), a public
+    class attribute of a module's class, or a global, closure variable or class attribute named
+    by ``loss_fn`` or a module's ``forward`` (``sched["beta"]``, a loss weight annealed between
+    steps). ``read(model)`` gives its value now (``_MISSING`` where gone); ``write`` puts one
+    back. A traced step keeps the value it was traced with (a KL weight raised from 0 to 0.5
+    after tracing: loss 1.50 against eager's 1.67, silently)."""
+
+    label: str
+    read: Callable[[torch.nn.Module], object]
+    write: Callable[[torch.nn.Module, object], None]
+
+
+def _is_holder(value: object) -> bool:
+    """An object whose scalar fields a step may read: a dict, a namespace, a dataclass or a
+    config object (anything with a ``__dict__`` that is not a module, tensor, function, class or
+    Python module)."""
+    if isinstance(value, dict):
+        return True
+    if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType,
+                          types.MethodType, types.BuiltinFunctionType, functools.partial, logging.Logger)):
+        return False
+    return hasattr(value, "__dict__") and not callable(value)
+
+
+def _holds_values(value: object, model: torch.nn.Module) -> bool:
+    """Does a value ``loss_fn`` or a ``forward`` names hold fields the step may read: a holder, a
+    class of the user's, or a module outside the model (a loss module's ``label_smoothing``)?"""
+    if isinstance(value, torch.nn.Module):
+        return all(value is not m for m in model.modules())
+    return _is_holder(value) or (isinstance(value, type) and _user_class(value))
+
+
+def _fields(holder: object) -> list[tuple[object, str]]:
+    """(key, shown) of the public scalar fields of ``holder`` (at most 256)."""
+    if isinstance(holder, dict):
+        items = [(k, f"[{k!r}]") for k, v in holder.items() if isinstance(k, (str, int)) and _recordable(v)]
+    elif isinstance(holder, type):
+        items = [(k, f".{k}") for k, v in vars(holder).items() if not k.startswith("_") and _recordable(v)]
+    else:
+        items = [(k, f".{k}") for k, v in vars(holder).items() if not k.startswith("_") and _recordable(v)]
+    return items[:256]
+
+
+def _get(holder: object, key: object) -> object:
+    return holder.get(key, _MISSING) if isinstance(holder, dict) else getattr(holder, key, _MISSING)
+
+
+def _put(holder: object, key: object, value: object) -> None:
+    if isinstance(holder, dict):
+        holder[key] = value
+    else:
+        setattr(holder, key, value)
+
+
+def _user_class(cls: type) -> bool:
+    return not (cls.__module__ or "").split(".")[0] in ("torch", "builtins", "transformers", "typing", "abc")
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _function_of(fn: object) -> types.FunctionType | None:
+    for _ in range(4):
+        if isinstance(fn, types.FunctionType):
+            return fn
+        fn = getattr(fn, "__func__", None) or getattr(fn, "func", None) or getattr(fn, "__wrapped__", None)
+    return None
+
+
+def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[HeldValue, object]]:
+    """Every ``HeldValue`` of ``model`` and ``loss_fn`` with its value now."""
+    found: list[tuple[HeldValue, object]] = []
+    seen: set[int] = set()
+
+    def holder_fields(label: str, holder: object, locate: Callable[[torch.nn.Module], object]) -> None:
+        if id(holder) in seen:
+            return
+        seen.add(id(holder))
+        for key, shown in _fields(holder):
+            def read(m, key=key):
+                h = locate(m)
+                return _MISSING if h is _MISSING else _get(h, key)
+
+            def write(m, value, key=key):
+                h = locate(m)
+                if h is not _MISSING and value is not _MISSING:
+                    _put(h, key, value)
+            found.append((HeldValue(f"{label}{shown}", read, write), _get(holder, key)))
+
+    def named_by(what: str, fn: object) -> None:
+        f = _function_of(fn)
+        if f is None:
+            return
+        cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+        for name, cell in cells.items():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if _recordable(value):
+                found.append((HeldValue(f"{what}'s closure variable {name!r}", lambda m, c=cell: c.cell_contents,
+                                        lambda m, v, c=cell: setattr(c, "cell_contents", v)), value))
+            elif _holds_values(value, model):
+                holder_fields(f"{what}'s closure variable {name!r}", value, lambda m, v=value: v)
+        scope = f.__globals__
+        for name in sorted(_code_names(f.__code__) - set(cells)):
+            if name not in scope:
+                continue
+            value = scope[name]
+            if _recordable(value) and not name.startswith("__"):
+                found.append((HeldValue(f"{what}'s global {name!r}", lambda m, n=name: scope.get(n, _MISSING),
+                                        lambda m, v, n=name: scope.__setitem__(n, v)), value))
+            elif _holds_values(value, model):
+                holder_fields(f"{what}'s global {name!r}", value, lambda m, v=value: v)
+
+    modules = list(model.named_modules())
+    for name, module in modules:
+        for key, value in vars(module).items():
+            if not key.startswith("_") and _is_holder(value):
+                where = f"model.{name}.{key}" if name else f"model.{key}"
+                holder_fields(where, value, lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING))
+    classes = {type(module) for _, module in modules}
+    for cls in sorted(classes, key=lambda c: c.__qualname__):
+        for base in cls.__mro__:
+            if _user_class(base) and base is not object:
+                holder_fields(f"class {base.__qualname__}", base, lambda m, b=base: b)
+        if _user_class(cls):
+            named_by(f"{cls.__qualname__}.forward", cls.forward)
+    if loss_fn is not None:
+        named_by("loss_fn", loss_fn)
+    return found
+
+
+def _submodule(model: torch.nn.Module, name: str) -> object:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return _MISSING
 
 
 T = TypeVar("T")
@@ -191,10 +357,17 @@ class PythonState:
     attributes: dict[tuple[str, str], object]
     python_random: object
     numpy_random: tuple
+    held: tuple[tuple[HeldValue, object], ...] = ()
+    loss_fn: object = None
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> PythonState:
-        return cls(_scalar_attributes(model), random.getstate(), np.random.get_state())
+    def of(cls, model: torch.nn.Module, loss_fn: object = None) -> PythonState:
+        return cls(_scalar_attributes(model), random.getstate(), np.random.get_state(),
+                   tuple(held_values(model, loss_fn)), loss_fn)
+
+    def held_changes(self, model: torch.nn.Module) -> list[tuple[HeldValue, object, object]]:
+        """(value, before, now) for each ``HeldValue`` that differs."""
+        return [(h, before, now) for h, before in self.held if not _same(now := h.read(model), before)]
 
     def changes(self, model: torch.nn.Module) -> list[tuple[str, str, object, object]]:
         """(module name, attribute, value before, value now) for each attribute that differs;
@@ -227,6 +400,8 @@ class PythonState:
                 module.__dict__.pop(key, None)
             else:
                 module.__dict__[key] = before
+        for held, before, _ in self.held_changes(model):
+            held.write(model, before)
         random.setstate(self.python_random)
         np.random.set_state(self.numpy_random)
 
@@ -245,22 +420,33 @@ class PythonState:
                 f"torch.bernoulli: remat replays torch's generator), or draw outside the step and pass "
                 f"the values in the batch"
             )
-        if not self.changes(model):
+        if not self.changes(model) and not self.held_changes(model):
             return None
-        settled = PythonState.of(model)
+        settled = PythonState.of(model, self.loss_fn)
         try:
             result = again()
         except BaseException:
             self.restore(model)
             raise
         moving = settled.changes(model)
+        moving_held = settled.held_changes(model)
         drew = settled.drew()
-        if not moving and drew is None:
+        if not moving and not moving_held and drew is None:
             return result
         self.restore(model)
         if drew is not None:
             raise TraceError(f"the training step draws from {drew} while it runs (in the model's forward or "
                              f"in loss_fn); draw with torch instead (torch.rand, torch.randint)")
+        if not moving:
+            held, second, third = moving_held[0]
+            first = next(v for h, v in self.held if h is held or h.label == held.label)
+            shown = " -> ".join("(unset)" if v is _MISSING else repr(v) for v in (first, second, third))
+            raise TraceError(
+                f"{held.label} changes each time the step runs ({shown} over two traces): a traced step runs "
+                f"no Python, so it would keep one value while eager PyTorch changes it at every step; keep "
+                f"such state in a tensor buffer the forward updates in place, or change it outside the step "
+                f"between steps and pass it in the batch, as a tensor"
+            )
         modules = dict(model.named_modules(remove_duplicate=False))
         name, key, second, third = moving[0]
         first = self.attributes.get((name, key), _MISSING)

@@ -327,7 +327,7 @@ def trace(
     fake_mode = FakeTensorMode()
     fakes = [_fake_input(fake_mode, t) for t in flat]
     kinds_by_name: dict[str, NodeKind] = {}
-    before = PythonState.of(model)
+    before = PythonState.of(model, loss_fn)
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms:
         try:
             gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name)
@@ -375,7 +375,7 @@ def trace(
         storage_owners=owners,
         random_nodes=random_nodes,
         batch_spec=tuple(TensorSpec.of(t) for t in batch),
-        module_state=module_state(model),
+        module_state=module_state(model, loss_fn),
     )
     if cost_model is not None:
         # (meta models are only estimated, from the fake tensors' metadata)
