@@ -295,3 +295,36 @@ def test_a_batch_tensor_modified_in_place_that_shares_memory_with_another_input_
     halves = torch.randn(256) + 3  # two halves of one storage overlap nowhere: not refused
     want = loss_fn(eager, halves[:128].clone().view(16, 8), halves[128:].view(16, 8))
     assert torch.equal(step(halves[:128].view(16, 8), halves[128:].view(16, 8)), want)
+
+
+class _CheckpointedDropout(nn.Module):
+    def __init__(self, reentrant, dropout):
+        super().__init__()
+        self.reentrant, self.dropout = reentrant, dropout
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 4)
+
+    def block(self, h):
+        return F.dropout(torch.tanh(self.a(h)), self.dropout, training=True)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.b(checkpoint(self.block, x, use_reentrant=self.reentrant, preserve_rng_state=False))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_that_does_not_preserve_the_random_state_around_dropout_is_refused(reentrant):
+    """Eager's backward recomputes such a block with a new dropout mask; traced as a plain call,
+    the step kept the first mask (gradients 0.08 apart, silently). Without random ops inside,
+    the setting changes nothing and the step traces."""
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    x = torch.randn(16, 8, requires_grad=reentrant)  # (a reentrant checkpoint needs an input requiring grad)
+    batch = (x, torch.randint(0, 4, (16,)))
+    with pytest.raises(TraceError, match=r"torch.utils.checkpoint\(_CheckpointedDropout.block, preserve_rng_state="
+                                         r"False\) draws random numbers \(aten.native_dropout.default\).*pass "
+                                         r"preserve_rng_state=True"):
+        remat.optimize(_CheckpointedDropout(reentrant, 0.5), batch, loss_fn, budget=1.0, method="checkpoint_all",
+                       cost_model=None)
+    step = remat.optimize(_CheckpointedDropout(reentrant, 0.0), batch, loss_fn, budget=1.0,
+                          method="checkpoint_all", cost_model=None)
+    assert torch.isfinite(step(*batch))

@@ -26,7 +26,9 @@ eager's behaviour while tracing:
   gives the values the first computation gave, so the gradients are eager's, and remat's plan
   decides what to recompute. One exception keeps eager's behaviour: a reentrant checkpoint
   none of whose tensor inputs requires grad gives the parameters inside it no gradient in eager
-  PyTorch (with a warning), so it traces under ``no_grad`` to the same effect.
+  PyTorch (with a warning), so it traces under ``no_grad`` to the same effect. A checkpoint with
+  ``preserve_rng_state=False`` around random ops is refused: eager's recomputation draws other
+  numbers (another dropout mask), which a plain call does not.
 * **Branches on values that depend on no input** (transformers' packed-sequence check): model
   code that tests a tensor's values takes its general branch when the tensor is being traced,
   since a traced step must serve every batch. Where the tensor depends on no input of the step
@@ -121,17 +123,57 @@ class _PlainReentrantCheckpoint:
 
     @staticmethod
     def apply(function: Callable, preserve_rng_state: bool, *args: object) -> object:
+        start = _traced_count()
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return function(*args)
-        warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=3)
-        with torch.no_grad():  # as eager: no input requires grad, so nothing inside gets a gradient
-            return function(*args)
+            result = function(*args)
+        else:
+            warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=3)
+            with torch.no_grad():  # as eager: no input requires grad, so nothing inside gets a gradient
+                result = function(*args)
+        if not preserve_rng_state:
+            _refuse_random_since(start, function)
+        return result
 
 
-def _plain_checkpoint_generator(*args: object, **kwargs: object) -> Iterator[None]:
+def _plain_checkpoint_generator(fn: Callable, preserve_rng_state: bool = True, *args: object,
+                                **kwargs: object) -> Iterator[None]:
     """Stands in for ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``: what
     ``checkpoint`` runs before (the first ``next``) and after the function: nothing."""
+    start = _traced_count()
     yield
+    if not preserve_rng_state:
+        _refuse_random_since(start, fn)
+
+
+def _traced_count() -> int:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return len(mode.tracer.graph.nodes) if mode is not None else 0
+
+
+def _refuse_random_since(start: int, function: Callable) -> None:
+    """Refuse random ops traced since node ``start`` inside a checkpoint that does not preserve
+    the random state: eager's backward recomputes them with other numbers (a new dropout mask,
+    and the generator advanced further), which a traced checkpoint, a plain call, does not (the
+    gradients were 0.08 apart, silently)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    from remat.errors import TraceError
+    from remat.fx_graph import is_random
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return
+    drawn = [n for n in list(mode.tracer.graph.nodes)[start:] if is_random(n)]
+    if drawn:
+        name = getattr(function, "__qualname__", None) or type(function).__name__
+        raise TraceError(
+            f"torch.utils.checkpoint({name}, preserve_rng_state=False) draws random numbers ({drawn[0].target}): "
+            f"eager PyTorch's backward recomputes them with other numbers (another dropout mask), which "
+            f"remat's plan does not reproduce; pass preserve_rng_state=True (checkpoint's default), with which "
+            f"the recomputation draws the same numbers and remat's gradients are eager's"
+        )
 
 
 @contextlib.contextmanager
