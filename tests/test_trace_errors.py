@@ -5,6 +5,8 @@ error tracing met reads whole."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -328,3 +330,43 @@ def test_a_checkpoint_that_does_not_preserve_the_random_state_around_dropout_is_
     step = remat.optimize(_CheckpointedDropout(reentrant, 0.0), batch, loss_fn, budget=1.0,
                           method="checkpoint_all", cost_model=None)
     assert torch.isfinite(step(*batch))
+
+
+class _Reseeding(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.how == "manual_seed":
+            torch.manual_seed(42)  # the same noise at every step
+        elif self.how == "fork_rng":
+            with torch.random.fork_rng():  # noise that leaves the global stream alone
+                h = h + 0.1 * torch.randn_like(h)
+        elif self.how == "generator":
+            torch.default_generator.manual_seed(7)  # (a method, not a function remat can watch)
+        return self.b(F.dropout(h, 0.3))
+
+
+@pytest.mark.parametrize("how, message", [
+    ("manual_seed", r"calls torch.manual_seed at test_trace_errors.py:\d+ `torch.manual_seed\(42\)"),
+    ("fork_rng", r"calls torch.random.fork_rng at "),
+    ("generator", r"changes torch's default random generator \(its state differs after the trace\)"),
+])
+def test_a_step_that_seeds_or_restores_the_generator_is_refused_and_the_generator_left_as_it_was(how, message):
+    """Seeding or restoring torch's generator is a Python call no trace records: the traced step
+    drew on from its starting state where eager reseeded (loss 0.036 apart, gradients 0.03 off,
+    another generator state after the step), silently."""
+    torch.manual_seed(3)
+    model, batch = _Reseeding(how), (torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    state = torch.get_rng_state()
+    importlib.import_module("torch._dynamo")  # (its first import wraps torch.manual_seed)
+
+    functions = (torch.manual_seed, torch.random.fork_rng, torch.set_rng_state)
+    with pytest.raises(TraceError, match=r"the training step " + message + r".*seed outside the step"):
+        remat.optimize(model, batch, lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0,
+                       method="checkpoint_all", cost_model=None)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert (torch.manual_seed, torch.random.fork_rng, torch.set_rng_state) == functions  # put back

@@ -49,8 +49,8 @@ from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outpu
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
 from remat.guards import ModuleState, PythonState, module_state
-from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RnnWatch, check_default_generator, check_dense,
-                                explain_trace_failure)
+from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RngWatch, RnnWatch, check_default_generator,
+                                check_dense, explain_trace_failure)
 
 LossFn = Callable[..., torch.Tensor]
 log = logging.getLogger("remat.trace")
@@ -328,7 +328,7 @@ def trace(
     fakes = [_fake_input(fake_mode, t) for t in flat]
     kinds_by_name: dict[str, NodeKind] = {}
     before = PythonState.of(model, loss_fn)
-    with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms:
+    with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng:
         try:
             gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name)
         except BaseException:  # a refused trace changes nothing of the user's Python state
@@ -341,6 +341,7 @@ def trace(
                                      kinds_by_name)
 
         gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
+        rng.check()
     rnns.check_graph(gm)
     check_dense(gm, model)
     check_default_generator(gm, model)

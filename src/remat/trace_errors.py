@@ -3,9 +3,12 @@ refusing the modules whose traced form would not compute what eager PyTorch comp
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import platform
 import re
+import sys
 import traceback
 
 import torch
@@ -355,6 +358,66 @@ def check_dense(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
             f"{where} a {layout} tensor in the training step (node {n.name}, {n.target}); remat plans "
             f"dense tensors only, whose bytes it counts: {remedy}"
         )
+
+
+#: torch's functions that seed, set or save-and-restore a random generator, by the name a
+#: message shows: (module, attribute)
+_RNG_SETTERS = (
+    ("torch.manual_seed", torch, "manual_seed"), ("torch.seed", torch, "seed"),
+    ("torch.set_rng_state", torch, "set_rng_state"), ("torch.random.manual_seed", torch.random, "manual_seed"),
+    ("torch.random.seed", torch.random, "seed"), ("torch.random.set_rng_state", torch.random, "set_rng_state"),
+    ("torch.random.fork_rng", torch.random, "fork_rng"), ("torch.cuda.manual_seed", torch.cuda, "manual_seed"),
+    ("torch.cuda.manual_seed_all", torch.cuda, "manual_seed_all"),
+    ("torch.cuda.set_rng_state", torch.cuda, "set_rng_state"),
+    ("torch.cuda.set_rng_state_all", torch.cuda, "set_rng_state_all"),
+)
+
+
+class RngWatch:
+    """Refuses a training step that seeds or restores torch's random generators while it runs
+    (``torch.manual_seed(42)`` in ``forward`` for the same noise every step, ``fork_rng`` around
+    noise that should not disturb the rest): those are Python calls, not operations a trace
+    records, so the traced step would draw on from the step's starting state where eager
+    reseeds (a loss 0.036 apart, gradients 0.03 off and the generator's state after the step
+    another, silently). While in use the functions raise ``TraceError`` naming the call and the
+    user's line; ``check`` afterwards refuses a trace that changed the CPU generator's state by
+    other means (``torch.default_generator.manual_seed``)."""
+
+    def __enter__(self) -> RngWatch:
+        importlib.import_module("torch._dynamo")  # (its import wraps torch.manual_seed: the wrapper goes back)
+
+        self.state = torch.get_rng_state()
+        self.saved = [(module, attr, getattr(module, attr)) for _, module, attr in _RNG_SETTERS
+                      if hasattr(module, attr)]
+        for name, module, attr in _RNG_SETTERS:
+            if hasattr(module, attr):
+                setattr(module, attr, functools.partial(_refuse_rng_call, name))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, attr, original in self.saved:
+            setattr(module, attr, original)
+
+    def check(self) -> None:
+        if not torch.equal(torch.get_rng_state(), self.state):
+            torch.default_generator.set_state(self.state)  # (torch.set_rng_state is the watch's here)
+            raise _rng_error("changes torch's default random generator (its state differs after the trace)")
+
+
+def _refuse_rng_call(name: str, *args: object, **kwargs: object) -> None:
+    frame = sys._getframe(1)
+    code = _source_line(frame.f_code.co_filename, frame.f_lineno)
+    where = f" at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" + (f" `{code}`" if code else "")
+    raise _rng_error(f"calls {name}{where}")
+
+
+def _rng_error(what: str) -> TraceError:
+    return TraceError(
+        f"the training step {what} while it runs (in the model's forward or in loss_fn): a traced step "
+        f"runs no Python, so it would not seed or restore the generator, and its random ops would draw "
+        f"other numbers than eager PyTorch's; seed outside the step, before calling it (remat replays "
+        f"torch's generator from there)"
+    )
 
 
 class RegisteredTensors:
