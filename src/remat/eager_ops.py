@@ -61,7 +61,11 @@ from torch._C import DispatchKey
 from remat.scratch import UPSAMPLE_OPS
 
 #: Ops whose Python decompositions are suspended while tracing: they trace as themselves.
-EAGER_KERNEL_OPS = UPSAMPLE_OPS
+#: Upsampling's decomposition is slower than eager's kernels and, for bilinear, rounds
+#: differently; the margin losses' are other functions: ``multilabel_margin_loss`` gave 7.50
+#: where eager gives 1.78 (targets ending in -1), ``multi_margin_loss`` a loss 1 ulp apart.
+EAGER_KERNEL_OPS = (*UPSAMPLE_OPS, torch.ops.aten.multilabel_margin_loss_forward.default,
+                    torch.ops.aten.multi_margin_loss.default)
 #: The python dispatcher's keys at which PyTorch registers those decompositions.
 _DECOMPOSING_KEYS = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
 #: Devices on which eager PyTorch's dropout calls the fused ``native_dropout`` kernel.
@@ -422,10 +426,11 @@ def _cpu_loss_storage(op: torch._ops.OpOverload, reduction_index: int) -> Callab
 
 
 def _cpu_embedding_bag(op: torch._ops.OpOverload) -> Callable:
-    """A fake kernel for ``_embedding_bag`` whose outputs have the CPU kernel's storages: in
-    mean and max mode its ``offset2bag`` holds one element more than it shows, and with
-    ``include_last_offset`` so does ``bag_size`` (8 bytes each, which ``check_counted_bytes``
-    reported). Other devices keep PyTorch's fake kernel."""
+    """A fake kernel for ``_embedding_bag`` whose outputs have the CPU kernel's storages: its
+    ``offset2bag``, where it has one (mean and max mode, and sum mode with a ``padding_idx``),
+    holds one element more than it shows, and with ``include_last_offset`` so does ``bag_size``
+    (8 bytes each, which ``check_counted_bytes`` reported; sum with a padding index measured 8 B
+    over its budget). Other devices keep PyTorch's fake kernel."""
     names = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
              "include_last_offset")
 
@@ -437,7 +442,7 @@ def _cpu_embedding_bag(op: torch._ops.OpOverload) -> Callable:
             return out
         out = list(out)
         with allocating:
-            if given.get("mode", 0) != 0 and out[1].numel():
+            if out[1].numel():
                 out[1] = _with_storage(out[1], out[1].numel() + 1)
             if given.get("include_last_offset", False):
                 out[2] = _with_storage(out[2], out[2].numel() + 1)
