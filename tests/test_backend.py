@@ -640,10 +640,20 @@ def test_failing_solver_is_replaced_by_a_fitting_baseline(monkeypatch):
 
 
 def test_without_fallback_the_reason_is_raised():
+    """As remat's public error: an infeasible budget as ``InfeasibleBudgetError`` with the
+    smallest budget (it was the backend's private class, with the budget in its text only)."""
     w = get_workload("mlp", 64)
     be = make_backend(1000, method="chen_greedy", fallback=False)
-    with pytest.raises(Exception, match="infeasible for method 'chen_greedy'"):
+    with pytest.raises(Exception, match="infeasible for method 'chen_greedy'") as caught:
         run_step(w.model, w.batch, w.loss_fn, be)
+    error = caught.value
+    while not isinstance(error, remat.RematError):  # (dynamo wraps it)
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    assert type(error) is remat.InfeasibleBudgetError and error.budget_bytes == 1000
+    assert error.min_budget_bytes > 1000 and "on graph 'graph0'" in str(error)
+    again = make_backend(error.min_budget_bytes, method="chen_greedy", fallback=False)
+    run_step(w.model, w.batch, w.loss_fn, again)
+    assert again.reports[-1].fallback is None
 
 
 def test_inference_graphs_are_not_partitioned():

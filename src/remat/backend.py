@@ -90,11 +90,23 @@ RESCUE_METHODS = ("segments", "chen_greedy", "chen_sqrtn", "checkpoint_all")
 
 class _NotPlanned(RematError):
     """Internal: a reason to hand the graph to PyTorch's partitioner; ``min_budget_bytes``: the
-    smallest budget the method meets, when the reason is an infeasible budget and it is known."""
+    smallest budget the method meets, when the reason is an infeasible budget and it is known
+    (``budget_bytes``, ``method`` and ``detail`` then describe it, for ``public``)."""
 
-    def __init__(self, message: str, min_budget_bytes: int | None = None) -> None:
+    def __init__(self, message: str, min_budget_bytes: int | None = None, *, budget_bytes: int | None = None,
+                 method: str = "", detail: str = "") -> None:
         super().__init__(message)
         self.min_budget_bytes = min_budget_bytes
+        self.budget_bytes, self.method, self.detail = budget_bytes, method, detail
+
+    def public(self, graph_name: str) -> RematError:
+        """What a backend made with ``fallback=False`` raises: an infeasible budget as the
+        public ``InfeasibleBudgetError`` (with ``min_budget_bytes``), any other reason as a
+        ``RematError`` naming the graph."""
+        if self.budget_bytes is not None:
+            return InfeasibleBudgetError(budget_bytes=self.budget_bytes, min_budget_bytes=self.min_budget_bytes,
+                                         method=self.method, graph_name=graph_name, detail=self.detail)
+        return RematError(f"remat.backend cannot plan {graph_name}: {self}")
 
 
 # ---------------------------------------------------------------------------- budgets
@@ -331,6 +343,8 @@ class RematBackend:
             raise  # a usage error ('cuda-free' on CPU): say so, do not paper over it
         except Exception as exc:  # everything else: PyTorch's partitioner, loudly
             if not self.fallback:
+                if isinstance(exc, _NotPlanned):
+                    raise exc.public(name) from exc
                 raise
             reason = _reason(exc)
             from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
@@ -549,10 +563,11 @@ def _infeasible(budget_bytes: int, least: int | None, method: str, unoptimized: 
     what = (f"budget {format_bytes_exactly(budget_bytes)} leaves too little beside the generator states of the "
             f"random ops a plan may replay ({format_bytes(state_bytes)}) for method {method!r}" if states_first
             else f"budget {format_bytes_exactly(budget_bytes)} is infeasible for method {method!r}")
+    detail = (f"with {format_bytes(state_bytes)} for the generator states of the random ops a plan may replay; "
+              if state_bytes and least is not None else "") + f"the unoptimized peak is {format_bytes(unoptimized)}"
     return _NotPlanned(
         f"{what}: the smallest feasible budget is {smallest}; the unoptimized peak is {format_bytes(unoptimized)}",
-        stated,
-    )
+        stated, budget_bytes=budget_bytes, method=method, detail=detail)
 
 
 def _rescue(graph: Graph, budget_bytes: int, unoptimized: int, method: str, error: Exception,
@@ -635,7 +650,8 @@ def create(
     that fails). ``scratch``: how kernel scratch memory is found (``remat.scratch``; by default
     measured with PROFILE, estimated otherwise). ``cache_dir``: where plans are kept (``"default"``:
     ``$XDG_CACHE_HOME/remat/plans``; None: this process only). ``fallback=False`` raises instead
-    of using PyTorch's partitioner. ``fw_compiler``/``bw_compiler`` compile the two graphs
+    of using PyTorch's partitioner (an infeasible budget as ``InfeasibleBudgetError``, with the
+    smallest budget; dynamo wraps it in its ``BackendCompilerFailed``). ``fw_compiler``/``bw_compiler`` compile the two graphs
     (default: run them as they are, like ``aot_eager``).
 
     ``process_group``: under torch.distributed, the ranks that agree on every plan (the same
