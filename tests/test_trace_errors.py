@@ -370,3 +370,16 @@ def test_a_step_that_seeds_or_restores_the_generator_is_refused_and_the_generato
                        method="checkpoint_all", cost_model=None)
     assert torch.equal(torch.get_rng_state(), state)
     assert (torch.manual_seed, torch.random.fork_rng, torch.set_rng_state) == functions  # put back
+
+
+def test_a_value_read_inside_a_library_function_names_the_function():
+    """``F.gaussian_nll_loss`` checks its variances' values: the refusal pointed at the user's
+    line alone, which reads no value itself."""
+    def loss_fn(m, x, y):
+        out = m(x)
+        return F.gaussian_nll_loss(out, y, torch.ones_like(out))
+
+    with pytest.raises(TraceError, match=r"in loss_fn at test_trace_errors.py:\d+ `return F.gaussian_nll_loss\(.*\)` "
+                                         r"\(inside torch.nn.functional.gaussian_nll_loss\)"):
+        remat.optimize(nn.Linear(8, 4), (torch.randn(16, 8), torch.randn(16, 4)), loss_fn, budget=1.0,
+                       method="checkpoint_all", cost_model=None)

@@ -41,6 +41,7 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
     loss_code = getattr(loss_fn, "__code__", None)
     module_names: frozenset[str] = frozenset()  # the names the module's failing method uses
     custom_backward = None  # the autograd.Function whose backward was running, if one was
+    callee = None  # the library function the user's line called, where the failure is inside it
     validating = False  # a torch.distributions argument check was running
     for e in chain:
         for frame, lineno in traceback.walk_tb(e.__traceback__):
@@ -63,9 +64,14 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
                 if filename.startswith("<") and code is None:  # generated code (``<string>``): no line to show
                     continue
                 user_line = f"{os.path.basename(filename)}:{lineno}" + (f" `{code}`" if code else "")
+                callee = None
+            elif user_line is not None and callee is None:
+                callee = _public_function(frame)
     where = module_desc or ("loss_fn" if in_loss_fn else f"loss_fn or model {type(model).__name__}")
     if user_line:
         where += f" at {user_line}"
+        if callee:
+            where += f" (inside {callee})"
     op = next((str(getattr(e, "func", "")) for e in chain if getattr(e, "func", None) is not None), None)
     if any(isinstance(e, DataDependentOutputException) for e in chain) or "data-dependent" in str(exc).lower():
         what = (
@@ -221,6 +227,20 @@ def _is_method_of(code: object, obj: object) -> bool:
     first argument (a ``loss_fn`` given the model)."""
     name = getattr(code, "co_name", None)
     return isinstance(name, str) and name.isidentifier() and callable(getattr(type(obj), name, None))
+
+
+#: Libraries whose functions a message names when a failure is inside one the user's line called
+_NAMED_LIBRARIES = ("torch.nn.functional", "torch.distributions.", "transformers.loss.")
+
+
+def _public_function(frame: object) -> str | None:
+    """``module.function`` of a library frame the user's code called (``F.gaussian_nll_loss``
+    checks its variances' values), or None for PyTorch's machinery."""
+    module = frame.f_globals.get("__name__", "")
+    name = frame.f_code.co_name
+    if name.startswith("_") or not any(module == lib or module.startswith(lib) for lib in _NAMED_LIBRARIES):
+        return None
+    return f"{module}.{name}"
 
 
 def _describe_module(model: torch.nn.Module, name: str) -> str:
