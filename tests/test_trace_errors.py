@@ -383,3 +383,34 @@ def test_a_value_read_inside_a_library_function_names_the_function():
                                          r"\(inside torch.nn.functional.gaussian_nll_loss\)"):
         remat.optimize(nn.Linear(8, 4), (torch.randn(16, 8), torch.randn(16, 4)), loss_fn, budget=1.0,
                        method="checkpoint_all", cost_model=None)
+
+
+METRICS: dict = {}
+
+
+def test_a_tensor_the_step_stores_outside_the_model_is_warned_about():
+    """A metric ``loss_fn`` stores for logging, or a forward hook's stash, stayed the trace's
+    fake tensor, never updated by ``step()`` (reading it failed with an error about fake
+    tensors), with no word of why."""
+    import warnings
+
+    stash = []
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    handle = model[0].register_forward_hook(lambda mod, args, out: stash.append(out))
+
+    def loss_fn(m, x, y):
+        out = m(x)
+        METRICS["acc"] = (out.argmax(1) == y).float().mean()
+        return F.cross_entropy(out, y)
+
+    batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    with pytest.warns(UserWarning, match=r"loss_fn's global 'METRICS'\['acc'\], a forward hook of module '0' \(Linear\)'s "
+                                         r"closure variable 'stash'\[0\] hold tensors the training step made while it "
+                                         r"was traced; .*step\(\) will never update them"):
+        remat.optimize(model, batch, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    handle.remove()
+    METRICS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a step that stores nothing is not warned about
+        remat.optimize(model, batch, lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0, method="checkpoint_all",
+                       cost_model=None)

@@ -50,7 +50,7 @@ from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
 from remat.guards import ModuleState, PythonState, module_state
 from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RngWatch, RnnWatch, check_default_generator,
-                                check_dense, explain_trace_failure)
+                                check_dense, explain_trace_failure, warn_of_stored_trace_tensors)
 
 LossFn = Callable[..., torch.Tensor]
 log = logging.getLogger("remat.trace")
@@ -342,6 +342,7 @@ def trace(
 
         gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
         rng.check()
+    warn_of_stored_trace_tensors(model, loss_fn)
     rnns.check_graph(gm)
     check_dense(gm, model)
     check_default_generator(gm, model)

@@ -10,6 +10,7 @@ import platform
 import re
 import sys
 import traceback
+import warnings
 
 import torch
 
@@ -438,6 +439,65 @@ def _rng_error(what: str) -> TraceError:
         f"other numbers than eager PyTorch's; seed outside the step, before calling it (remat replays "
         f"torch's generator from there)"
     )
+
+
+def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object) -> None:
+    """Warn where the step's Python stored a tensor of the trace outside the model: a metric
+    ``loss_fn`` keeps for logging (``metrics["acc"] = ...``), a forward hook's stash. A traced
+    step runs no Python, so those stay the trace's fake tensors, never updated (reading one
+    fails with an error about fake tensors). Gradients are unaffected, so this warns."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from remat.guards import _code_names, _function_of
+
+    found: list[str] = []
+
+    def look(label: str, value: object, depth: int = 0) -> None:
+        if isinstance(value, FakeTensor):
+            found.append(label)
+        elif depth == 0 and isinstance(value, dict):
+            for k, v in list(value.items())[:256]:
+                look(f"{label}[{k!r}]", v, 1)
+        elif depth == 0 and isinstance(value, (list, tuple)):
+            for k, v in enumerate(value[:256]):
+                look(f"{label}[{k}]", v, 1)
+
+    def scan(what: str, fn: object) -> None:
+        f = _function_of(fn)
+        if f is None:
+            return
+        for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+            try:
+                look(f"{what}'s closure variable {name!r}", cell.cell_contents)
+            except ValueError:
+                continue
+        for name in sorted(_code_names(f.__code__)):
+            if name in f.__globals__:
+                look(f"{what}'s global {name!r}", f.__globals__[name])
+
+    scan("loss_fn", loss_fn)
+    for path, module in model.named_modules():
+        for table in ("_forward_hooks", "_forward_pre_hooks"):
+            for hook in getattr(module, table, {}).values():
+                scan(f"a forward hook of {_describe_module(model, path)}", hook)
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        warnings.warn(
+            f"{shown} {'holds a tensor' if len(found) == 1 else 'hold tensors'} the training step made while "
+            f"it was traced; a traced step runs no Python, so step() will never update "
+            f"{'it' if len(found) == 1 else 'them'} (value-less tensors of the trace): compute such values "
+            f"outside the step (step() returns the loss); gradients are not affected",
+            stacklevel=_outside_remat(),
+        )
+
+
+def _outside_remat() -> int:
+    """The ``stacklevel`` of the innermost caller outside remat's package (for warnings)."""
+    frame, level = sys._getframe(1), 1
+    package = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class RegisteredTensors:
