@@ -102,21 +102,12 @@ class ModuleState:
                     f"call {call}.{mode}() or trace again (remat.optimize)"
                 )
             if not _same(now, value):
-                shown = "is no longer set" if now is _MISSING else f"is now {now!r}"
-                raise TraceError(
-                    f"{_where(name, module)} attribute {key!r} {shown} but was {value!r} when the step was "
-                    f"traced, and the traced step computes with that value; trace again (remat.optimize) "
-                    f"after changing it"
-                )
+                raise _changed(f"{_where(name, module)} attribute {key!r}", now, value)
         for held, value in self.held:
             now = held.read(model)
             if not _same(now, value):
-                shown = "is no longer set" if now is _MISSING else f"is now {now!r}"
-                raise TraceError(
-                    f"{held.label} {shown} but was {value!r} when the step was traced, and the traced step "
-                    f"computes with that value; trace again (remat.optimize) after changing it, or pass a value "
-                    f"that changes between steps in the batch, as a tensor"
-                )
+                raise _changed(held.label, now, value, ", or pass a value that changes between steps in the "
+                                                       "batch, as a tensor")
         for name, count in self.hooks:
             module = modules.get(name)
             now = _hook_count(module) if module is not None else 0
@@ -160,6 +151,12 @@ class ModuleState:
                     f"eager PyTorch now would{'' if p.requires_grad else ' not'}; trace again (remat.optimize) "
                     f"after freezing or unfreezing parameters"
                 )
+
+
+def _changed(what: str, now: object, value: object, remedy: str = "") -> TraceError:
+    shown = "is no longer set" if now is _MISSING else f"is now {now!r}"
+    return TraceError(f"{what} {shown} but was {value!r} when the step was traced, and the traced step computes "
+                      f"with that value; trace again (remat.optimize) after changing it{remedy}")
 
 
 def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
@@ -440,21 +437,22 @@ class PythonState:
         if not moving:
             held, second, third = moving_held[0]
             first = next(v for h, v in self.held if h is held or h.label == held.label)
-            shown = " -> ".join("(unset)" if v is _MISSING else repr(v) for v in (first, second, third))
-            raise TraceError(
-                f"{held.label} changes each time the step runs ({shown} over two traces): a traced step runs "
-                f"no Python, so it would keep one value while eager PyTorch changes it at every step; keep "
-                f"such state in a tensor buffer the forward updates in place, or change it outside the step "
-                f"between steps and pass it in the batch, as a tensor"
-            )
+            raise _moving(held.label, (first, second, third),
+                          "a tensor buffer the forward updates in place, or change it outside the step between "
+                          "steps and pass it in the batch, as a tensor")
         modules = dict(model.named_modules(remove_duplicate=False))
         name, key, second, third = moving[0]
         first = self.attributes.get((name, key), _MISSING)
-        shown = " -> ".join("(unset)" if v is _MISSING else repr(v) for v in (first, second, third))
-        raise TraceError(
-            f"{_where(name, modules.get(name))} attribute {key!r} changes each time the step runs "
-            f"({shown} over two traces): a traced step runs no Python, so it would keep one value while "
-            f"eager PyTorch changes it at every step; keep such state in a tensor buffer the forward "
-            f"updates in place (self.register_buffer({key.lstrip('_')!r}, torch.zeros(())), then "
-            f"self.{key.lstrip('_')}.add_(1)), or change it outside the model between steps"
-        )
+        attribute = key.lstrip("_")
+        raise _moving(f"{_where(name, modules.get(name))} attribute {key!r}", (first, second, third),
+                      f"a tensor buffer the forward updates in place (self.register_buffer({attribute!r}, "
+                      f"torch.zeros(())), then self.{attribute}.add_(1)), or change it outside the model between "
+                      f"steps")
+
+
+def _moving(what: str, values: tuple[object, object, object], keep: str) -> TraceError:
+    shown = " -> ".join("(unset)" if v is _MISSING else repr(v) for v in values)
+    return TraceError(
+        f"{what} changes each time the step runs ({shown} over two traces): a traced step runs no Python, so "
+        f"it would keep one value while eager PyTorch changes it at every step; keep such state in {keep}"
+    )
