@@ -124,3 +124,21 @@ def test_a_method_without_a_bound_reports_none(saved):
     w, step, path = saved  # chen_greedy proves nothing about other plans
     assert step.report.lower_bound_us is None and step.report.gap is None
     assert "no plan costs less" not in str(step.report)
+
+
+@pytest.mark.parametrize("budget, message", [
+    ("80%", r"budget_bytes='80%' is not a number of bytes"),
+    (0.8, r"budget_bytes=0.8 is not a number of bytes"),
+    (116896.9, r"is a float"),
+    ("abc", r"budget 'abc' is not understood"),
+])
+def test_a_budget_to_load_by_must_be_a_number_of_bytes(saved, budget, message):
+    """``load(budget_bytes=...)`` truncated what it was given: 0.8 became 0 B, and 116896.9
+    matched a plan saved for 116896 B; a percentage raised int()'s ValueError."""
+    from remat.units import BudgetError
+
+    w, step, path = saved
+    with pytest.raises(BudgetError, match=message):
+        TrainingStep.load(path, copy.deepcopy(w.model), w.batch, w.loss_fn, budget_bytes=budget)
+    exact = step.report.budget_bytes
+    assert TrainingStep.load(path, copy.deepcopy(w.model), w.batch, w.loss_fn, budget_bytes=exact).report == step.report

@@ -391,3 +391,22 @@ def test_hooks_on_parameters_run_as_in_eager():
     _equal_grads(eager, planned)
     assert len(fired["planned"]) == len(fired["eager"]) == 2
     assert all(torch.equal(a, b) for a, b in zip(fired["planned"], fired["eager"]))
+
+
+def test_a_step_under_inference_mode_is_refused_and_writes_nothing():
+    """Eager's backward raises under ``torch.inference_mode()``; the step ran and left every
+    ``.grad`` an inference tensor, so the next step failed accumulating into it."""
+    import remat
+    from remat.errors import TraceError
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x = torch.randn(4, 8)
+    step = remat.optimize(model, x, lambda m, x: m(x).square().mean(), budget=1.0, method="checkpoint_all",
+                          cost_model=None)
+    with torch.inference_mode(), pytest.raises(TraceError, match=r"under torch.inference_mode\(\), where eager "
+                                                                  r"PyTorch's backward raises"):
+        step(x)
+    assert all(p.grad is None for p in model.parameters())
+    step(x)
+    step(x)  # accumulates, as after any step
+    assert all(p.grad is not None and not p.grad.is_inference() for p in model.parameters())

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat import verify
 from remat.errors import TraceError
 
 
@@ -414,3 +415,33 @@ def test_a_tensor_the_step_stores_outside_the_model_is_warned_about():
         warnings.simplefilter("error")  # a step that stores nothing is not warned about
         remat.optimize(model, batch, lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0, method="checkpoint_all",
                        cost_model=None)
+
+
+class _ReshapesAndScales(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = x.contiguous().mul_(2)  # an alias of a contiguous x: eager writes into it, not into a copy
+        return self.lin(h.reshape(-1, 8) + x.reshape(-1, 8))
+
+
+def test_a_batch_of_another_layout_is_refused_and_one_differing_only_in_size_one_dimensions_runs():
+    """The layout of the example is built into the step (views, in-place writes, gradients'
+    layouts): a transposed batch of the same shape made the step write into the caller's tensor
+    where eager wrote into a copy, a loss 0.10 apart, silently (or a view failed in the step)."""
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    torch.manual_seed(0)
+    model = _ReshapesAndScales()
+    step = remat.optimize(model, (torch.randn(4, 1, 8),), loss_fn, budget=1.0, method="checkpoint_all",
+                          cost_model=None)
+    transposed = torch.randn(1, 8, 4).permute(2, 0, 1)  # shape (4, 1, 8), strides (1, 32, 4)
+    kept = transposed.clone()
+    with pytest.raises(TraceError, match=r"batch\[0\] has strides \(1, 32, 4\) but the step was traced with an "
+                                         r"example batch\[0\] of strides \(8, 0, 1\).*pass batch\[0\].contiguous\(\)"):
+        step(transposed)
+    assert torch.equal(transposed, kept)
+    assert verify.check_step(step, loss_fn, transposed.contiguous()).bitwise
+    same = torch.randn(4, 8).as_strided((4, 1, 8), (8, 1, 1))  # only the size-1 dimension's stride differs
+    assert verify.check_step(step, loss_fn, same).bitwise

@@ -133,6 +133,11 @@ class TrainingStep:
         self.report = report
 
     def __call__(self, *batch: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        if torch.is_inference_mode_enabled():  # (the gradients would be inference tensors, unusable after)
+            raise TraceError(
+                "step() was called under torch.inference_mode(), where eager PyTorch's backward raises: a "
+                "training step computes gradients; call it outside inference_mode"
+            )
         batch = self._batch(batch)
         flat = self.traced.flat_inputs(self.model, batch)
         targets = self.traced.update_targets(self.model, batch)  # (before anything runs or is written)
@@ -204,6 +209,7 @@ class TrainingStep:
         traced graph (or the requested budget) differs from the file's, ``PlanFileError`` if
         the file is missing or malformed. ``allow_native_batch_norm``: as in ``optimize``."""
         refuse_wrapped(model, "TrainingStep.load()")
+        budget_bytes = _saved_budget(budget_bytes)
         record = _read_plan(path)
         traced = trace(model, example_inputs, loss_fn, cost_model=None, allow_native_batch_norm=allow_native_batch_norm)
         _check_requires_grad(path, record, traced)
@@ -221,10 +227,10 @@ class TrainingStep:
                 f"traces to {fingerprint[:12]}, {graph.n} nodes): the model, batch shape, loss or "
                 f"which batch tensors require grad changed; run optimize() again and save the new plan"
             )
-        if budget_bytes is not None and int(budget_bytes) != record["budget_bytes"]:
+        if budget_bytes is not None and budget_bytes != record["budget_bytes"]:
             raise StalePlanError(
                 f"saved plan {os.fspath(path)!r} was made for budget {record['budget_bytes']} B, "
-                f"not {int(budget_bytes)} B; run optimize() with the new budget"
+                f"not {budget_bytes} B; run optimize() with the new budget"
             )
         order = record["compute_order"]
         bad = next((i for i in order if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < graph.n), None)
@@ -262,6 +268,21 @@ class TrainingStep:
                 f"plan simulates to ({report.cost_us!r}); the file is corrupt: run optimize() again"
             )
         return cls(model, traced, plan, planned, report)
+
+
+def _saved_budget(budget: object) -> int | None:
+    """``load``'s ``budget_bytes``: None, or a number of bytes (``116896``, ``"2GiB"``) that must
+    equal the saved plan's; a fraction names no number of bytes (it was truncated to 0 B, and
+    ``116896.9`` matched a plan of 116896 B)."""
+    if budget is None:
+        return None
+    value = check_budget(budget)
+    if not isinstance(value, int):
+        raise BudgetError(
+            f"budget_bytes={budget!r} is not a number of bytes; give the budget the plan was saved with "
+            f"(step.report.budget_bytes, e.g. {int(2**30)} or '1GiB'), or leave it out"
+        )
+    return value
 
 
 _NAMES = ("x", "y", "z", *(f"t{i}" for i in range(3, 64)))

@@ -93,16 +93,26 @@ class OutputSlot:
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """One batch tensor as traced: ``requires_grad`` says whether the step computes its
-    gradient."""
+    gradient; ``stride`` is its layout (None: not recorded), the strides of dimensions of size
+    one left out (0), as they never address a second element."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool = False
+    stride: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorSpec:
-        return cls(tuple(t.shape), t.dtype, t.device, t.requires_grad)
+        return cls(tuple(t.shape), t.dtype, t.device, t.requires_grad, layout_of(t))
+
+
+def layout_of(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides where they matter: 0 for a dimension of size one (or for any, when ``t``
+    is empty)."""
+    if t.numel() == 0:
+        return (0,) * t.dim()
+    return tuple(st if n > 1 else 0 for n, st in zip(t.shape, t.stride()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,6 +457,15 @@ def check_batch(spec: Sequence[TensorSpec], batch: Sequence[torch.Tensor]) -> No
                 f"batch[{i}] has shape {tuple(t.shape)}, {t.dtype} on {t.device} but the step was "
                 f"traced with shape {s.shape}, {s.dtype} on {s.device}; plans are shape-specific: "
                 f"trace (or optimize) again with an example of this shape"
+            )
+        if s.stride is not None and layout_of(t) != s.stride:
+            traced_contiguous = s.stride == layout_of(torch.empty(s.shape, device="meta"))
+            raise TraceError(
+                f"batch[{i}] has strides {tuple(t.stride())} but the step was traced with an example batch[{i}] "
+                f"of strides {s.stride} (its layout: views, in-place writes and gradients' layouts follow it, "
+                f"so another layout computes something else); pass "
+                + (f"batch[{i}].contiguous()" if traced_contiguous else f"a batch[{i}] of the example's layout")
+                + " or trace (or optimize) again with an example of this layout"
             )
         if t.requires_grad != s.requires_grad:
             raise TraceError(
