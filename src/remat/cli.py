@@ -34,6 +34,7 @@ from remat.cli_args import (
     json_path,
     method_list,
     plot_path,
+    resolve_target,
     solver_options,
 )
 from remat.errors import GraphError, InfeasibleBudgetError, RematError, UnsupportedGraphError
@@ -447,6 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        resolve_target(args)
         return COMMANDS[args.command](args)
     except (UsageError, UnsupportedGraphError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)

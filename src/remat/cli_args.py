@@ -152,10 +152,25 @@ def add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
     if models:
         p.add_argument("--model", help="a built-in model (mlp, cnn, gpt2-tiny, the paper's vgg16 ... segnet, "
                        "gpt2-small, gpt2-medium) or package.module:function")
-        p.add_argument("--batch", type=arg_type(positive_int), default=8, help="batch size for --model (default 8)")
-        p.add_argument("--costs", choices=("profile", "estimate"), default="profile",
-                       help="node costs for --model: timed on this machine (profile), or estimated from FLOPs and "
-                            "bytes (estimate: the model is traced on the meta device, nothing is allocated)")
+        p.add_argument("--batch", type=arg_type(positive_int), default=None, help="batch size for --model (default 8)")
+        p.add_argument("--costs", choices=("profile", "estimate"), default=None,
+                       help="node costs for --model: timed on this machine (profile, the default), or estimated from "
+                            "FLOPs and bytes (estimate: the model is traced on the meta device, nothing is allocated)")
+
+
+def resolve_target(args: argparse.Namespace) -> None:
+    """``--batch`` and ``--costs`` apply to ``--model`` only (a built-in ``--graph`` has its own
+    sizes and costs: given with one, they were ignored); with a model, their defaults."""
+    if not hasattr(args, "batch") or not hasattr(args, "model") or getattr(args, "command", None) == "demo":
+        return
+    if args.model is None and args.graph is not None:
+        given = [flag for flag, value in (("--batch", args.batch), ("--costs", args.costs)) if value is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to --model only; "
+                             f"--graph {args.graph} has its own sizes and costs: drop {' and '.join(given)}")
+    if args.model is not None:
+        args.batch = 8 if args.batch is None else args.batch
+        args.costs = "profile" if args.costs is None else args.costs
 
 
 def add_solver_options(p: argparse.ArgumentParser) -> None:
@@ -196,6 +211,9 @@ def budget_list(text: str, graph: Graph | None) -> list[int]:
         lo, hi = resolve(low), resolve(high)
         if graph is None:
             return []
+        if lo > hi:
+            raise UsageError(f"--budgets {text!r}: the range runs from LOW to HIGH, and {low} is above {high}; "
+                             f"write {high}:{low}:{count}")
         return [lo] if k == 1 else [round(lo + (hi - lo) * j / (k - 1)) for j in range(k)]
     if ":" in text:
         raise UsageError(f"--budgets {text!r}: a range is LOW:HIGH:COUNT, e.g. 30%:100%:8; or list budgets, "
