@@ -223,7 +223,10 @@ def markdown(results: dict) -> str:
         "## The planner at real-model scale",
         "",
         f"`python bench/solver_scaling.py` (time limit {limit:g} s per call, {THREADS} threads, "
-        f"{env.get('cpu_count')} CPU cores, torch {env.get('torch')}, highspy {env.get('highspy')}). Each training "
+        f"{env.get('cpu_count')} CPU cores, torch {env.get('torch')}, highspy {env.get('highspy')}"
+        + (f"; a reference Python loop, `remat.sweep.python_loop_ms`, took {env['python_loop_ms']} ms on this machine: "
+           "wall times, and what a time limit finds, scale with it" if env.get("python_loop_ms") else "")
+        + "). Each training "
         "step is traced on the meta device with estimated costs (`CostModel.ESTIMATE`) and planned with "
         "`plan_graph(method=\"milp\")` on the whole alias-folded graph at 80%, 60%, 40% of the checkpoint-all peak "
         "and at the smallest budget `milp` finds. **Overhead** is the plan's simulated cost over computing every "

@@ -110,3 +110,13 @@ def test_docstring_examples_run():
 
     failures, tried = doctest.testmod(remat.sweep)
     assert tried >= 4 and failures == 0
+
+
+def test_a_benchmark_record_states_the_machines_speed():
+    """Wall times, and what a time limit finds, depend on the machine: a record carries the time
+    of a fixed Python loop, so that runs on two machines can be compared."""
+    from remat.sweep import environment, python_loop_ms
+
+    env = environment()
+    assert env["python_loop_ms"] > 0 and env["cpu_count"] >= 1 and env["torch"] == __import__("torch").__version__
+    assert isinstance(python_loop_ms(), float)

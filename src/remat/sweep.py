@@ -410,4 +410,27 @@ def environment() -> dict[str, object]:
         env["highspy"] = f"{h.versionMajor()}.{h.versionMinor()}.{h.versionPatch()}"
     except Exception:  # noqa: BLE001 - the version is a courtesy
         pass
+    env["python_loop_ms"] = python_loop_ms()
     return env
+
+
+def python_loop_ms() -> float:
+    """The median time of a fixed pure-Python loop (dicts, sorting, arithmetic: the kind of work
+    the planner does between solver calls), in milliseconds: a machine's speed, so that wall
+    times of runs on different machines can be compared (a run with twice the time here found
+    less in the same time limit)."""
+    import statistics
+    import time
+
+    def loop() -> int:
+        table: dict[int, int] = {}
+        for i in range(200_000):
+            table[i % 1009] = table.get(i % 1009, 0) + i * 3 % 7
+        return sum(sorted(table.values(), reverse=True)[:10])
+
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        loop()
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 1)
