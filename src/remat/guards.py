@@ -228,9 +228,7 @@ def _fields(holder: object) -> list[tuple[object, str]]:
     """(key, shown) of the public scalar fields of ``holder`` (at most 256)."""
     if isinstance(holder, dict):
         items = [(k, f"[{k!r}]") for k, v in holder.items() if isinstance(k, (str, int)) and _recordable(v)]
-    elif isinstance(holder, type):
-        items = [(k, f".{k}") for k, v in vars(holder).items() if not k.startswith("_") and _recordable(v)]
-    else:
+    else:  # an object's or a class's own attributes
         items = [(k, f".{k}") for k, v in vars(holder).items() if not k.startswith("_") and _recordable(v)]
     return items[:256]
 
@@ -247,7 +245,7 @@ def _put(holder: object, key: object, value: object) -> None:
 
 
 def _user_class(cls: type) -> bool:
-    return not (cls.__module__ or "").split(".")[0] in ("torch", "builtins", "transformers", "typing", "abc")
+    return (cls.__module__ or "").split(".")[0] not in ("torch", "builtins", "transformers", "typing", "abc")
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -264,6 +262,31 @@ def _function_of(fn: object) -> types.FunctionType | None:
             return fn
         fn = getattr(fn, "__func__", None) or getattr(fn, "func", None) or getattr(fn, "__wrapped__", None)
     return None
+
+
+def function_names(fn: object) -> list[tuple[str, str, object, Callable[[], object], Callable[[object], None]]]:
+    """(kind, name, value, read, write) of each closure variable (kind ``"closure variable"``)
+    and module global (``"global"``) that function ``fn`` names, through bound methods, partials
+    and ``functools.wraps``. ``read`` gives its value now (``_MISSING`` for a global gone),
+    ``write`` sets it."""
+    f = _function_of(fn)
+    if f is None:
+        return []
+    named = []
+    cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+    for name, cell in cells.items():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        named.append(("closure variable", name, value, lambda c=cell: c.cell_contents,
+                      lambda v, c=cell: setattr(c, "cell_contents", v)))
+    scope = f.__globals__
+    for name in sorted(_code_names(f.__code__) - set(cells)):
+        if name in scope:
+            named.append(("global", name, scope[name], lambda n=name: scope.get(n, _MISSING),
+                          lambda v, n=name: scope.__setitem__(n, v)))
+    return named
 
 
 def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[HeldValue, object]]:
@@ -287,30 +310,12 @@ def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[He
             found.append((HeldValue(f"{label}{shown}", read, write), _get(holder, key)))
 
     def named_by(what: str, fn: object) -> None:
-        f = _function_of(fn)
-        if f is None:
-            return
-        cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
-        for name, cell in cells.items():
-            try:
-                value = cell.cell_contents
-            except ValueError:
-                continue
-            if _recordable(value):
-                found.append((HeldValue(f"{what}'s closure variable {name!r}", lambda m, c=cell: c.cell_contents,
-                                        lambda m, v, c=cell: setattr(c, "cell_contents", v)), value))
+        for kind, name, value, read, write in function_names(fn):
+            label = f"{what}'s {kind} {name!r}"
+            if _recordable(value) and not (kind == "global" and name.startswith("__")):
+                found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, w=write: w(v)), value))
             elif _holds_values(value, model):
-                holder_fields(f"{what}'s closure variable {name!r}", value, lambda m, v=value: v)
-        scope = f.__globals__
-        for name in sorted(_code_names(f.__code__) - set(cells)):
-            if name not in scope:
-                continue
-            value = scope[name]
-            if _recordable(value) and not name.startswith("__"):
-                found.append((HeldValue(f"{what}'s global {name!r}", lambda m, n=name: scope.get(n, _MISSING),
-                                        lambda m, v, n=name: scope.__setitem__(n, v)), value))
-            elif _holds_values(value, model):
-                holder_fields(f"{what}'s global {name!r}", value, lambda m, v=value: v)
+                holder_fields(label, value, lambda m, v=value: v)
 
     modules = list(model.named_modules())
     for name, module in modules:
@@ -436,7 +441,7 @@ class PythonState:
                              f"in loss_fn); draw with torch instead (torch.rand, torch.randint)")
         if not moving:
             held, second, third = moving_held[0]
-            first = next(v for h, v in self.held if h is held or h.label == held.label)
+            first = next(v for h, v in self.held if h.label == held.label)  # (settled's are rebuilt)
             raise _moving(held.label, (first, second, third),
                           "a tensor buffer the forward updates in place, or change it outside the step between "
                           "steps and pass it in the batch, as a tensor")
