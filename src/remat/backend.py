@@ -412,25 +412,27 @@ class RematBackend:
         sim = simulate(graph, plan)
         held = backend_joint.replay_state_bytes(step, sim.compute_counts)
         # the generator states of the random ops the plan replays (which the simulator does not
-        # see) must fit beside it: planned again with that much less, until they do; the last
-        # try leaves room for every random op's state, so that a plan of that budget fits
-        tries = 0
-        while agreement is None and sim.peak_bytes + held > budget_bytes:
-            tries += 1
-            cut = held if tries <= REPLAY_STATE_TRIES and held < most_held else most_held
+        # see) must fit beside it: planned again with that much less, until they do
+        for _ in range(REPLAY_STATE_TRIES):
+            if agreement is not None or sim.peak_bytes + held <= budget_bytes or held >= most_held:
+                break
             try:
-                record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes - cut), budget_bytes - cut,
+                record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes - held), budget_bytes - held,
                                                    unoptimized)
+            except _NotPlanned:
+                break
+            sim = simulate(graph, plan)
+            held = backend_joint.replay_state_bytes(step, sim.compute_counts)
+        if agreement is None and sim.peak_bytes + held > budget_bytes:
+            # the last try leaves room for every random op's state: its plan fits (held <= most_held)
+            try:
+                record, plan = self._load_or_solve(step, inputs, key_of(budget_bytes - most_held),
+                                                   budget_bytes - most_held, unoptimized)
             except _NotPlanned as exc:
-                if cut < most_held:  # the last try
-                    tries = REPLAY_STATE_TRIES
-                    continue
                 least = None if exc.min_budget_bytes is None else exc.min_budget_bytes - most_held  # (it counts them)
                 raise _infeasible(budget_bytes, least, self.method, unoptimized, most_held, states_first=True) from None
             sim = simulate(graph, plan)
             held = backend_joint.replay_state_bytes(step, sim.compute_counts)
-            if cut == most_held and sim.peak_bytes + held > budget_bytes:  # (cannot be: held <= most_held)
-                raise _NotPlanned("the generator states of the random ops the plan replays do not fit beside it")
         parts = split(step, joint, plan, sim)
         report = PartitionReport(
             graph_name=name,

@@ -280,7 +280,7 @@ def _saved_budget(budget: object) -> int | None:
     if not isinstance(value, int):
         raise BudgetError(
             f"budget_bytes={budget!r} is not a number of bytes; give the budget the plan was saved with "
-            f"(step.report.budget_bytes, e.g. {int(2**30)} or '1GiB'), or leave it out"
+            f"(step.report.budget_bytes, e.g. 1073741824 or '1GiB'), or leave it out"
         )
     return value
 
