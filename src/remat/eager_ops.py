@@ -57,7 +57,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch._C import DispatchKey
+from torch.fx.experimental import proxy_tensor
 
+from remat.errors import TraceError
+from remat.fx_graph import is_random
 from remat.scratch import UPSAMPLE_OPS
 
 #: Ops whose Python decompositions are suspended while tracing: they trace as themselves.
@@ -150,9 +153,7 @@ def _plain_checkpoint_generator(fn: Callable, preserve_rng_state: bool = True, *
 
 
 def _traced_count() -> int:
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    mode = get_proxy_mode()
+    mode = proxy_tensor.get_proxy_mode()
     return len(mode.tracer.graph.nodes) if mode is not None else 0
 
 
@@ -161,12 +162,7 @@ def _refuse_random_since(start: int, function: Callable) -> None:
     the random state: eager's backward recomputes them with other numbers (a new dropout mask,
     and the generator advanced further), which a traced checkpoint, a plain call, does not (the
     gradients were 0.08 apart, silently)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    from remat.errors import TraceError
-    from remat.fx_graph import is_random
-
-    mode = get_proxy_mode()
+    mode = proxy_tensor.get_proxy_mode()
     if mode is None:
         return
     drawn = [n for n in list(mode.tracer.graph.nodes)[start:] if is_random(n)]
@@ -219,8 +215,6 @@ def constant_value(t: object) -> torch.Tensor | None:
     depends on no input of the step (only on constants and shapes, like ``torch.arange(n)``); None
     when it depends on an input, a parameter, a random draw or a tensor some op wrote to, or is
     not being traced. A value traced on the meta device is computed on the CPU."""
-    from torch.fx.experimental import proxy_tensor
-
     mode = proxy_tensor.get_proxy_mode()
     if mode is None or not isinstance(t, torch.Tensor) or not proxy_tensor.has_proxy_slot(t, mode.tracer):
         return None

@@ -93,14 +93,14 @@ class OutputSlot:
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """One batch tensor as traced: ``requires_grad`` says whether the step computes its
-    gradient; ``stride`` is its layout (None: not recorded), the strides of dimensions of size
-    one left out (0), as they never address a second element."""
+    gradient; ``stride`` is its layout (``layout_of``), the strides of dimensions of size one
+    left out (0), as they never address a second element."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    requires_grad: bool = False
-    stride: tuple[int, ...] | None = None
+    requires_grad: bool
+    stride: tuple[int, ...]
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorSpec:
@@ -458,7 +458,7 @@ def check_batch(spec: Sequence[TensorSpec], batch: Sequence[torch.Tensor]) -> No
                 f"traced with shape {s.shape}, {s.dtype} on {s.device}; plans are shape-specific: "
                 f"trace (or optimize) again with an example of this shape"
             )
-        if s.stride is not None and layout_of(t) != s.stride:
+        if layout_of(t) != s.stride:
             traced_contiguous = s.stride == layout_of(torch.empty(s.shape, device="meta"))
             raise TraceError(
                 f"batch[{i}] has strides {tuple(t.stride())} but the step was traced with an example batch[{i}] "

@@ -61,10 +61,9 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
                 module_desc, module, in_loss_fn = _describe_module(model, modules[id(obj)]), obj, False
                 module_names = frozenset(code.co_names)
             if not any(d in filename for d in _LIBRARY_DIRS):
-                code = _source_line(filename, lineno)
-                if filename.startswith("<") and code is None:  # generated code (``<string>``): no line to show
-                    continue
-                user_line = f"{os.path.basename(filename)}:{lineno}" + (f" `{code}`" if code else "")
+                if filename.startswith("<") and _source_line(filename, lineno) is None:
+                    continue  # generated code (``<string>``): no line to show
+                user_line = _line_shown(filename, lineno)
                 callee = None
             elif user_line is not None and callee is None:
                 callee = _public_function(frame)
@@ -408,10 +407,10 @@ class RngWatch:
         importlib.import_module("torch._dynamo")  # (its import wraps torch.manual_seed: the wrapper goes back)
 
         self.state = torch.get_rng_state()
-        self.saved = [(module, attr, getattr(module, attr)) for _, module, attr in _RNG_SETTERS
-                      if hasattr(module, attr)]
+        self.saved = []
         for name, module, attr in _RNG_SETTERS:
             if hasattr(module, attr):
+                self.saved.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, functools.partial(_refuse_rng_call, name))
         return self
 
@@ -427,9 +426,14 @@ class RngWatch:
 
 def _refuse_rng_call(name: str, *args: object, **kwargs: object) -> None:
     frame = sys._getframe(1)
-    code = _source_line(frame.f_code.co_filename, frame.f_lineno)
-    where = f" at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" + (f" `{code}`" if code else "")
-    raise _rng_error(f"calls {name}{where}")
+    raise _rng_error(f"calls {name} at {_line_shown(frame.f_code.co_filename, frame.f_lineno)}")
+
+
+def _line_shown(filename: str, lineno: int) -> str:
+    """``file.py:12 `the code``` as a message shows a line of the user's code (the code where
+    the file can be read)."""
+    code = _source_line(filename, lineno)
+    return f"{os.path.basename(filename)}:{lineno}" + (f" `{code}`" if code else "")
 
 
 def _rng_error(what: str) -> TraceError:
@@ -448,7 +452,7 @@ def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object) -> Non
     fails with an error about fake tensors). Gradients are unaffected, so this warns."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from remat.guards import _code_names, _function_of
+    from remat.guards import function_names
 
     found: list[str] = []
 
@@ -463,17 +467,8 @@ def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object) -> Non
                 look(f"{label}[{k}]", v, 1)
 
     def scan(what: str, fn: object) -> None:
-        f = _function_of(fn)
-        if f is None:
-            return
-        for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
-            try:
-                look(f"{what}'s closure variable {name!r}", cell.cell_contents)
-            except ValueError:
-                continue
-        for name in sorted(_code_names(f.__code__)):
-            if name in f.__globals__:
-                look(f"{what}'s global {name!r}", f.__globals__[name])
+        for kind, name, value, _read, _write in function_names(fn):
+            look(f"{what}'s {kind} {name!r}", value)
 
     scan("loss_fn", loss_fn)
     for path, module in model.named_modules():
