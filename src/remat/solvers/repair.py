@@ -29,7 +29,9 @@ every other plan before they are used.
 
 from __future__ import annotations
 
+import heapq
 import time
+from bisect import bisect_left
 
 import numpy as np
 
@@ -294,6 +296,9 @@ class Descent:
         deadline = time.perf_counter() + time_limit_s
         search = _Search(self.graph, max_move_nodes)
         stages, nodes = self._last
+        if np.any(np.diff(stages) < 0):  # every plan runs stage after stage; the search relies on it
+            raise SolverError(f"the descent on graph {self.graph.name!r} was given an order not sorted by stage "
+                              "(a bug in remat)")
         mem = order_memory(self.graph, nodes)
         costs = self.graph.node_arrays[3]
         made = 0
@@ -321,6 +326,11 @@ class _Search:
         recomputable = np.array([node.recomputable for node in graph.nodes], dtype=bool)
         self.movable = recomputable & (self.sizes > 0) & (kept == 0)
         self.movable[list(graph.outputs)] = False
+        # Python lists for the per-value walk of ``_recompute_set`` (numpy's per-element calls
+        # cost more than the work there)
+        self._deps_list = [self.indices[self.indptr[v]:self.indptr[v + 1]].tolist() for v in range(graph.n)]
+        self._movable_list = self.movable.tolist()
+        self._sized_list = (self.sizes > 0).tolist()
 
     def deps(self, v: int) -> np.ndarray:
         return self.indices[self.indptr[v]:self.indptr[v + 1]]
@@ -363,22 +373,36 @@ class _Search:
         after = (reader > p) & (inst >= 0)
         next_read = np.full(m, m, dtype=np.int64)
         np.minimum.at(next_read, inst[after], reader[after])
-        occurrences = np.sort(nodes * m + np.arange(m))
-        moves = []
-        for i in held:
-            q = int(next_read[i])
-            if q >= m:
-                continue
-            added = self._recompute_set(int(nodes[i]), q, p, stages, nodes, last_read, occurrences)
-            if added is not None:
-                # a move saves at most the value's bytes: its compute per byte is at least this
-                moves.append((float(self.costs[added].sum()) / float(self.sizes[nodes[i]]), q, added))
-        moves.sort(key=lambda move: move[0])
+        occurrences = np.sort(nodes * m + np.arange(m)).tolist()
+        last_read_list = last_read.tolist()
+        # where the stage of each held value's next read begins and ends in the order
+        qs = next_read[held]
+        q_stages = stages[np.minimum(qs, m - 1)]
+        stage_lo = np.searchsorted(stages, q_stages, side="left").tolist()
+        stage_hi = np.searchsorted(stages, q_stages, side="right").tolist()
+        # Moves are tried in order of their least compute per byte (what they add over the
+        # value's bytes, the most a move can save), each set found only when it is reached: a
+        # value's own cost over its bytes is a lower bound for its move's, so a heap of those
+        # bounds gives the same order as finding every set first and sorting (ties by size).
+        held_nodes = nodes[held].tolist()
+        sizes = self.sizes[nodes[held]].astype(float).tolist()
+        own = self.costs[nodes[held]].astype(float).tolist()
+        heap: list[tuple[float, int, list[int] | None]] = [
+            (own[k] / sizes[k], k, None) for k in range(held.size) if qs[k] < m]
+        heapq.heapify(heap)
         best = None
         count = at_peak.size
-        for least_ratio, q, added in moves:
+        while heap:
+            least_ratio, k, added = heapq.heappop(heap)
             if time.perf_counter() > deadline or (best is not None and least_ratio >= best[0][0]):
                 break  # no move left can beat the best one's compute per byte saved
+            q = int(qs[k])
+            if added is None:  # its set is not known yet: find it, and its place in the order
+                added = self._recompute_set(held_nodes[k], q, p, (stage_lo[k], stage_hi[k]), m, last_read_list,
+                                            occurrences)
+                if added is not None:
+                    heapq.heappush(heap, (float(self.costs[added].sum()) / sizes[k], k, added))
+                continue
             new_stages = np.concatenate((stages, np.full(len(added), stages[q], dtype=np.int64)))
             new_nodes = np.concatenate((nodes, np.asarray(added, dtype=np.int64)))
             by_stage = np.lexsort((new_nodes, new_stages))
@@ -397,35 +421,41 @@ class _Search:
                 best = (key, new_stages, new_nodes, new_mem, int(stages[q]), np.asarray(added, dtype=np.int32))
         return None if best is None else best[1:]
 
-    def _recompute_set(self, v: int, q: int, p: int, stages: np.ndarray, nodes: np.ndarray,
-                       last_read: np.ndarray, occurrences: np.ndarray) -> list[int] | None:
+    def _recompute_set(self, v: int, q: int, p: int, stage_range: tuple[int, int], m: int, last_read: list[int],
+                       occurrences: list[int]) -> list[int] | None:
         """v and the inputs it needs computed again in the stage of position q: every input
         whose latest instance before q was freed before p (an input live across p, or
         computed after it, is read where it is). None when the set grows too large, needs a
-        value that cannot be recomputed, or the stage computes one of them already."""
-        stage = stages[q]
-        in_stage = set(nodes[stages == stage].tolist())
-        m = nodes.size
+        value that cannot be recomputed, or the stage computes one of them already.
+
+        The order is sorted by stage: the stage of q is the positions ``lo..hi-1``
+        (``stage_range``). ``occurrences`` is ``node * m + position`` of every position, sorted,
+        where a value's instances are found by bisection."""
+        lo, hi = stage_range
+        v = int(v)
+        n_occ = len(occurrences)
+        deps, movable, sized = self._deps_list, self._movable_list, self._sized_list
         added: list[int] = []
         todo = [v]
         seen = {v}
         while todo:
             w = todo.pop()
-            if w in in_stage:
-                return None
+            k = bisect_left(occurrences, w * m + lo)
+            if k < n_occ and occurrences[k] < w * m + hi:
+                return None  # the stage computes w already
             added.append(w)
             if len(added) > self.max_move_nodes:
                 return None
-            for u in self.deps(w).tolist():
+            for u in deps[w]:
                 if u in seen:
                     continue
-                k = int(np.searchsorted(occurrences, u * m + q)) - 1  # u's latest instance before q
+                k = bisect_left(occurrences, u * m + q) - 1  # u's latest instance before q
                 if k < 0 or occurrences[k] // m != u:
                     return None
-                j = int(occurrences[k] % m)
+                j = occurrences[k] % m
                 if j > p or last_read[j] >= p:
                     continue  # live across p, or computed after it: read where it is
-                if not self.movable[u] and self.sizes[u] > 0:
+                if not movable[u] and sized[u]:
                     continue  # cannot be recomputed: its life is lengthened instead
                 seen.add(u)
                 todo.append(u)
