@@ -514,3 +514,33 @@ def test_a_plan_returned_for_a_smaller_budget_serves_a_larger_one(monkeypatch) -
     prepared(graph).saw_plan(kept[0])
     assert [(c.peak_bytes, c.cost) for c in prepared(graph).returned] == [
         (small.peak_bytes, small.objective), (everything.peak_bytes, graph.total_cost)]
+
+
+@pytest.mark.parametrize("second_misreports", [False, True])
+def test_a_misreported_exact_solution_is_solved_again_without_presolve_then_without_the_start(
+        monkeypatch, second_misreports):
+    """HiGHS 1.16 was seen to report, given a start, an objective its solution does not have:
+    the exact model is solved again from the start without presolve, then (if that misreports
+    too) from scratch; the result's objective is its solution's."""
+    import remat.solvers.milp_backends as backends
+
+    graph = chain_graph(3, bytes_per_node=1)
+    model = build_model(graph, checkpoint_all_peak(graph), ModelObjective.COST)
+    real = backends._run_highs_once
+    calls = []
+
+    def misreporting(model_, settings_, start, presolve=True):
+        result = real(model_, settings_, start, presolve=presolve)
+        calls.append((start is not None, presolve))
+        if start is not None and (presolve or second_misreports):
+            return dataclasses.replace(result, objective=model_.objective_value(result.x) - 1.0)
+        return result
+
+    monkeypatch.setattr(backends, "_run_highs_once", misreporting)
+    start, why = model.start_from(Schedule.from_kept(graph, np.tril(np.ones((graph.n, graph.n), dtype=bool), -1)))
+    assert start is not None, why
+    settings_ = backends.SolverSettings(time_limit_s=10, label="test")
+    result = backends._run_highs(model, settings_, start)
+    assert calls == [(True, True), (True, False)] + ([(False, True)] if second_misreports else [])
+    assert result.x is not None
+    assert result.objective == pytest.approx(model.objective_value(result.x))

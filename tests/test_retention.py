@@ -359,3 +359,89 @@ def test_a_plan_the_simulator_fits_is_taken_though_the_model_overfills() -> None
     assert taken.solution.model_peak_bytes > budget >= simulated_peak(taken.solution)
     assert plain.solution.model_peak_bytes <= budget
     assert taken.solution.cost <= plain.solution.cost + 1e-6 and len(taken.rows) < len(plain.rows)
+
+
+class _MisreportingHighs:
+    """A HiGHS that, run with a start and with presolve (or always, ``always``; never,
+    ``honest``), reports an objective below its solution's, as HiGHS 1.16 was seen to do: it
+    returned the start's values as an "improved" (even "optimal") solution. Records what each
+    solve was run with."""
+
+    runs: list[tuple[bool, bool, bool]] = []  # (started, presolve, misreported) per run
+
+    def __init__(self, real, always: bool, honest: bool = False) -> None:
+        self._real, self._always, self._honest = real, always, honest
+        self._started, self._presolve = False, True
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def setOptionValue(self, name, value):
+        if name == "presolve":
+            self._presolve = value != "off"
+        return self._real.setOptionValue(name, value)
+
+    def setSolution(self, *args):
+        self._started = True
+        return self._real.setSolution(*args)
+
+    def getInfo(self):  # read once per solve, after its run (a run may be repeated: see run_highs)
+        info = self._real.getInfo()
+        misreport = self._started and (self._presolve or self._always) and not self._honest
+        _MisreportingHighs.runs.append((self._started, self._presolve, misreport))
+        if not misreport:
+            return info
+
+        class Info:
+            def __getattr__(_, name):
+                value = getattr(info, name)
+                return value - 1.0 if name == "objective_function_value" else value
+        return Info()
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_a_misreported_mip_solution_is_solved_again_without_presolve_then_without_the_start(monkeypatch, always):
+    """HiGHS reporting an objective its solution does not have: the MIP is solved again from
+    the start without presolve, and when that misreports too, from scratch; the plan returned
+    is what its columns say, and fits."""
+    import remat.solvers.milp_backends as backends
+    from remat.solvers.retention import _solve
+
+    graph = chain_graph(8)
+    structure = RetentionStructure(graph)
+    budget = budget_between(graph, solve_retention(structure, 0, minimize_peak=True).solution.model_peak_bytes, 0.3)
+    fitting = solve_retention(structure, budget, mip_gap=0.0)
+    real = backends.quiet_highs
+    monkeypatch.setattr(backends, "quiet_highs", lambda: _MisreportingHighs(real(), always))
+    _MisreportingHighs.runs = []
+    rows = list(fitting.rows)
+    run = _solve(structure, budget, rows, relax=False, threads=1, time_limit_s=30, mip_gap=0.0,
+                 start=structure.columns_of(fitting.solution), presolve=True)
+    expected = [(True, True, True), (True, False, always)] + ([(False, True, False)] if always else [])
+    assert _MisreportingHighs.runs == expected
+    assert run.x is not None
+    solution = structure.solution(run.x)
+    assert solution.model_peak_bytes <= budget
+    assert solution.cost == pytest.approx(fitting.solution.cost, abs=1e-6)
+
+
+def test_a_cost_mip_with_a_start_runs_without_presolve_and_others_with_it(monkeypatch):
+    """The MIP of the recomputation cost given a start is solved without HiGHS' presolve (faster
+    there, and presolve was seen to return wrong solutions with a start); without a start, and
+    the least-peak MIP, with it."""
+    import remat.solvers.milp_backends as backends
+    from remat.solvers.retention import _solve
+
+    graph = chain_graph(6)
+    structure = RetentionStructure(graph)
+    budget = budget_between(graph, solve_retention(structure, 0, minimize_peak=True).solution.model_peak_bytes, 0.5)
+    fitting = solve_retention(structure, budget, mip_gap=0.0)
+    start = structure.columns_of(fitting.solution)
+    real = backends.quiet_highs
+    monkeypatch.setattr(backends, "quiet_highs", lambda: _MisreportingHighs(real(), always=False, honest=True))
+    for kwargs, presolved in (({"start": start}, False), ({}, True), ({"start": start, "minimize_peak": True}, True)):
+        _MisreportingHighs.runs = []
+        run = _solve(structure, budget, list(fitting.rows), relax=False, threads=1, time_limit_s=30, mip_gap=0.0,
+                     **kwargs)
+        assert run.x is not None
+        assert [presolve for _, presolve, _ in _MisreportingHighs.runs] == [presolved], kwargs

@@ -313,22 +313,32 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
     if start is not None and result.x is not None and result.objective is not None and not settings.relax:
         actual = model.objective_value(result.x)
         if abs(actual - result.objective) > 1e-6 * max(1.0, abs(actual)):
-            # HiGHS 1.16, given a start, was seen to report an improved objective with the start's
-            # values as the solution (and its bound then cannot be trusted either): solve again
-            # from scratch with the time left (handled here: nothing for the user to act on)
-            log.info(
-                "%s: HiGHS reported objective %g for a solution whose objective is %g; solving again without the "
-                "start", settings.label, result.objective, actual)
-            left = max(settings.time_limit_s - (time.perf_counter() - started), 1.0)
-            again = dataclasses.replace(settings, time_limit_s=left)
-            result = _run_highs_once(model, again, None)
+            # HiGHS 1.16, given a start, was seen to report an improved objective (even "optimal")
+            # with the start's values as the solution, so its bound cannot be trusted either. Seen
+            # only with presolve: solve again from the start without presolve, then from scratch if
+            # that fails too, with the time left (handled here: nothing for the user to act on)
+            for retry_start, presolve in ((start, False), (None, True)):
+                log.info("%s: HiGHS reported objective %g for a solution whose objective is %g; solving again %s",
+                         settings.label, result.objective, actual,
+                         "from the start without presolve" if retry_start is not None else "without the start")
+                left = max(settings.time_limit_s - (time.perf_counter() - started), 1.0)
+                result = _run_highs_once(model, dataclasses.replace(settings, time_limit_s=left), retry_start,
+                                         presolve=presolve)
+                if retry_start is None or result.x is None or result.objective is None:
+                    break
+                actual = model.objective_value(result.x)
+                if abs(actual - result.objective) <= 1e-6 * max(1.0, abs(actual)):
+                    break
     return result
 
 
-def _run_highs_once(model: MilpModel, settings: SolverSettings, start: np.ndarray | None) -> BackendResult:
+def _run_highs_once(model: MilpModel, settings: SolverSettings, start: np.ndarray | None,
+                    presolve: bool = True) -> BackendResult:
     import highspy
 
     h = quiet_highs()
+    if not presolve:
+        h.setOptionValue("presolve", "off")
     h.setOptionValue("time_limit", float(settings.time_limit_s))
     h.setOptionValue("mip_rel_gap", float(settings.mip_gap))
     h.setOptionValue("mip_abs_gap", float(settings.mip_abs_gap))
