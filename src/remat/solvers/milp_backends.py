@@ -314,9 +314,10 @@ def _run_highs(model: MilpModel, settings: SolverSettings, start: np.ndarray | N
         actual = model.objective_value(result.x)
         if abs(actual - result.objective) > 1e-6 * max(1.0, abs(actual)):
             # HiGHS 1.16, given a start, was seen to report an improved objective (even "optimal")
-            # with the start's values as the solution, so its bound cannot be trusted either. Seen
-            # only with presolve: solve again from the start without presolve, then from scratch if
-            # that fails too, with the time left (handled here: nothing for the user to act on)
+            # with the start's values as the solution, so its bound cannot be trusted either; on
+            # the retention model's MIPs only with presolve (see retention._run): solve again from
+            # the start without presolve, then from scratch if that disagrees too, with the time
+            # left (handled here: nothing for the user to act on)
             for retry_start, presolve in ((start, False), (None, True)):
                 log.info("%s: HiGHS reported objective %g for a solution whose objective is %g; solving again %s",
                          settings.label, result.objective, actual,
