@@ -142,3 +142,29 @@ def test_a_budget_to_load_by_must_be_a_number_of_bytes(saved, budget, message):
         TrainingStep.load(path, copy.deepcopy(w.model), w.batch, w.loss_fn, budget_bytes=budget)
     exact = step.report.budget_bytes
     assert TrainingStep.load(path, copy.deepcopy(w.model), w.batch, w.loss_fn, budget_bytes=exact).report == step.report
+
+
+def test_edited_scratch_is_refused_as_corrupt_not_as_another_steps_plan(saved, tmp_path):
+    """The fingerprint covers the measured scratch: a file whose temp_bytes were edited was
+    refused as made for another training step. The structure fingerprint, saved beside it,
+    tells the two apart; a file saved before it (no field) still loads."""
+    from remat.optimize import StalePlanError
+
+    w, step, path = saved
+    record = json.loads(path.read_text())
+    assert isinstance(record["structure_fingerprint"], str)
+    k = next(i for i, t in enumerate(record["temp_bytes"]) if t)
+    edited = dict(record, temp_bytes=[t + 64 if i == k else t for i, t in enumerate(record["temp_bytes"])])
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    with pytest.raises(PlanFileError, match=r"made for this training step, but its measured scratch \(temp_bytes\)") as info:
+        _load(w, tmp_path / "edited.json")
+    assert not isinstance(info.value, StalePlanError)
+    older = {key: value for key, value in record.items() if key != "structure_fingerprint"}
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert _load(w, tmp_path / "older.json").report == step.report
+    (tmp_path / "older-edited.json").write_text(json.dumps(dict(edited, structure_fingerprint=None)))
+    with pytest.raises(StalePlanError, match="was made for a different training step"):
+        _load(w, tmp_path / "older-edited.json")
+    (tmp_path / "typed.json").write_text(json.dumps(dict(record, structure_fingerprint=7)))
+    with pytest.raises(PlanFileError, match="field 'structure_fingerprint' is not a str"):
+        _load(w, tmp_path / "typed.json")

@@ -44,6 +44,7 @@ from remat.cost import CostModel
 from remat.distributed import refuse_wrapped
 from remat.errors import ScheduleError, TraceError, a_type
 from remat.execute import PlanFacts, PlannedStep, build_module, grad_through_hooks
+from remat.graph import Graph
 from remat.planning import plan_graph
 from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
@@ -184,6 +185,7 @@ class TrainingStep:
             "fingerprint": self.report.fingerprint,
             "budget_bytes": self.report.budget_bytes,
             "n_nodes": self.traced.graph.n,
+            "structure_fingerprint": _structure_fingerprint(self.traced.graph),
             "batch_requires_grad": [s.requires_grad for s in self.traced.batch_spec],
             "compute_order": list(self.plan.compute_order),
             **self.traced.measurements(),
@@ -213,6 +215,10 @@ class TrainingStep:
         record = _read_plan(path)
         traced = trace(model, example_inputs, loss_fn, cost_model=None, allow_native_batch_norm=allow_native_batch_norm)
         _check_requires_grad(path, record, traced)
+        # the step's structure without what the file measured: a file saved for this step whose
+        # measured scratch was edited is corrupt, not stale (files from before the field was
+        # saved are told apart by the fingerprint alone)
+        this_step = record.get("structure_fingerprint") == _structure_fingerprint(traced.graph)
         if record["n_nodes"] == traced.graph.n:
             try:
                 traced = traced.with_measurements(record["node_costs"], record["temp_bytes"])
@@ -220,6 +226,12 @@ class TrainingStep:
                 raise PlanFileError(f"saved plan {os.fspath(path)!r}: {exc}; the file is corrupt: run optimize() again") from exc
         graph = traced.graph
         fingerprint = graph.fingerprint(costs=False)
+        if this_step and record["fingerprint"] != fingerprint:
+            raise PlanFileError(
+                f"saved plan {os.fspath(path)!r} was made for this training step, but its measured scratch "
+                f"(temp_bytes) is not what it was saved with (graph fingerprint {record['fingerprint'][:12]}, "
+                f"with its temp_bytes {fingerprint[:12]}); the file is corrupt: delete it and run optimize() again"
+            )
         if record["fingerprint"] != fingerprint or record["n_nodes"] != graph.n:
             raise StalePlanError(
                 f"saved plan {os.fspath(path)!r} was made for a different training step (graph "
@@ -312,6 +324,14 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor, handed: set[int]) -> No
         param.grad += grad
 
 
+def _structure_fingerprint(graph: Graph) -> str:
+    """``graph``'s fingerprint without costs or scratch (``temp_bytes``), the two things a plan
+    file's measurements set: the same for every trace of one training step."""
+    nodes = tuple(dataclasses.replace(n, temp_bytes=0) for n in graph.nodes)
+    return Graph(nodes=nodes, fixed_bytes=graph.fixed_bytes, outputs=graph.outputs,
+                 name=graph.name).fingerprint(costs=False)
+
+
 def _check_requires_grad(path: str | os.PathLike, record: dict, traced: TracedStep) -> None:
     """Refuse a saved plan made for an example batch whose tensors required grad elsewhere than
     ``traced``'s (a file without the field, from before it was saved, is left to the
@@ -359,6 +379,12 @@ def _read_plan(path: str | os.PathLike) -> dict:
                 f"saved plan {where!r}: field {key!r} is missing or not a {kind.__name__}; the file "
                 f"is corrupt: delete it and run optimize() again"
             )
+    structure = record.get("structure_fingerprint")  # (absent from files saved before it was recorded)
+    if structure is not None and not isinstance(structure, str):
+        raise PlanFileError(
+            f"saved plan {where!r}: field 'structure_fingerprint' is not a str; the file is corrupt: "
+            f"delete it and run optimize() again"
+        )
     flags = record.get("batch_requires_grad")  # (absent from files saved before it was recorded)
     if flags is not None and not (isinstance(flags, list) and all(isinstance(f, bool) for f in flags)):
         raise PlanFileError(
