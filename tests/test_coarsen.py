@@ -80,6 +80,26 @@ def test_zero_byte_node_with_two_inputs_stays():
     assert not c.coarse.nodes[3].recomputable
 
 
+def test_a_graph_is_folded_once_and_planning_reuses_the_folded_graph(monkeypatch):
+    """Planning folds the graph it is given for every budget; the folded graph, and with it
+    the fingerprint planning's caches key on, is made once per graph object."""
+    from remat import coarsen as coarsen_module
+    from remat.builders import random_training_graph
+    from remat.planning import plan_graph
+
+    g = random_training_graph(6, seed=3)
+    made = []
+    real = coarsen_module._fold_aliases
+    monkeypatch.setattr(coarsen_module, "_fold_aliases", lambda graph: made.append(graph) or real(graph))
+    first = coarsen_module.fold_aliases(g)
+    assert coarsen_module.fold_aliases(g) is first and made == [g]
+    plan_graph(g, 10**9, "checkpoint_all")
+    assert made == [g]
+    other = random_training_graph(6, seed=3)  # equal, but another object: folded on its own
+    assert coarsen_module.fold_aliases(other) is not first and made == [g, other]
+    assert coarsen_module.fold_aliases(other).coarse == first.coarse
+
+
 # ---------------------------------------------------------------------------- grouping
 from remat.builders import chain_graph  # noqa: E402
 from remat.coarsen import _quotient, fold_aliases, group  # noqa: E402

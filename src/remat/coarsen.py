@@ -84,6 +84,10 @@ def group_folded(folded: Coarsening, max_nodes: int) -> Coarsening:
 def fold_aliases(graph: Graph) -> Coarsening:
     """Merge every zero-byte node with exactly one dependency into its dependency's group.
 
+    Computed once per graph object: planning folds the graph it is given for every budget,
+    and the same folded graph then keeps its fingerprint, which planning's caches key on
+    (hashing a 5,700-node graph takes 0.4 s).
+
     >>> from remat.graph import NodeKind
     >>> F = NodeKind.FORWARD
     >>> g = Graph(nodes=(Node("a", F, (), 8, 1.0), Node("view_a", F, (0,), 0, 0.0),
@@ -91,7 +95,17 @@ def fold_aliases(graph: Graph) -> Coarsening:
     >>> c = fold_aliases(g)
     >>> c.coarse.n, c.groups
     (2, ((0, 1), (2,)))
+    >>> fold_aliases(g) is c
+    True
     """
+    # (kept in the frozen graph's own __dict__, as its cached properties are)
+    folded = graph.__dict__.get("_aliases_folded")
+    if folded is None:
+        folded = graph.__dict__["_aliases_folded"] = _fold_aliases(graph)
+    return folded
+
+
+def _fold_aliases(graph: Graph) -> Coarsening:
     root = list(range(graph.n))
     for i, node in enumerate(graph.nodes):
         if node.out_bytes == 0 and len(node.deps) == 1:
