@@ -19,7 +19,7 @@ from remat.solvers.milp import minimum_budget
 from remat.solvers.milp_start import baseline_candidates, best_fitting
 from remat.solvers.prepared import clear
 from remat.solvers.baselines import measure_order
-from remat.solvers.repair import descend, lower_peak, prune, reshuffle
+from remat.solvers.repair import _Inserting, _Search, _sorted_by_stage_and_node, descend, lower_peak, prune, reshuffle
 from reference import min_budget, transformer_like
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -70,6 +70,43 @@ def test_lower_peak_fits_when_the_descent_gets_there(graph, data):
     budget, plan = lowered_at_a_drawn_budget(graph, data)
     assert plan.peak_bytes <= budget
     assert solve(graph, budget, method="descent").cost == plan.cost  # the first plan of the path that fits
+
+
+@PROPERTY
+@given(graph=graphs(), data=st.data())
+def test_a_move_measured_from_the_order_s_frees_is_what_measuring_the_new_order_gives(graph, data):
+    """The descent measures a move on an order sorted by stage and node from the old order's
+    frees (``_Inserting``); the new order measured from scratch must give the same stages,
+    nodes and memory, or no order at all when a value is read before it was ever computed."""
+    _budget, lowered = lowered_at_a_drawn_budget(graph, data)
+    stages, nodes = np.asarray(lowered.stages, dtype=np.int64), np.asarray(lowered.nodes, dtype=np.int64)
+    by_stage = np.lexsort((nodes, stages))
+    stages, nodes = stages[by_stage], nodes[by_stage]
+    assert _sorted_by_stage_and_node(stages, nodes)
+    search = _Search(graph)
+    reader, _value, inst = search.reads(nodes)
+    m = nodes.size
+    order = _Inserting(search, stages, nodes, reader, inst, np.sort(nodes * m + np.arange(m)).tolist())
+    for _ in range(8):
+        q = data.draw(st.integers(0, m - 1), label="position")
+        lo, hi = int(np.searchsorted(stages, stages[q])), int(np.searchsorted(stages, stages[q], side="right"))
+        # values computed before the stage, with some of their inputs: a move's shape, valid or not
+        earlier = sorted(set(nodes[:lo].tolist()) - set(graph.outputs))
+        if not earlier:
+            continue
+        picked = set(data.draw(st.lists(st.sampled_from(earlier), min_size=1, max_size=4), label="values"))
+        for v in list(picked):
+            picked |= set(data.draw(st.lists(st.sampled_from(graph.nodes[v].deps), max_size=2), label="inputs")
+                          if graph.nodes[v].deps else [])
+        added = sorted(v for v in picked if v not in set(nodes[lo:hi].tolist()) and v not in graph.output_set)
+        if not added:
+            continue
+        fast = order.insert(added, lo, hi)
+        slow = search._inserted(stages, nodes, added, int(stages[q]))
+        assert (fast is None) == (slow is None)
+        if fast is not None:
+            for mine, measured in zip(fast, slow):
+                np.testing.assert_array_equal(mine, measured)
 
 
 def test_reaches_the_floor_of_a_chain_cheaper_than_recomputing_everything():

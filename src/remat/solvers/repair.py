@@ -10,9 +10,11 @@ Of the moves that lower the peak (or, on a plateau, the number of positions at t
 one adding the least compute per byte saved is taken; the search stops when the plan fits
 the budget, no move helps, or time runs out.
 
-Moves are measured with ``order_memory`` (the simulator's count, without building the plan),
-so a move that lengthens an input's life past the peak, or makes a new peak elsewhere, simply
-does not help. The plans it returns are ordinary compute orders, replayed by ``simulate`` like
+Moves are measured as ``order_memory`` measures an order (the simulator's count, without
+building the plan), so a move that lengthens an input's life past the peak, or makes a new
+peak elsewhere, simply does not help. On an order sorted by stage and node (every order after
+the first move) a move's memory is counted from the old order's frees, changed only where the
+move changes them (``_Inserting``), instead of measuring the new order from scratch. The plans it returns are ordinary compute orders, replayed by ``simulate`` like
 every other plan before they are used.
 
 >>> import numpy as np
@@ -332,9 +334,6 @@ class _Search:
         self._movable_list = self.movable.tolist()
         self._sized_list = (self.sizes > 0).tolist()
 
-    def deps(self, v: int) -> np.ndarray:
-        return self.indices[self.indptr[v]:self.indptr[v + 1]]
-
     def reads(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every read of the order: reader position, value read, position of the instance read
         (-1 when the value was never computed before)."""
@@ -392,6 +391,10 @@ class _Search:
         heapq.heapify(heap)
         best = None
         count = at_peak.size
+        # an order sorted by (stage, node), as every order after a move is, takes a move's
+        # values at known positions: its memory is then found from the order's own frees
+        order = (_Inserting(self, stages, nodes, reader, inst, occurrences)
+                 if _sorted_by_stage_and_node(stages, nodes) and not (inst < 0).any() else None)
         while heap:
             least_ratio, k, added = heapq.heappop(heap)
             if time.perf_counter() > deadline or (best is not None and least_ratio >= best[0][0]):
@@ -403,13 +406,11 @@ class _Search:
                 if added is not None:
                     heapq.heappush(heap, (float(self.costs[added].sum()) / sizes[k], k, added))
                 continue
-            new_stages = np.concatenate((stages, np.full(len(added), stages[q], dtype=np.int64)))
-            new_nodes = np.concatenate((nodes, np.asarray(added, dtype=np.int64)))
-            by_stage = np.lexsort((new_nodes, new_stages))
-            new_stages, new_nodes = new_stages[by_stage], new_nodes[by_stage]
-            if (self.reads(new_nodes)[2] < 0).any():
+            moved = (order.insert(added, stage_lo[k], stage_hi[k]) if order is not None
+                     else self._inserted(stages, nodes, added, int(stages[q])))
+            if moved is None:
                 continue
-            new_mem = order_memory(self.graph, new_nodes)
+            new_stages, new_nodes, new_mem = moved
             new_peak = int(new_mem.max())
             if new_peak > peak or (new_peak == peak and int((new_mem == peak).sum()) >= count):
                 continue
@@ -420,6 +421,18 @@ class _Search:
             if best is None or key < best[0]:
                 best = (key, new_stages, new_nodes, new_mem, int(stages[q]), np.asarray(added, dtype=np.int32))
         return None if best is None else best[1:]
+
+    def _inserted(self, stages: np.ndarray, nodes: np.ndarray, added: list[int], stage: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(stages, nodes, memory) of the order with ``added`` computed in ``stage``, sorted by
+        stage and node; None if a computation then reads a value never computed before it."""
+        new_stages = np.concatenate((stages, np.full(len(added), stage, dtype=np.int64)))
+        new_nodes = np.concatenate((nodes, np.asarray(added, dtype=np.int64)))
+        by_stage = np.lexsort((new_nodes, new_stages))
+        new_stages, new_nodes = new_stages[by_stage], new_nodes[by_stage]
+        if (self.reads(new_nodes)[2] < 0).any():
+            return None
+        return new_stages, new_nodes, order_memory(self.graph, new_nodes)
 
     def _recompute_set(self, v: int, q: int, p: int, stage_range: tuple[int, int], m: int, last_read: list[int],
                        occurrences: list[int]) -> list[int] | None:
@@ -432,7 +445,6 @@ class _Search:
         (``stage_range``). ``occurrences`` is ``node * m + position`` of every position, sorted,
         where a value's instances are found by bisection."""
         lo, hi = stage_range
-        v = int(v)
         n_occ = len(occurrences)
         deps, movable, sized = self._deps_list, self._movable_list, self._sized_list
         added: list[int] = []
@@ -460,3 +472,101 @@ class _Search:
                 seen.add(u)
                 todo.append(u)
         return sorted(added)
+
+
+def _sorted_by_stage_and_node(stages: np.ndarray, nodes: np.ndarray) -> bool:
+    """Whether the order's (stage, node) pairs strictly increase."""
+    if stages.size < 2:
+        return True
+    return bool(np.all((stages[1:] > stages[:-1]) | ((stages[1:] == stages[:-1]) & (nodes[1:] > nodes[:-1]))))
+
+
+class _Inserting:
+    """One order sorted by (stage, node), and what ``_Search._inserted`` gives for it, found
+    without measuring the new order from scratch: its frees are the old order's, shifted,
+    except those of the instances a move changes. For each value the move computes again
+    (at its place in the stage, by node id), the previous instance is now freed at its last
+    read before that place and the new one at the last read the old one had after it (or
+    by a later value of the move); an input the move reads where it is lives at least until
+    that read. Memory is then counted from the frees as ``order_memory`` counts it (a test
+    compares the two on random moves)."""
+
+    def __init__(self, search: _Search, stages: np.ndarray, nodes: np.ndarray, reader: np.ndarray, inst: np.ndarray,
+                 occurrences: list[int]) -> None:
+        self.search = search
+        self.graph = graph = search.graph
+        self.stages, self.nodes = stages, nodes
+        self.m = m = nodes.size
+        self.occurrences = occurrences
+        self.sizes, self.kept, self.temp, _ = graph.node_arrays
+        self.free = order_frees(graph, nodes)
+        first = np.zeros(m, dtype=bool)
+        first[np.unique(nodes, return_index=True)[1]] = True
+        self.first = first
+        # the readers of each instance, in order of position
+        seen = inst >= 0
+        by_inst = np.argsort(inst[seen], kind="stable")
+        self.readers = reader[seen][by_inst]
+        self.reader_ptr = np.searchsorted(inst[seen][by_inst], np.arange(m + 1), side="left")
+        self.outputs = graph.output_set
+        self.deps = search._deps_list
+
+    def _latest_before(self, u: int, position: int) -> int:
+        """The position of u's latest instance before ``position`` (-1 if none)."""
+        m = self.m
+        k = bisect_left(self.occurrences, u * m + position) - 1
+        if k < 0 or self.occurrences[k] // m != u:
+            return -1
+        return self.occurrences[k] % m
+
+    def insert(self, added: list[int], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``_Search._inserted`` for ``added`` (sorted) in the stage at positions ``lo..hi-1``
+        (not empty)."""
+        nodes, m, free = self.nodes, self.m, self.free
+        in_stage = nodes[lo:hi].tolist()
+        slots = [lo + bisect_left(in_stage, a) for a in added]  # each goes before this old position
+        slot_array = np.asarray(slots, dtype=np.int64)
+
+        def new_position(old: int) -> int:  # of an old position, once the move's values are in
+            return old + bisect_left(slots, old + 1)
+
+        new_free = free + np.searchsorted(slot_array, free, side="right")
+        new_free[free < 0] = -1
+        added_free: list[int] = []
+        position_of = {a: slots[j] + j for j, a in enumerate(added)}
+        for j, a in enumerate(added):
+            here = slots[j] + j
+            previous = self._latest_before(a, slots[j])
+            if previous < 0 or free[previous] < 0 or a in self.outputs:  # (not a move's values)
+                return self.search._inserted(self.stages, nodes, added, int(self.stages[lo]))
+            readers = self.readers[self.reader_ptr[previous]:self.reader_ptr[previous + 1]]
+            cut = int(np.searchsorted(readers, slots[j], side="left"))
+            new_free[previous] = new_position(int(readers[cut - 1])) if cut else new_position(previous)
+            last = new_position(int(readers[-1])) if cut < readers.size else here
+            for b in added[j + 1:]:
+                if a in self.deps[b]:
+                    last = max(last, position_of[b])
+            added_free.append(last)
+            for u in self.deps[a]:
+                if u in position_of:
+                    continue  # a value of the move, computed before a in the stage
+                j_u = self._latest_before(u, slots[j])
+                if j_u < 0:
+                    return None  # a never computed before a reads it
+                if free[j_u] >= 0:
+                    new_free[j_u] = max(int(new_free[j_u]), here)
+        free_all = np.insert(new_free, slot_array, np.asarray(added_free, dtype=np.int64))
+        new_nodes = np.insert(nodes, slot_array, np.asarray(added, dtype=np.int64))
+        new_stages = np.insert(self.stages, slot_array, self.stages[lo])
+        first = np.insert(self.first, slot_array, False)
+        return new_stages, new_nodes, self._memory(new_nodes, free_all, first)
+
+    def _memory(self, nodes: np.ndarray, free: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """``order_memory`` of ``nodes`` given its frees and first instances."""
+        sizes = self.sizes[nodes]
+        freed_here = free >= 0
+        freed = np.bincount(free[freed_here], weights=sizes[freed_here], minlength=nodes.size)
+        allocated = sizes + np.where(first, self.kept[nodes], 0)
+        after = (self.graph.fixed_bytes + np.cumsum(allocated)
+                 - np.concatenate(([0], np.cumsum(freed)[:-1])).astype(np.int64))
+        return after + self.temp[nodes]
