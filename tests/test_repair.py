@@ -19,7 +19,9 @@ from remat.solvers.milp import minimum_budget
 from remat.solvers.milp_start import baseline_candidates, best_fitting
 from remat.solvers.prepared import clear
 from remat.solvers.baselines import measure_order
-from remat.solvers.repair import _Inserting, _Search, _sorted_by_stage_and_node, descend, lower_peak, prune, reshuffle
+from remat.schedule import order_frees
+from remat.solvers.repair import (GONE, _Dropping, _Inserting, _Search, _sorted_by_stage_and_node, descend, lower_peak,
+                                  prune, reshuffle)
 from reference import min_budget, transformer_like
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -107,6 +109,31 @@ def test_a_move_measured_from_the_order_s_frees_is_what_measuring_the_new_order_
         if fast is not None:
             for mine, measured in zip(fast, slow):
                 np.testing.assert_array_equal(mine, measured)
+
+
+@PROPERTY
+@given(graph=graphs(), data=st.data())
+def test_dropping_recomputations_one_by_one_keeps_the_memory_the_remaining_order_has(graph, data):
+    """``prune`` keeps the exact memory and frees of the order as it drops recomputations
+    (``_Dropping``): after every drop they must be what the remaining order measures."""
+    _budget, lowered = lowered_at_a_drawn_budget(graph, data)
+    nodes = np.asarray(lowered.nodes, dtype=np.int64)
+    m = nodes.size
+    keep = np.ones(m, dtype=bool)
+    exact = _Dropping(graph, nodes, order_frees(graph, nodes), order_memory(graph, nodes))
+    later = [k for k in range(m) if nodes[k] in set(nodes[:k].tolist()) and nodes[k] not in graph.output_set]
+    for k in data.draw(st.permutations(later), label="drops"):
+        j = max(i for i in range(k) if keep[i] and nodes[i] == nodes[k])  # the previous instance left
+        without = exact.without(k, j)
+        keep[k] = False
+        kept_at = np.flatnonzero(keep)
+        measured = np.full(m, GONE, dtype=np.int64)
+        measured[kept_at] = order_memory(graph, nodes[kept_at])
+        np.testing.assert_array_equal(without, measured)
+        exact.drop(k, j, without if data.draw(st.booleans(), label="measured first") else None)
+        np.testing.assert_array_equal(exact.memory, measured)
+        frees = order_frees(graph, nodes[kept_at])
+        np.testing.assert_array_equal(exact.free[kept_at], np.where(frees >= 0, kept_at[np.maximum(frees, 0)], -1))
 
 
 def test_reaches_the_floor_of_a_chain_cheaper_than_recomputing_everything():

@@ -52,6 +52,8 @@ CANDIDATES_PER_MOVE = 128
 #: recomputation runs the forward pass again from the input (12 layers: 249.2 MB -> 247.1 MB,
 #: the floor no plan can go below).
 MAX_MOVE_NODES = 256
+#: The memory ``prune`` counts at a position it dropped (below any budget, whatever is added).
+GONE = np.iinfo(np.int64).min // 2
 #: The most time one call spends extending a graph's descent (method ``descent``).
 DESCENT_TIME_S = 10.0
 
@@ -128,7 +130,6 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
         return plan
     outputs = np.zeros(graph.n, dtype=bool)
     outputs[list(graph.outputs)] = True
-    gone = np.iinfo(np.int64).min // 2
     dropped = 0
     while time.perf_counter() < deadline:
         m = nodes.size
@@ -141,6 +142,7 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
         tries = tries[np.argsort(-costs[nodes[tries]], kind="stable")]
         keep = np.ones(m, dtype=bool)
         last_reads = _last_reads(graph, nodes, free)
+        exact = _Dropping(graph, nodes, free, mem)
         for k in tries.tolist():
             if time.perf_counter() >= deadline:
                 break
@@ -153,7 +155,8 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
             size = int(sizes[nodes[k]])
             if free[k] == k:  # read by nothing: it goes, and instance j lives no longer
                 keep[k] = False
-                mem[k] = gone
+                mem[k] = GONE
+                exact.drop(k, j)
                 continue
             over = (int(mem[low:k].max()) + size if low < k else 0) - budget_bytes
             if over > 0:
@@ -161,27 +164,25 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
                 # exactly when what they hold could make up the difference
                 if int(sizes[nodes[last_reads.get(k, [])]].sum()) < over:
                     continue
-                keep[k] = False
-                kept_at = np.flatnonzero(keep)
-                exact = order_memory(graph, nodes[kept_at])
-                if int(exact.max()) > budget_bytes:
-                    keep[k] = True
+                without = exact.without(k, j)
+                if int(without.max()) > budget_bytes:
                     continue
-                mem[:] = gone
-                mem[kept_at] = exact
-                frees = order_frees(graph, nodes[kept_at])
-                free[kept_at] = np.where(frees >= 0, kept_at[np.maximum(frees, 0)], -1)
+                keep[k] = False
+                exact.drop(k, j, without)
+                mem[:] = without
+                free[keep] = exact.free[keep]
                 last_reads = _last_reads(graph, nodes, free, keep)
                 continue
             keep[k] = False
             mem[low:k] += size
-            mem[k] = gone
+            mem[k] = GONE
             free[j] = max(int(free[j]), int(free[k]))
+            exact.drop(k, j)
         if keep.all():
             break
         dropped += int((~keep).sum())
         nodes, stages = nodes[keep], stages[keep]
-        mem = order_memory(graph, nodes).astype(np.int64)
+        mem = exact.memory[keep]
     if not dropped:
         return plan
     peak, cost = order_peak_and_cost(graph, nodes.tolist())
@@ -243,6 +244,77 @@ def reshuffle(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit
         return plan
     return BaselinePlan(f"{plan.label}, reshuffled ({better} of {rounds} rounds better)", best.stages, best.nodes,
                         best.peak_bytes, best.cost)
+
+
+class _Dropping:
+    """The exact memory and frees of an order as ``prune`` drops recomputations from it, kept
+    up to date drop by drop instead of measuring the remaining order from scratch (which is
+    what ``without`` gives: ``order_memory`` of the order without the dropped positions, at
+    the positions left, and ``GONE`` at the others; a test compares the two). Dropping
+    position k, whose node's previous kept instance is at j: k's readers read j, which now
+    lives until k's last read; each input k read last is freed at its previous read."""
+
+    def __init__(self, graph: Graph, nodes: np.ndarray, free: np.ndarray, memory: np.ndarray) -> None:
+        self.sizes = graph.node_arrays[0]
+        self.nodes = nodes
+        self.free = free.copy()
+        self.memory = memory.astype(np.int64)  # exact: what order_memory measured
+        m = nodes.size
+        self.dropped = np.zeros(m, dtype=bool)
+        reader, _value, inst = _reads(graph, nodes)
+        self.readers: list[list[int]] = [[] for _ in range(m)]  # per instance, its readers in order
+        self.reads: list[list[int]] = [[] for _ in range(m)]  # per position, the instances it reads
+        for r, i in zip(reader.tolist(), inst.tolist()):
+            if i >= 0:
+                self.readers[i].append(r)
+                self.reads[r].append(i)
+
+    def without(self, k: int, j: int) -> np.ndarray:
+        """The memory once position k is dropped as well."""
+        memory = self.memory.copy()
+        free, sizes = self.free, self.sizes
+        if free[k] > k:  # k's readers read j, which lives on from its own last read until them
+            memory[free[j] + 1:k] += sizes[self.nodes[k]]
+        for i in set(self.reads[k]):
+            if free[i] == k:  # read last at k: now freed at its previous read
+                earlier = [r for r in self.readers[i] if r != k]
+                memory[(earlier[-1] if earlier else i) + 1:k] -= sizes[self.nodes[i]]
+        memory[k] = GONE
+        memory[self.dropped] = GONE  # (the ranges above may cross positions dropped before)
+        return memory
+
+    def drop(self, k: int, j: int, without: np.ndarray | None = None) -> None:
+        """Drop position k (``without``: ``self.without(k, j)``, if already measured)."""
+        self.memory = self.without(k, j) if without is None else without
+        free = self.free
+        if free[k] > k:
+            free[j] = free[k]
+        self.readers[j] += self.readers[k]
+        for r in self.readers[k]:
+            self.reads[r] = [j if i == k else i for i in self.reads[r]]
+        for i in set(self.reads[k]):
+            self.readers[i] = [r for r in self.readers[i] if r != k]
+            if free[i] == k:
+                free[i] = self.readers[i][-1] if self.readers[i] else i
+        self.readers[k], self.reads[k] = [], []
+        self.dropped[k] = True
+
+
+def _reads(graph: Graph, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every read of the order ``nodes``: reader position, value read, position of the
+    instance read (-1 when the value was never computed before)."""
+    indptr, indices = graph.deps_csr
+    m = nodes.size
+    counts = indptr[nodes + 1] - indptr[nodes]
+    reader = np.repeat(np.arange(m), counts)
+    first_dep = np.repeat(indptr[nodes] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+    value = indices[first_dep + np.arange(reader.size)]
+    occurrences = np.sort(nodes * m + np.arange(m))
+    at = np.searchsorted(occurrences, value * m + reader, side="left") - 1
+    ok = at >= 0
+    ok[ok] = occurrences[at[ok]] // m == value[ok]
+    inst = np.where(ok, occurrences[np.maximum(at, 0)] % m, -1)
+    return reader, value, inst
 
 
 def _last_reads(graph: Graph, nodes: np.ndarray, free: np.ndarray, keep: np.ndarray | None = None) -> dict[int, list[int]]:
@@ -335,19 +407,8 @@ class _Search:
         self._sized_list = (self.sizes > 0).tolist()
 
     def reads(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every read of the order: reader position, value read, position of the instance read
-        (-1 when the value was never computed before)."""
-        m = nodes.size
-        counts = self.indptr[nodes + 1] - self.indptr[nodes]
-        reader = np.repeat(np.arange(m), counts)
-        first_dep = np.repeat(self.indptr[nodes] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
-        value = self.indices[first_dep + np.arange(reader.size)]
-        occurrences = np.sort(nodes * m + np.arange(m))
-        at = np.searchsorted(occurrences, value * m + reader, side="left") - 1
-        ok = at >= 0
-        ok[ok] = occurrences[at[ok]] // m == value[ok]
-        inst = np.where(ok, occurrences[np.maximum(at, 0)] % m, -1)
-        return reader, value, inst
+        """``_reads`` of the order ``nodes``."""
+        return _reads(self.graph, nodes)
 
     def best_move(self, stages: np.ndarray, nodes: np.ndarray, mem: np.ndarray, deadline: float):
         """The move with the least added compute per byte of peak saved: (stages, nodes,
