@@ -476,6 +476,33 @@ def test_a_rescue_searches_only_past_a_relaxation_above_the_bound_in_hand(monkey
     assert searches == [] and r.status is SolveStatus.FEASIBLE
 
 
+def test_no_rescue_where_the_model_rounds_sizes_up(monkeypatch) -> None:
+    """A graph whose sizes are not whole model units gets no rescue: the relaxation of its
+    rounded-up model bounds nothing, so the rescue could not search. The same graph with
+    exact units is rescued at the same budget, and both plan as well."""
+    import remat.solvers.milp as milp_module
+    from remat.solvers.milp_model import units_are_exact
+    from remat.solvers.prepared import clear
+
+    rescues = []
+    real_exact = milp_module._exact
+    monkeypatch.setattr(milp_module, "_exact", lambda *args: rescues.append(args[8]) or real_exact(*args))
+    unit = 2**18  # sizes up to 8 units of this: past MAX_SIZE_UNITS once their gcd is 1 byte
+    exact = random_training_graph(35, seed=1, bytes_unit=unit)  # 71 nodes: a rescue
+    nodes = list(exact.nodes)
+    i = next(k for k, node in enumerate(nodes) if node.out_bytes and k not in exact.output_set)
+    nodes[i] = dataclasses.replace(nodes[i], out_bytes=nodes[i].out_bytes + 1)
+    rounded = Graph(nodes=tuple(nodes), fixed_bytes=exact.fixed_bytes, outputs=exact.outputs, name="rounded")
+    assert units_are_exact(exact) and not units_are_exact(rounded)
+    results = []
+    for g in (exact, rounded):
+        clear()
+        rescues.clear()
+        results.append(solve(g, 90 * unit + 1, method="milp", time_limit_s=30))
+        assert len(rescues) == (1 if g is exact else 0) and results[-1].gap > 0.01
+    assert results[0].cost == results[1].cost
+
+
 def test_exact_schedule_alone_finds_the_known_optima_and_says_none_below_them(caplog):
     # twelve unit nodes: the exact model's optimum is 31 at a budget of 8 (test_chain's table)
     g = chain_graph(12, bytes_per_node=1)

@@ -53,7 +53,7 @@ from remat.solvers.milp_backends import (
     backend_available,
     run_backend,
 )
-from remat.solvers.milp_model import MilpModel, ModelObjective, build_model
+from remat.solvers.milp_model import MilpModel, ModelObjective, build_model, units_are_exact
 from remat.solvers.milp_start import (
     BASELINE_METHODS,
     Candidate,
@@ -92,7 +92,10 @@ EXACT_RESCUE_GAP = 0.01
 #: floors of chains, where its relaxation alone meets the optimum (chain(60): 1891 in about a
 #: second, where the instant bound says 565). Elsewhere its relaxation is below the instant
 #: bound (U-Net b32 at 40%: 1.045x against 1.177x, 4.4 s) and a search used up the whole time
-#: limit for nothing.
+#: limit for nothing. A graph whose sizes are not whole model units (gigabyte activations,
+#: sizes rounded up) gets no rescue: its relaxation bounds nothing, so the rescue could not
+#: search and would offer only the rounded relaxation's plans, for the relaxation's seconds
+#: (U-Net b32 at 40%: 2 s of a 7 s budget for no plan).
 EXACT_RESCUE_MAX_S = 2.5
 
 #: The least time handed to a solver after earlier steps used up the rest of the limit.
@@ -268,8 +271,8 @@ def milp(
     timed_out = time.perf_counter() >= deadline - 1e-3
     lower = bound.value
     stats = SolverStats(backend="highs", n_variables=prep.retention.n_cols)
-    if exact and graph.n > EXACT_ALWAYS_NODES and best is not None:  # a rescue
-        exact = best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP))
+    if exact and graph.n > EXACT_ALWAYS_NODES and best is not None:  # a rescue (see EXACT_RESCUE_MAX_S)
+        exact = best.cost > bound.value * (1 + max(mip_gap, EXACT_RESCUE_GAP)) and units_are_exact(graph)
     if exact and (best is None or best.cost > target) and not timed_out:
         until, beat = deadline, None
         if graph.n > EXACT_ALWAYS_NODES and best is not None:  # a rescue: see EXACT_RESCUE_MAX_S

@@ -214,6 +214,14 @@ def bytes_unit_of(graph: Graph) -> int:
     return unit
 
 
+def units_are_exact(graph: Graph, unit: int | None = None) -> bool:
+    """Whether every size of ``graph`` is a whole number of its model's memory units
+    (``bytes_unit_of``): then the model counts memory exactly and its relaxation bounds the
+    graph's plans; otherwise sizes round up and it bounds nothing."""
+    unit = bytes_unit_of(graph) if unit is None else unit
+    return all(b % unit == 0 for node in graph.nodes for b in (node.out_bytes, node.temp_bytes, node.kept_bytes))
+
+
 def _units(nbytes: int, unit: int) -> int:
     return -(-int(nbytes) // unit)
 
@@ -347,7 +355,7 @@ def build_model(
     size = [_units(b, unit) for b in graph.out_bytes]
     temp = [_units(node.temp_bytes, unit) for node in graph.nodes]
     kept = [_units(node.kept_bytes, unit) for node in graph.nodes]
-    exact_units = all(b % unit == 0 for node in graph.nodes for b in (node.out_bytes, node.temp_bytes, node.kept_bytes))
+    exact_units = units_are_exact(graph, unit)
     cost = graph.costs
     pos_r, pos_s = _possible(graph)
     b = _Builder()
