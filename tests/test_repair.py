@@ -88,7 +88,11 @@ def test_a_move_measured_from_the_order_s_frees_is_what_measuring_the_new_order_
     search = _Search(graph)
     reader, _value, inst = search.reads(nodes)
     m = nodes.size
-    order = _Inserting(search, stages, nodes, reader, inst, np.sort(nodes * m + np.arange(m)).tolist())
+    last_read = np.arange(m)
+    np.maximum.at(last_read, inst[inst >= 0], reader[inst >= 0])
+    occurrences = np.sort(nodes * m + np.arange(m))
+    order = _Inserting(search, stages, nodes, reader, inst, last_read, occurrences, occurrences.tolist())
+    np.testing.assert_array_equal(order.free, order_frees(graph, nodes))
     for _ in range(8):
         q = data.draw(st.integers(0, m - 1), label="position")
         lo, hi = int(np.searchsorted(stages, stages[q])), int(np.searchsorted(stages, stages[q], side="right"))

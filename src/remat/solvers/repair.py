@@ -433,7 +433,8 @@ class _Search:
         after = (reader > p) & (inst >= 0)
         next_read = np.full(m, m, dtype=np.int64)
         np.minimum.at(next_read, inst[after], reader[after])
-        occurrences = np.sort(nodes * m + np.arange(m)).tolist()
+        sorted_occurrences = np.sort(nodes * m + np.arange(m))
+        occurrences = sorted_occurrences.tolist()
         last_read_list = last_read.tolist()
         # where the stage of each held value's next read begins and ends in the order
         qs = next_read[held]
@@ -454,7 +455,7 @@ class _Search:
         count = at_peak.size
         # an order sorted by (stage, node), as every order after a move is, takes a move's
         # values at known positions: its memory is then found from the order's own frees
-        order = (_Inserting(self, stages, nodes, reader, inst, occurrences)
+        order = (_Inserting(self, stages, nodes, reader, inst, last_read, sorted_occurrences, occurrences)
                  if _sorted_by_stage_and_node(stages, nodes) and not (inst < 0).any() else None)
         while heap:
             least_ratio, k, added = heapq.heappop(heap)
@@ -553,22 +554,26 @@ class _Inserting:
     compares the two on random moves)."""
 
     def __init__(self, search: _Search, stages: np.ndarray, nodes: np.ndarray, reader: np.ndarray, inst: np.ndarray,
-                 occurrences: list[int]) -> None:
+                 last_read: np.ndarray, sorted_occurrences: np.ndarray, occurrences: list[int]) -> None:
+        """``reader``, ``inst``: the order's reads (``_reads``, every one of an instance);
+        ``last_read``: each instance's last read (its own position if none);
+        ``occurrences``: ``node * m + position`` of every position, sorted (also as a list)."""
         self.search = search
         self.graph = graph = search.graph
         self.stages, self.nodes = stages, nodes
         self.m = m = nodes.size
+        self.reader, self.inst = reader, inst
         self.occurrences = occurrences
         self.sizes, self.kept, self.temp, _ = graph.node_arrays
-        self.free = order_frees(graph, nodes)
-        first = np.zeros(m, dtype=bool)
-        first[np.unique(nodes, return_index=True)[1]] = True
-        self.first = first
-        # the readers of each instance, in order of position
-        seen = inst >= 0
-        by_inst = np.argsort(inst[seen], kind="stable")
-        self.readers = reader[seen][by_inst]
-        self.reader_ptr = np.searchsorted(inst[seen][by_inst], np.arange(m + 1), side="left")
+        # the frees (``order_frees``): the last read, or never for an output's last instance
+        of_node = sorted_occurrences // m
+        starts = np.concatenate(([True], of_node[1:] != of_node[:-1]))
+        ends = np.concatenate((starts[1:], [True]))
+        self.free = last_read.copy()
+        last_of_output = sorted_occurrences[ends & np.isin(of_node, list(graph.outputs))] % m
+        self.free[last_of_output] = -1
+        self.first = np.zeros(m, dtype=bool)
+        self.first[sorted_occurrences[starts] % m] = True
         self.outputs = graph.output_set
         self.deps = search._deps_list
 
@@ -600,7 +605,7 @@ class _Inserting:
             previous = self._latest_before(a, slots[j])
             if previous < 0 or free[previous] < 0 or a in self.outputs:  # (not a move's values)
                 return self.search._inserted(self.stages, nodes, added, int(self.stages[lo]))
-            readers = self.readers[self.reader_ptr[previous]:self.reader_ptr[previous + 1]]
+            readers = self.reader[self.inst == previous]  # (in order of position)
             cut = int(np.searchsorted(readers, slots[j], side="left"))
             new_free[previous] = new_position(int(readers[cut - 1])) if cut else new_position(previous)
             last = new_position(int(readers[-1])) if cut < readers.size else here
