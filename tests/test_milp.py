@@ -476,6 +476,34 @@ def test_a_rescue_searches_only_past_a_relaxation_above_the_bound_in_hand(monkey
     assert searches == [] and r.status is SolveStatus.FEASIBLE
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 14), seed=st.integers(0, 10_000), shuffle=st.booleans())
+def test_a_candidate_given_as_an_order_is_the_order_its_schedule_runs(n, seed, shuffle) -> None:
+    """``Candidate.as_plan`` of a plan given as a compute order is the order its schedule runs
+    (stage by stage, in id order), whether it keeps the order (in that order already) or
+    builds the schedule (not in that order: the stages' computations shuffled)."""
+    from remat.schedule import stage_order
+    from remat.solvers.baselines import BaselinePlan, measure_order
+    from remat.solvers.milp_start import Candidate
+    from remat.solvers.repair import lower_peak
+
+    g = random_training_graph(n, seed=seed)
+    start = measure_order(g, range(g.n), range(g.n), "checkpoint-all")
+    plan = lower_peak(g, start, budget_bytes=start.peak_bytes * 2 // 3)
+    stages, nodes = np.asarray(plan.stages), np.asarray(plan.nodes)
+    if shuffle:  # each stage's recomputations in reverse id order (its own node stays last)
+        by = np.lexsort((np.where(nodes == stages, 1, 0), -nodes, stages))
+        stages, nodes = stages[by], nodes[by]
+    given_plan = BaselinePlan("lowered", stages, nodes, plan.peak_bytes, plan.cost)
+    candidate = Candidate.of_plan("lowered", g, given_plan)
+    runs = stage_order(candidate.schedule.R)
+    mine = candidate.as_plan(g)
+    assert (candidate.order is not None) == bool(np.array_equal(stages, runs[0]) and np.array_equal(nodes, runs[1]))
+    np.testing.assert_array_equal(mine.stages, runs[0])
+    np.testing.assert_array_equal(mine.nodes, runs[1])
+    assert (mine.label, mine.peak_bytes, mine.cost) == ("lowered", plan.peak_bytes, plan.cost)
+
+
 def test_no_rescue_where_the_model_rounds_sizes_up(monkeypatch) -> None:
     """A graph whose sizes are not whole model units gets no rescue: the relaxation of its
     rounded-up model bounds nothing, so the rescue could not search. The same graph with

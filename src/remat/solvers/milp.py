@@ -37,7 +37,7 @@ import numpy as np
 
 from remat.errors import InfeasibleBudgetError, RematError, SolverError
 from remat.graph import Graph
-from remat.schedule import Schedule
+from remat.schedule import Schedule, plan_from_order
 from remat.simulate import simulate
 from remat.solvers import lp_round
 from remat.solvers.base import SolveResult, SolverStats, SolveStatus, finish, register, relative_gap
@@ -348,15 +348,18 @@ def _retention(graph: Graph, budget_bytes: int, bound: CostBound, target: float,
 def _retention_candidate(graph: Graph, solution: RetentionSolution) -> Candidate:
     structure = prepared(graph).retention
     order = solution.order(structure)
-    schedule = Schedule.from_order(graph, [s for s, _ in order], [v for _, v in order])
-    sim = simulate(graph, schedule.lower(graph))
+    # (its computations as the schedule of the order runs them: stage by stage, in id order)
+    pairs = np.unique(np.asarray([s * graph.n + v for s, v in order if v <= s], dtype=np.int64))
+    stages, nodes = pairs // graph.n, pairs % graph.n
+    sim = simulate(graph, plan_from_order(graph, nodes.tolist()))
     if not sim.ok or sim.peak_bytes > solution.model_peak_bytes:
         # the model counts memory conservatively: a plan above it is a bug, never a plan to run
         raise SolverError(
             f"the retention model's plan for graph {graph.name!r} simulates to a peak of {sim.peak_bytes} B over "
             f"the model's {solution.model_peak_bytes} B ({len(sim.violations)} violations); please report this"
         )
-    return Candidate.known("retention", schedule, sim.peak_bytes, sim.total_cost)
+    plan = BaselinePlan("retention", stages.astype(np.int32), nodes.astype(np.int32), sim.peak_bytes, sim.total_cost)
+    return Candidate.of_plan("retention", graph, plan)
 
 
 def _repair(graph: Graph, budget_bytes: int, time_limit_s: float) -> Candidate | None:

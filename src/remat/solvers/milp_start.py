@@ -44,6 +44,9 @@ class Candidate:
     peak_bytes: int
     cost: float
     make_schedule: Callable[[], Schedule]
+    #: the plan as a measured compute order, run stage by stage in id order (None when the
+    #: candidate was given as a schedule): ``as_plan`` then needs no n x n matrix
+    order: BaselinePlan | None = None
 
     @cached_property
     def schedule(self) -> Schedule:
@@ -57,10 +60,15 @@ class Candidate:
     @classmethod
     def of_plan(cls, name: str, graph: Graph, plan: BaselinePlan) -> Candidate:
         """A measured plan as a candidate (its schedule built when asked for)."""
-        return cls(name, plan.peak_bytes, plan.cost, functools.partial(plan.schedule, graph))
+        canonical = _in_stage_order(plan)
+        return cls(name, plan.peak_bytes, plan.cost, functools.partial(plan.schedule, graph),
+                   plan if canonical else None)
 
     def as_plan(self, graph: Graph) -> BaselinePlan:
-        """The candidate as a measured compute order (what lowering and pruning work on)."""
+        """The candidate as a measured compute order (what lowering and pruning work on): its
+        schedule's computations stage by stage, each stage in id order."""
+        if self.order is not None:
+            return BaselinePlan(self.name, self.order.stages, self.order.nodes, self.order.peak_bytes, self.order.cost)
         stages, nodes = stage_order(self.schedule.R)
         return measure_order(graph, stages, nodes, self.name)
 
@@ -68,6 +76,15 @@ class Candidate:
         """The same plan kept as its compute order, measured (not as n x n matrices): what a
         graph's cache can hold many of."""
         return Candidate.of_plan(self.name, graph, self.as_plan(graph))
+
+
+def _in_stage_order(plan: BaselinePlan) -> bool:
+    """Whether ``plan``'s computations are what its schedule's ``stage_order`` gives: (stage,
+    node) pairs strictly increasing, none computing a node after its stage."""
+    stages, nodes = np.asarray(plan.stages, dtype=np.int64), np.asarray(plan.nodes, dtype=np.int64)
+    if np.any(nodes > stages):
+        return False
+    return bool(np.all((stages[1:] > stages[:-1]) | ((stages[1:] == stages[:-1]) & (nodes[1:] > nodes[:-1]))))
 
 
 def best_fitting(candidates: Iterable[Candidate], budget_bytes: int) -> Candidate | None:
