@@ -11,17 +11,14 @@ from hypothesis import strategies as st
 from remat import InfeasibleBudgetError
 from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.graph import NodeKind
-from remat.schedule import order_memory, order_peak_and_cost
+from remat.schedule import order_frees, order_memory, order_peak_and_cost
 from remat.simulate import simulate
 from remat.solvers import solve
-from remat.solvers.baselines import chen_plan, plans_of
+from remat.solvers.baselines import chen_plan, in_stage_order, measure_order, plans_of
 from remat.solvers.milp import minimum_budget
 from remat.solvers.milp_start import baseline_candidates, best_fitting
 from remat.solvers.prepared import clear
-from remat.solvers.baselines import measure_order
-from remat.schedule import order_frees
-from remat.solvers.repair import (GONE, _Dropping, _Inserting, _Search, _sorted_by_stage_and_node, descend, lower_peak,
-                                  prune, reshuffle)
+from remat.solvers.repair import GONE, _Dropping, _Inserting, _Search, descend, lower_peak, prune, reshuffle
 from reference import min_budget, transformer_like
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -84,7 +81,7 @@ def test_a_move_measured_from_the_order_s_frees_is_what_measuring_the_new_order_
     stages, nodes = np.asarray(lowered.stages, dtype=np.int64), np.asarray(lowered.nodes, dtype=np.int64)
     by_stage = np.lexsort((nodes, stages))
     stages, nodes = stages[by_stage], nodes[by_stage]
-    assert _sorted_by_stage_and_node(stages, nodes)
+    assert in_stage_order(stages, nodes)
     search = _Search(graph)
     reader, _value, inst = search.reads(nodes)
     m = nodes.size

@@ -75,6 +75,13 @@ def measure_order(graph: Graph, stages: Sequence[int], nodes: Sequence[int], lab
     return BaselinePlan(label, np.asarray(stages, dtype=np.int32), np.asarray(nodes, dtype=np.int32), peak, cost)
 
 
+def in_stage_order(stages: np.ndarray, nodes: np.ndarray) -> bool:
+    """Whether the computations ``nodes[k]`` in stages ``stages[k]`` run stage by stage, each
+    stage in id order, none twice: their (stage, node) pairs strictly increase."""
+    stages, nodes = np.asarray(stages), np.asarray(nodes)
+    return bool(np.all((stages[1:] > stages[:-1]) | ((stages[1:] == stages[:-1]) & (nodes[1:] > nodes[:-1]))))
+
+
 def measure_by_stage(graph: Graph, stages: Sequence[int], nodes: Sequence[int], label: str) -> BaselinePlan:
     """Measure the plan computing ``nodes[k]`` in stage ``stages[k]``, listed in any order: each
     stage runs its recomputations in id order, then its own node (the stage's id is its largest)."""

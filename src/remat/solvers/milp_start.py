@@ -20,7 +20,7 @@ from remat.errors import RematError, UnsupportedGraphError
 from remat.graph import Graph
 from remat.schedule import Schedule, stage_order
 from remat.solvers.base import methods as registered_methods
-from remat.solvers.baselines import BaselinePlan, measure_order, plans_of
+from remat.solvers.baselines import BaselinePlan, in_stage_order, measure_order, plans_of
 
 log = logging.getLogger("remat.solve")
 
@@ -82,9 +82,7 @@ def _in_stage_order(plan: BaselinePlan) -> bool:
     """Whether ``plan``'s computations are what its schedule's ``stage_order`` gives: (stage,
     node) pairs strictly increasing, none computing a node after its stage."""
     stages, nodes = np.asarray(plan.stages, dtype=np.int64), np.asarray(plan.nodes, dtype=np.int64)
-    if np.any(nodes > stages):
-        return False
-    return bool(np.all((stages[1:] > stages[:-1]) | ((stages[1:] == stages[:-1]) & (nodes[1:] > nodes[:-1]))))
+    return not np.any(nodes > stages) and in_stage_order(stages, nodes)
 
 
 def best_fitting(candidates: Iterable[Candidate], budget_bytes: int) -> Candidate | None:

@@ -14,8 +14,9 @@ Moves are measured as ``order_memory`` measures an order (the simulator's count,
 building the plan), so a move that lengthens an input's life past the peak, or makes a new
 peak elsewhere, simply does not help. On an order sorted by stage and node (every order after
 the first move) a move's memory is counted from the old order's frees, changed only where the
-move changes them (``_Inserting``), instead of measuring the new order from scratch. The plans it returns are ordinary compute orders, replayed by ``simulate`` like
-every other plan before they are used.
+move changes them (``_Inserting``), instead of measuring the new order from scratch. The
+plans it returns are ordinary compute orders, replayed by ``simulate`` like every other plan
+before they are used.
 
 >>> import numpy as np
 >>> from remat.builders import chain_graph
@@ -41,7 +42,8 @@ from remat.errors import SolverError
 from remat.graph import Graph, NodeKind
 from remat.schedule import order_frees, order_memory, order_peak_and_cost
 from remat.solvers.base import SolveResult, register
-from remat.solvers.baselines import BaselinePlan, chen_plan, considers, measure_order, pick_cheapest, remembered
+from remat.solvers.baselines import (BaselinePlan, chen_plan, considers, in_stage_order, measure_order, pick_cheapest,
+                                     remembered)
 
 #: Values considered per move: those held across the peak, largest first; they are measured
 #: in order of their least possible compute per byte saved, until none can beat the best.
@@ -456,7 +458,7 @@ class _Search:
         # an order sorted by (stage, node), as every order after a move is, takes a move's
         # values at known positions: its memory is then found from the order's own frees
         order = (_Inserting(self, stages, nodes, reader, inst, last_read, sorted_occurrences, occurrences)
-                 if _sorted_by_stage_and_node(stages, nodes) and not (inst < 0).any() else None)
+                 if in_stage_order(stages, nodes) and not (inst < 0).any() else None)
         while heap:
             least_ratio, k, added = heapq.heappop(heap)
             if time.perf_counter() > deadline or (best is not None and least_ratio >= best[0][0]):
@@ -534,13 +536,6 @@ class _Search:
                 seen.add(u)
                 todo.append(u)
         return sorted(added)
-
-
-def _sorted_by_stage_and_node(stages: np.ndarray, nodes: np.ndarray) -> bool:
-    """Whether the order's (stage, node) pairs strictly increase."""
-    if stages.size < 2:
-        return True
-    return bool(np.all((stages[1:] > stages[:-1]) | ((stages[1:] == stages[:-1]) & (nodes[1:] > nodes[:-1]))))
 
 
 class _Inserting:
