@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from remat import InfeasibleBudgetError
 from remat.builders import chain_graph, random_training_graph, unet_graph
 from remat.graph import NodeKind
-from remat.schedule import order_frees, order_memory, order_peak_and_cost
+from remat.schedule import order_frees, order_memory, order_peak_and_cost, order_reads
 from remat.simulate import simulate
 from remat.solvers import solve
 from remat.solvers.baselines import chen_plan, in_stage_order, measure_order, plans_of
@@ -381,3 +381,28 @@ def test_milp_reshuffles_a_plan_far_from_the_bound_with_time_left(monkeypatch):
         clear()
         milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=time_limit)
         assert not calls
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_the_reads_of_an_order_are_each_readers_latest_instance(data) -> None:
+    """``order_reads``: every read of an order, with the position of the latest computation of
+    the value before its reader (-1 if none), as a loop over the order finds them; the frees
+    built from them are ``order_frees``'s own."""
+    graph = random_training_graph(data.draw(st.integers(2, 8), label="forward"), data.draw(st.integers(0, 999)))
+    length = data.draw(st.integers(1, 3 * graph.n), label="length")
+    nodes = np.asarray(data.draw(st.lists(st.integers(0, graph.n - 1), min_size=length, max_size=length)),
+                       dtype=np.int64)
+    reader, value, inst = order_reads(graph, nodes)
+    expected, latest = [], {}
+    for k, v in enumerate(nodes.tolist()):
+        expected += [(k, d, latest.get(d, -1)) for d in graph.nodes[v].deps]
+        latest[v] = k
+    assert list(zip(reader.tolist(), value.tolist(), inst.tolist())) == expected
+    np.testing.assert_array_equal(order_frees(graph, nodes, (reader, value, inst)), order_frees(graph, nodes))
+
+
+def test_an_order_computing_a_node_after_its_stage_is_not_in_stage_order() -> None:
+    assert in_stage_order(np.array([0, 2, 2]), np.array([0, 1, 2]))
+    assert not in_stage_order(np.array([0, 2, 2]), np.array([0, 2, 1]))  # (not in id order)
+    assert not in_stage_order(np.array([0, 1, 2]), np.array([0, 2, 2]))  # node 2 in stage 1

@@ -175,27 +175,38 @@ def order_memory(graph: Graph, order: np.ndarray) -> np.ndarray:
     return after + temp[order]
 
 
-def order_frees(graph: Graph, order: np.ndarray) -> np.ndarray:
-    """``_free_positions`` with numpy: for each position, the position of the last read of the
-    instance computed there before its node is computed again (its own position if never
-    read), -1 for the last instance of an output."""
+def order_reads(graph: Graph, order: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every read of the compute order ``order``, by reader: the reader's position, the value
+    read and the position of the instance it reads (the value's latest computation before the
+    reader; -1 where it has none)."""
     m = order.size
     indptr, indices = graph.deps_csr
     counts = indptr[order + 1] - indptr[order]
     reader = np.repeat(np.arange(m), counts)
     first_dep = np.repeat(indptr[order] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
-    deps = indices[first_dep + np.arange(reader.size)]
-    # the instance a read sees: the dep's latest computation before the reader
+    value = indices[first_dep + np.arange(reader.size)]
     occurrences = np.sort(order * m + np.arange(m))
-    at = np.searchsorted(occurrences, deps * m + reader, side="left") - 1
+    at = np.searchsorted(occurrences, value * m + reader, side="left") - 1
     seen = at >= 0
-    seen[seen] = occurrences[at[seen]] // m == deps[seen]
-    free_at = np.arange(m)
-    np.maximum.at(free_at, occurrences[at[seen]] % m, reader[seen])
+    seen[seen] = occurrences[at[seen]] // m == value[seen]
+    instance = np.where(seen, occurrences[np.maximum(at, 0)] % m, -1)
+    return reader, value, instance
+
+
+def order_frees(graph: Graph, order: np.ndarray,
+                reads: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """``_free_positions`` with numpy: for each position, the position of the last read of the
+    instance computed there before its node is computed again (its own position if never
+    read), -1 for the last instance of an output. ``reads``: ``order_reads(graph, order)``,
+    if the caller has it."""
+    reader, _value, instance = order_reads(graph, order) if reads is None else reads
+    free_at = np.arange(order.size)
+    seen = instance >= 0
+    np.maximum.at(free_at, instance[seen], reader[seen])
     outputs = np.asarray(graph.outputs, dtype=np.int64)
     if outputs.size:  # the last instance of an output lives to the end
         last = np.full(graph.n, -1, dtype=np.int64)
-        last[order] = np.arange(m)  # later positions overwrite earlier ones
+        last[order] = np.arange(order.size)  # later positions overwrite earlier ones
         last_out = last[outputs]
         free_at[last_out[last_out >= 0]] = -1
     return free_at

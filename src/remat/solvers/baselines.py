@@ -76,10 +76,12 @@ def measure_order(graph: Graph, stages: Sequence[int], nodes: Sequence[int], lab
 
 
 def in_stage_order(stages: np.ndarray, nodes: np.ndarray) -> bool:
-    """Whether the computations ``nodes[k]`` in stages ``stages[k]`` run stage by stage, each
-    stage in id order, none twice: their (stage, node) pairs strictly increase."""
+    """Whether the computations ``nodes[k]`` in stages ``stages[k]`` are what a schedule's
+    ``stage_order`` gives: stage by stage, each stage in id order, none twice (their (stage,
+    node) pairs strictly increase) and none after its stage."""
     stages, nodes = np.asarray(stages), np.asarray(nodes)
-    return bool(np.all((stages[1:] > stages[:-1]) | ((stages[1:] == stages[:-1]) & (nodes[1:] > nodes[:-1]))))
+    return bool(not np.any(nodes > stages)
+                and np.all((stages[1:] > stages[:-1]) | ((stages[1:] == stages[:-1]) & (nodes[1:] > nodes[:-1]))))
 
 
 def measure_by_stage(graph: Graph, stages: Sequence[int], nodes: Sequence[int], label: str) -> BaselinePlan:

@@ -60,7 +60,7 @@ class Candidate:
     @classmethod
     def of_plan(cls, name: str, graph: Graph, plan: BaselinePlan) -> Candidate:
         """A measured plan as a candidate (its schedule built when asked for)."""
-        canonical = _in_stage_order(plan)
+        canonical = in_stage_order(plan.stages, plan.nodes)
         return cls(name, plan.peak_bytes, plan.cost, functools.partial(plan.schedule, graph),
                    plan if canonical else None)
 
@@ -76,13 +76,6 @@ class Candidate:
         """The same plan kept as its compute order, measured (not as n x n matrices): what a
         graph's cache can hold many of."""
         return Candidate.of_plan(self.name, graph, self.as_plan(graph))
-
-
-def _in_stage_order(plan: BaselinePlan) -> bool:
-    """Whether ``plan``'s computations are what its schedule's ``stage_order`` gives: (stage,
-    node) pairs strictly increasing, none computing a node after its stage."""
-    stages, nodes = np.asarray(plan.stages, dtype=np.int64), np.asarray(plan.nodes, dtype=np.int64)
-    return not np.any(nodes > stages) and in_stage_order(stages, nodes)
 
 
 def best_fitting(candidates: Iterable[Candidate], budget_bytes: int) -> Candidate | None:

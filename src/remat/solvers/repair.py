@@ -40,7 +40,7 @@ import numpy as np
 
 from remat.errors import SolverError
 from remat.graph import Graph, NodeKind
-from remat.schedule import order_frees, order_memory, order_peak_and_cost
+from remat.schedule import order_frees, order_memory, order_peak_and_cost, order_reads
 from remat.solvers.base import SolveResult, register
 from remat.solvers.baselines import (BaselinePlan, chen_plan, considers, in_stage_order, measure_order, pick_cheapest,
                                      remembered)
@@ -135,7 +135,8 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
     dropped = 0
     while time.perf_counter() < deadline:
         m = nodes.size
-        free = order_frees(graph, nodes)  # last read of the instance computed at each position
+        reads = order_reads(graph, nodes)
+        free = order_frees(graph, nodes, reads)  # last read of the instance computed at each position
         by_node = np.lexsort((np.arange(m), nodes))
         prev = np.full(m, -1, dtype=np.int64)  # the same node's previous instance
         same = nodes[by_node[1:]] == nodes[by_node[:-1]]
@@ -144,7 +145,7 @@ def prune(graph: Graph, plan: BaselinePlan, *, budget_bytes: int, time_limit_s: 
         tries = tries[np.argsort(-costs[nodes[tries]], kind="stable")]
         keep = np.ones(m, dtype=bool)
         last_reads = _last_reads(graph, nodes, free)
-        exact = _Dropping(graph, nodes, free, mem)
+        exact = _Dropping(graph, nodes, free, mem, reads)
         for k in tries.tolist():
             if time.perf_counter() >= deadline:
                 break
@@ -256,14 +257,17 @@ class _Dropping:
     position k, whose node's previous kept instance is at j: k's readers read j, which now
     lives until k's last read; each input k read last is freed at its previous read."""
 
-    def __init__(self, graph: Graph, nodes: np.ndarray, free: np.ndarray, memory: np.ndarray) -> None:
+    def __init__(self, graph: Graph, nodes: np.ndarray, free: np.ndarray, memory: np.ndarray,
+                 reads: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """``free``, ``memory``: the order's ``order_frees`` and ``order_memory``; ``reads``: its
+        ``order_reads``, if the caller has them."""
         self.sizes = graph.node_arrays[0]
         self.nodes = nodes
         self.free = free.copy()
         self.memory = memory.astype(np.int64)  # exact: what order_memory measured
         m = nodes.size
         self.dropped = np.zeros(m, dtype=bool)
-        reader, _value, inst = _reads(graph, nodes)
+        reader, _value, inst = order_reads(graph, nodes) if reads is None else reads
         self.readers: list[list[int]] = [[] for _ in range(m)]  # per instance, its readers in order
         self.reads: list[list[int]] = [[] for _ in range(m)]  # per position, the instances it reads
         for r, i in zip(reader.tolist(), inst.tolist()):
@@ -300,23 +304,6 @@ class _Dropping:
                 free[i] = self.readers[i][-1] if self.readers[i] else i
         self.readers[k], self.reads[k] = [], []
         self.dropped[k] = True
-
-
-def _reads(graph: Graph, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every read of the order ``nodes``: reader position, value read, position of the
-    instance read (-1 when the value was never computed before)."""
-    indptr, indices = graph.deps_csr
-    m = nodes.size
-    counts = indptr[nodes + 1] - indptr[nodes]
-    reader = np.repeat(np.arange(m), counts)
-    first_dep = np.repeat(indptr[nodes] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
-    value = indices[first_dep + np.arange(reader.size)]
-    occurrences = np.sort(nodes * m + np.arange(m))
-    at = np.searchsorted(occurrences, value * m + reader, side="left") - 1
-    ok = at >= 0
-    ok[ok] = occurrences[at[ok]] // m == value[ok]
-    inst = np.where(ok, occurrences[np.maximum(at, 0)] % m, -1)
-    return reader, value, inst
 
 
 def _last_reads(graph: Graph, nodes: np.ndarray, free: np.ndarray, keep: np.ndarray | None = None) -> dict[int, list[int]]:
@@ -409,8 +396,8 @@ class _Search:
         self._sized_list = (self.sizes > 0).tolist()
 
     def reads(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``_reads`` of the order ``nodes``."""
-        return _reads(self.graph, nodes)
+        """``order_reads`` of the order ``nodes``."""
+        return order_reads(self.graph, nodes)
 
     def best_move(self, stages: np.ndarray, nodes: np.ndarray, mem: np.ndarray, deadline: float):
         """The move with the least added compute per byte of peak saved: (stages, nodes,
@@ -550,7 +537,7 @@ class _Inserting:
 
     def __init__(self, search: _Search, stages: np.ndarray, nodes: np.ndarray, reader: np.ndarray, inst: np.ndarray,
                  last_read: np.ndarray, sorted_occurrences: np.ndarray, occurrences: list[int]) -> None:
-        """``reader``, ``inst``: the order's reads (``_reads``, every one of an instance);
+        """``reader``, ``inst``: the order's reads (``order_reads``, every one of an instance);
         ``last_read``: each instance's last read (its own position if none);
         ``occurrences``: ``node * m + position`` of every position, sorted (also as a list)."""
         self.search = search
