@@ -52,8 +52,8 @@ log = logging.getLogger("remat.solve")
 #: Candidate recomputation stages of a value, besides its first backward reader: at most this
 #: many block boundaries of the backward pass before that reader.
 WINDOW = 8
-#: Memory rows added per round, the most overfilled stages first.
-ROWS_PER_ROUND = 5
+#: Memory rows added per round (``_overfilled``).
+ROWS_PER_ROUND = 12
 #: Rounds of adding memory rows before giving up (each round solves the model again).
 MAX_ROUNDS = 30
 #: How far a binary may sit from 0 or 1 and still be read as one.
@@ -644,10 +644,14 @@ def _overfilled(structure: RetentionStructure, x: np.ndarray, budget_bytes: int,
     worst = np.flatnonzero(over > max(1e-6 * cap, 0.5))
     if not worst.size:
         return []
-    worst = worst[np.argsort(-over[worst], kind="stable")]
-    # one row per neighbourhood: stages next to each other overfill together
+    # overfilled stages come in runs (a stretch of the backward pass holding the same values):
+    # the most overfilled stage of each run first, the most overfilled runs first (a plan
+    # overfilling three stretches of ResNet50 b32's backward pass needed four MIPs when the
+    # rows all went to the worst one), then one row per neighbourhood of the rest
+    runs = np.split(worst, np.flatnonzero(np.diff(worst) > 2) + 1)
+    heads = sorted((int(r[np.argmax(over[r])]) for r in runs), key=lambda t: -over[t])
     picked: list[int] = []
-    for t in worst.tolist():
+    for t in [*heads, *worst[np.argsort(-over[worst], kind="stable")].tolist()]:
         if all(abs(t - p) > 2 for p in picked):
             picked.append(t)
         if len(picked) == ROWS_PER_ROUND:
@@ -775,14 +779,17 @@ def _solve(structure: RetentionStructure, budget_bytes: int, stages: list[int], 
            time_limit_s: float, mip_gap: float = 1e-4, start: np.ndarray | None = None,
            stop_at: float | None = None, minimize_peak: bool = False,
            fixed: np.ndarray | None = None, presolve: bool | None = None) -> _Run:
-    """Build and run the model (``_model``, ``_run``). ``presolve`` None: HiGHS' presolve
-    except for a MIP of the recomputation cost given a start, which HiGHS solved faster without
-    it in every case measured (GPT-2 of 4 and 12 layers, MobileNet b256, U-Net b32 from 80% of
-    the checkpoint-all peak to the smallest budget: 0.03-2.2 s against 0.11-2.6 s, the same
-    plans or cheaper ones but once), and with it was seen to return wrong solutions (see
-    ``_run``); the least-peak MIP is solved faster with it (ResNet50 b32: 17 s against 30 s)."""
+    """Build and run the model (``_model``, ``_run``). ``presolve`` None: HiGHS' presolve for
+    the LP, the least-peak MIP (ResNet50 b32: 17 s against 30 s without) and a MIP with columns
+    fixed (``_fixed_integral``: presolve removes them), not for a MIP of the recomputation cost.
+    Given a start, HiGHS solved that faster without presolve in every case measured (GPT-2 of 4
+    and 12 layers, MobileNet b256, U-Net b32 from 80% of the checkpoint-all peak to the
+    smallest budget: 0.03-2.2 s against 0.11-2.6 s, the same plans or cheaper ones but once),
+    and with it was seen to return wrong solutions (see ``_run``); without a start too:
+    ResNet50 b32 at 40%, whose MIPs are solved at the root, spent 0.9 s of each 1.3-1.5 s in
+    presolve (0.6-0.7 s each without it)."""
     if presolve is None:
-        presolve = relax or start is None or minimize_peak
+        presolve = relax or minimize_peak or fixed is not None
     model = _model(structure, budget_bytes, stages, relax=relax, threads=threads, mip_gap=mip_gap,
                    minimize_peak=minimize_peak, fixed=fixed, presolve=presolve)
     return _run(model, structure, budget_bytes, stages, relax=relax, threads=threads, time_limit_s=time_limit_s,
