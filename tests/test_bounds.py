@@ -585,3 +585,22 @@ def test_a_mip_cut_short_counts_only_with_a_solution_its_program_accepts(monkeyp
     monkeypatch.setattr(bounds_module, "_highs", once_wrong)
     assert bounds_module._run_program(program, relax=False, time_limit_s=5.0, threads=1) == (value, True)
     assert calls == [True, False]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(3, 9), seed=st.integers(0, 10_000), where=st.floats(0.0, 0.6))
+def test_lps_solved_two_at_a_time_are_those_solved_one_by_one(n_forward: int, seed: int, where: float) -> None:
+    """The growth's and the screen's LPs run on two threads at once: each value is what the LP
+    solved alone gives, in the order asked, and one not started before the deadline is None."""
+    graph = random_training_graph(n_forward, seed)
+    bounds = InstantBounds(graph)
+    budget = budget_between(graph, bounds.min_budget_bytes, where)
+    over = [t for t in range(graph.n) if bounds.checkpoint_all_instants[t] > budget]
+    assume(len(over) >= 3)
+    for chosen in ((), (over[0],)):
+        rest = [t for t in over if t not in chosen]
+        alone = [_solve_program(bounds.program((*chosen, t), budget), relax=True, time_limit_s=5.0, threads=1)
+                 for t in rest]
+        together = bounds._relaxed(rest, budget, time.perf_counter() + 60.0, 2, chosen)
+        assert together == pytest.approx(alone, rel=1e-9, abs=1e-9)
+        assert bounds._relaxed(rest, budget, time.perf_counter() - 1.0, 2, chosen) == [None] * len(rest)
