@@ -599,3 +599,36 @@ def test_a_misreported_exact_solution_is_solved_again_without_presolve_then_with
     assert calls == [(True, True), (True, False)] + ([(False, True)] if second_misreports else [])
     assert result.x is not None
     assert result.objective == pytest.approx(model.objective_value(result.x))
+
+
+def test_planning_leaves_the_objects_made_before_it_out_of_collections(monkeypatch) -> None:
+    """While a method plans, the objects that existed before are frozen out of the garbage
+    collector's passes, and thawed after it returns or raises; a process that froze objects
+    itself is left as it is."""
+    import gc
+
+    from remat.solvers import base
+
+    seen = []
+
+    def method(graph, budget_bytes):
+        seen.append(gc.get_freeze_count())
+        if budget_bytes == 1:
+            raise SolverError("no plan")
+        return base._REGISTRY["checkpoint_all"](graph, budget_bytes)
+
+    monkeypatch.setitem(base._REGISTRY, "watching", method)
+    graph = chain_graph(4)
+    gc.unfreeze()
+    before = len(gc.get_objects())
+    solve(graph, 2**40, method="watching")
+    with pytest.raises(SolverError):
+        solve(graph, 1, method="watching")
+    assert seen[0] >= before and seen[1] > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # the process's own freeze
+    try:
+        frozen = gc.get_freeze_count()
+        solve(graph, 2**40, method="watching")
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

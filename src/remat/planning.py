@@ -26,7 +26,7 @@ from remat.graph import Graph
 from remat.schedule import Plan
 from remat.simulate import SimResult, simulate
 from remat.solvers import SolveResult, solve
-from remat.solvers.base import SolveStatus, relative_gap
+from remat.solvers.base import SolveStatus, older_objects_frozen, relative_gap
 
 log = logging.getLogger("remat.solve")
 
@@ -88,6 +88,12 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
     """
     if max_nodes is not None and (not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1):
         raise ValueError(f"max_nodes={max_nodes!r} must be a positive int, or None (no grouping)")
+    with older_objects_frozen():  # (folding and checking the plan make garbage too)
+        return _plan_graph(graph, budget_bytes, method, reduce, max_nodes, options)
+
+
+def _plan_graph(graph: Graph, budget_bytes: int, method: str, reduce: bool, max_nodes: int | None,
+                options: dict[str, object]) -> GraphPlan:
     started = time.perf_counter()
     folded = fold_aliases(graph) if reduce else None
     coarse = folded if folded is None or max_nodes is None else group_folded(folded, max_nodes)

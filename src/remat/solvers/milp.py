@@ -40,7 +40,8 @@ from remat.graph import Graph
 from remat.schedule import Schedule, plan_from_order
 from remat.simulate import simulate
 from remat.solvers import lp_round
-from remat.solvers.base import SolveResult, SolverStats, SolveStatus, finish, register, relative_gap
+from remat.solvers.base import (SolveResult, SolverStats, SolveStatus, finish, older_objects_frozen, register,
+                                relative_gap)
 from remat.solvers.base import methods as registered_methods
 from remat.solvers.baselines import BaselinePlan, plans_of
 from remat.solvers.bounds import CostBound
@@ -61,7 +62,7 @@ from remat.solvers.milp_start import (
     best_fitting,
     without_unread,
 )
-from remat.solvers.prepared import prepared
+from remat.solvers.prepared import PreparedGraph, prepared
 from remat.solvers.repair import lower_peak, prune, reshuffle
 from remat.solvers.restart import restart_instants, restart_plan
 from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
@@ -627,6 +628,12 @@ def minimum_budget(
     prep = prepared(graph)
     if isinstance(prep.minimum, MinimumBudget):
         return prep.minimum
+    with older_objects_frozen():
+        return _minimum_budget(graph, prep, backend, time_limit_s, threads, exact_max_nodes)
+
+
+def _minimum_budget(graph: Graph, prep: PreparedGraph, backend: MilpBackend, time_limit_s: float, threads: int,
+                    exact_max_nodes: int) -> MinimumBudget:
     started = time.perf_counter()
     lower = prep.bounds.min_budget_bytes
     known = baseline_candidates(graph, lower, lowest_peak=True)
