@@ -175,10 +175,11 @@ def test_a_first_instant_with_deadlines_is_below_the_proven_optimum(n_forward: i
         assert graph.total_cost + value <= result.objective + 1e-6, (first, deadlines, "cases")
 
 
-@pytest.mark.parametrize("groups", [2, 8, 1000])
-def test_the_deadline_cases_never_exceed_the_exhaustive_optimum(groups: int, monkeypatch) -> None:
+@pytest.mark.parametrize("groups,threads", [(2, 1), (8, 1), (1000, 1), (8, 2), (1000, 2)])
+def test_the_deadline_cases_never_exceed_the_exhaustive_optimum(groups: int, threads: int, monkeypatch) -> None:
     # the deadline program split by which large value is live at the first instant (into a
     # few groups, or one value each), refined down to single values with their local deadlines
+    # (two threads: the least cases are refined two at a time)
     monkeypatch.setattr(bounds_module, "CASE_GROUPS", groups)
     # (a chain whose first layer is dear: its best plans keep that layer's value where the
     # room holds one value, so the case of the first large value binds there)
@@ -194,8 +195,12 @@ def test_the_deadline_cases_never_exceed_the_exhaustive_optimum(groups: int, mon
                     lp = _solve_program(bounds.deadline_program(first, deadlines, budget), relax=True,
                                         time_limit_s=5.0, threads=1)
                     bounds._case_trees.clear()  # (kept per budget and first instant otherwise)
-                    value = bounds._cases(budget, first, deadlines, lp, time.perf_counter() + 30.0, 1)
+                    value = bounds._cases(budget, first, deadlines, lp, time.perf_counter() + 30.0, threads)
                     assert lp - 1e-9 <= value <= extra + 1e-9, (graph.name, first, deadlines, budget)
+                    if threads > 1:  # the same value as refined one case at a time
+                        bounds._case_trees.clear()
+                        alone = bounds._cases(budget, first, deadlines, lp, time.perf_counter() + 30.0, 1)
+                        assert value == pytest.approx(alone, rel=1e-9, abs=1e-9)
                     split += bounds._big(first, budget, np.flatnonzero(bounds.decided(first))).size > 1
     assert split  # the cases were tried somewhere
 

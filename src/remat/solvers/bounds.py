@@ -816,10 +816,10 @@ class InstantBounds:
         # LP with all its local deadlines
         columns = np.searchsorted(ids, big)  # x0 of ``big`` (x0 comes first in the program)
 
-        def solved(p: _Program, members: np.ndarray) -> tuple[float, bool]:  # no other large value live
-            upper = p.col_upper.copy()
+        def solved(p: _Program, members: np.ndarray, on: int = threads) -> tuple[float, bool]:
+            upper = p.col_upper.copy()  # no other large value live
             upper[np.delete(columns, members)] = 0.0
-            return _run_program(replace(p, col_upper=upper), relax=True, threads=threads, presolve=True,
+            return _run_program(replace(p, col_upper=upper), relax=True, threads=on, presolve=True,
                                 time_limit_s=max(deadline - time.perf_counter(), 0.05))
 
         if (budget_bytes, first) in self._case_trees:
@@ -836,33 +836,61 @@ class InstantBounds:
             if len(self._case_trees) >= 64:
                 self._case_trees.clear()
             self._case_trees[budget_bytes, first] = (picks, cases)
-        while cases and time.perf_counter() < deadline:
-            case = min(cases, key=lambda c: (c[0], c[2]))
-            v, members, state = case
+
+        def job(case: list) -> tuple[str, _Program | None]:  # what refining ``case`` takes next
+            nonlocal program
+            _v, members, state = case
             small = members.size <= CASE_LOCAL
             if state == 0 and not small:
                 if program is None:
                     program = self.deadline_program(first, picks, budget_bytes)
-                p = program
-            elif (state == 1 and not small) or (state == 2 and members.size > 1):  # in two halves
-                half, child = members.size // 2, int(small)  # (halves of a small case: their own local deadlines)
+                return "lp", program
+            if (state == 1 and not small) or (state == 2 and members.size > 1):
+                return "split", None
+            if state < 2:  # deadlines where the values below and in it are read: a few, then more
+                local = self._local_deadlines(first, big, members, CASE_LOCAL_DEADLINES if state else CASE_LOCAL_FIRST)
+                if state and len(local) <= CASE_LOCAL_FIRST:  # the same deadlines as its last LP: no more to see
+                    return "done", None
+                return "lp", self.deadline_program(first, (*picks[:1], *local), budget_bytes)
+            return "stop", None  # (a case that cannot rise any more)
+
+        while cases and time.perf_counter() < deadline:
+            # the least case, and while threads are free the next least ones that need an LP
+            # (best-first, ``threads`` at a time: each LP is of one case, and every case's
+            # value stays a bound whichever is refined first)
+            ordered = sorted(cases, key=lambda c: (c[0], c[2]))
+            case = ordered[0]
+            kind, p = job(case)
+            if kind == "split":  # in two halves (halves of a small case: their own local deadlines)
+                v, members, state = case
+                half, child = members.size // 2, int(members.size <= CASE_LOCAL)
                 # (by identity: ``remove`` compares with ``==``, which on two cases of the same
                 # value compares their member arrays and raised "truth value ... is ambiguous")
                 cases[:] = [c for c in cases if c is not case]
                 cases += [[v, members[:half], child], [v, members[half:], child]]
                 continue
-            elif state < 2:  # deadlines where the values below and in it are read: a few, then more
-                local = self._local_deadlines(first, big, members, CASE_LOCAL_DEADLINES if state else CASE_LOCAL_FIRST)
-                if state and len(local) <= CASE_LOCAL_FIRST:  # the same deadlines as its last LP: no more to see
-                    case[2] = 2
-                    continue
-                p = self.deadline_program(first, (*picks[:1], *local), budget_bytes)
-            else:
+            if kind == "done":
+                case[2] = 2
+                continue
+            if kind == "stop":
                 break  # the least case cannot rise any more
-            lp, ok = solved(p, members)
-            if not ok:
+            batch = [(case, p)]
+            for other in ordered[1:]:
+                if len(batch) >= threads:
+                    break
+                kind, q = job(other)
+                if kind == "lp":
+                    batch.append((other, q))
+            results = _lp_pool(threads).map(lambda item: solved(item[1], item[0][1], 1), batch) \
+                if len(batch) > 1 else [solved(p, case[1], threads)]
+            stopped = False
+            for (c, _p), (lp, ok) in zip(batch, results):
+                if ok:
+                    c[0], c[2] = max(c[0], lp), c[2] + 1
+                else:
+                    stopped = True
+            if stopped:
                 break
-            case[0], case[2] = max(v, lp), state + 1
         return min((c[0] for c in cases), default=value)
 
     def _first_cases(self, first: int, budget_bytes: int, big: np.ndarray, value: float) -> list[list]:
