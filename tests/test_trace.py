@@ -862,3 +862,15 @@ def test_a_distributions_argument_check_is_refused_with_the_switch_named():
         remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
     finally:
         torch.distributions.Distribution.set_default_validate_args(before)
+
+
+def test_tracing_leaves_the_objects_made_before_it_out_of_collections(monkeypatch) -> None:
+    import gc
+    import importlib
+
+    trace_module = importlib.import_module("remat.trace")  # (``remat.trace`` is also the function)
+    seen = []
+    monkeypatch.setattr(trace_module, "_trace", lambda *args: seen.append(gc.get_freeze_count()) or "traced")
+    gc.unfreeze()
+    assert trace_module.trace(torch.nn.Linear(2, 2), (torch.ones(1, 2),), lambda m, x: m(x).sum()) == "traced"
+    assert seen[0] > 0 and gc.get_freeze_count() == 0

@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass
 
 from remat.coarsen import Coarsening, fold_aliases, group_folded
+from remat.collector import older_objects_frozen
 from remat.errors import InfeasibleBudgetError, SolverError, UnsupportedGraphError
 from remat.graph import Graph
 from remat.schedule import Plan
 from remat.simulate import SimResult, simulate
 from remat.solvers import SolveResult, solve
-from remat.solvers.base import SolveStatus, older_objects_frozen, relative_gap
+from remat.solvers.base import SolveStatus, relative_gap
 
 log = logging.getLogger("remat.solve")
 

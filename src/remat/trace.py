@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat import cost as cost_mod
 from remat.batch_norm import use_eager_kernels as use_eager_batch_norm_kernels
+from remat.collector import older_objects_frozen
 from remat.eager_ops import autocast_cache, fake_kernel, tracing_as_eager, untraced
 from remat.errors import TraceError, a_type
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
@@ -313,6 +314,13 @@ def trace(
     >>> [s.key for s in t.outputs]
     ['loss', 'weight', 'bias']
     """
+    with older_objects_frozen():  # (tracing makes many short-lived objects too)
+        return _trace(model, example_inputs, loss_fn, cost_model, name, replay_rng, scratch, allow_native_batch_norm)
+
+
+def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], loss_fn: LossFn,
+           cost_model: cost_mod.CostModel | None, name: str | None, replay_rng: bool, scratch: ScratchModel | None,
+           allow_native_batch_norm: bool) -> TracedStep:
     batch = _as_batch(example_inputs)
     params = dict(model.named_parameters())
     trainable = [k for k, p in params.items() if p.requires_grad]

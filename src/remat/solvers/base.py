@@ -7,19 +7,18 @@ it, replays it in the simulator and refuses anything the simulator contradicts.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import gc
 import inspect
 import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from remat.collector import older_objects_frozen
 from remat.errors import InfeasibleBudgetError, SolverError
 from remat.graph import Graph
 from remat.schedule import Plan, Schedule
@@ -245,26 +244,6 @@ def solve(graph: Graph, budget_bytes: int, method: str = "milp", **options: obje
     log.debug("solving %s (%d nodes) with %s under %d B", graph.name, graph.n, method, budget_bytes)
     with older_objects_frozen():
         return fn(graph, budget_bytes, **options)
-
-
-@contextlib.contextmanager
-def older_objects_frozen() -> Iterator[None]:
-    """Leave the objects that exist on entry out of the garbage collector's passes until exit
-    (``gc.freeze``, undone by ``gc.unfreeze``), unless the process froze objects itself.
-
-    Planning makes many short-lived objects, which start collections, and each full one walks
-    every object of the process: the traced model, torch's and the graph's own (400 thousand
-    with a 48-layer GPT-2: 0.3-0.4 s a pass, 2.4 s of its first budget's 23 s). Nothing is
-    collected that would not be otherwise: garbage made before entry is collected after exit.
-    """
-    if gc.get_freeze_count() or not gc.isenabled():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _check_options(method: str, fn: SolverFn, options: dict[str, object]) -> None:
