@@ -609,3 +609,40 @@ def test_lps_solved_two_at_a_time_are_those_solved_one_by_one(n_forward: int, se
         together = bounds._relaxed(rest, budget, time.perf_counter() + 60.0, 2, chosen)
         assert together == pytest.approx(alone, rel=1e-9, abs=1e-9)
         assert bounds._relaxed(rest, budget, time.perf_counter() - 1.0, 2, chosen) == [None] * len(rest)
+
+
+def test_the_longer_bound_runs_beside_the_reshuffle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The longer bound and the reshuffle run at the same time: the bound starts on a thread of
+    its own before the reshuffle and is still running when the reshuffle starts."""
+    import threading
+
+    import remat.solvers.milp as milp_module
+    from remat.solvers.prepared import clear
+
+    graph = random_training_graph(20, seed=0)  # its best plan is over 5% above the bound of 8 s
+    floor = InstantBounds(graph).min_budget_bytes
+    budget = int(floor + 0.1 * (checkpoint_all_peak(graph) - floor))
+    bound_started, shuffle_started = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+    original_bound, original_shuffle = InstantBounds.cost_bound, milp_module._reshuffled
+
+    def bound(self, budget_bytes, **kwargs):
+        if "multi_time_s" in kwargs:  # the longer one
+            seen["bound thread"] = threading.current_thread()
+            bound_started.set()
+            seen["beside"] = shuffle_started.wait(10.0)  # the reshuffle starts while it runs
+        return original_bound(self, budget_bytes, **kwargs)
+
+    def shuffle(*args, **kwargs):
+        seen["shuffle thread"] = threading.current_thread()
+        shuffle_started.set()
+        seen["bound first"] = bound_started.wait(10.0)
+        return original_shuffle(*args, **kwargs)
+
+    monkeypatch.setattr(InstantBounds, "cost_bound", bound)
+    monkeypatch.setattr(milp_module, "_reshuffled", shuffle)
+    clear()
+    result = milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=24)
+    assert seen["beside"] and seen["bound first"]
+    assert seen["bound thread"] is not seen["shuffle thread"] is threading.main_thread()
+    assert result.peak_bytes <= budget
