@@ -646,3 +646,39 @@ def test_the_longer_bound_runs_beside_the_reshuffle(monkeypatch: pytest.MonkeyPa
     assert seen["beside"] and seen["bound first"]
     assert seen["bound thread"] is not seen["shuffle thread"] is threading.main_thread()
     assert result.peak_bytes <= budget
+
+
+def test_the_first_bound_is_found_while_the_known_plans_are_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import remat.solvers.milp as milp_module
+    from remat.solvers.prepared import clear
+
+    graph = random_training_graph(12, seed=3)
+    floor = InstantBounds(graph).min_budget_bytes
+    budget = int(floor + 0.3 * (checkpoint_all_peak(graph) - floor))
+    bound_started, plans_started = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+    original_bound, original_plans = InstantBounds.cost_bound, milp_module.baseline_candidates
+
+    def bound(self, budget_bytes, **kwargs):
+        if kwargs.get("multi") is False:
+            seen["bound thread"] = threading.current_thread()
+            bound_started.set()
+            seen["beside"] = plans_started.wait(10.0)
+        return original_bound(self, budget_bytes, **kwargs)
+
+    def plans(graph, budget_bytes, **kwargs):
+        if not kwargs:  # (not checkpoint-all's early proof)
+            seen["plans thread"] = threading.current_thread()
+            plans_started.set()
+            seen["bound first"] = bound_started.wait(10.0)
+        return original_plans(graph, budget_bytes, **kwargs)
+
+    monkeypatch.setattr(InstantBounds, "cost_bound", bound)
+    monkeypatch.setattr(milp_module, "baseline_candidates", plans)
+    clear()
+    result = milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=20)
+    assert seen["beside"] and seen["bound first"]
+    assert seen["bound thread"] is not seen["plans thread"] is threading.main_thread()
+    assert result.peak_bytes <= budget and result.lower_bound <= result.objective + 1e-6

@@ -224,10 +224,14 @@ def milp(
             return _finish(graph, budget_bytes, everything[0], None, graph.total_cost, SolveStatus.OPTIMAL, started,
                            SolverStats(backend=backend.value, nodes_explored=0), "checkpoint-all fits: no search needed")
     # the baselines' plans, and those returned for earlier budgets (a sweep's plan at a larger
-    # budget is never dearer than one it already returned at a smaller)
-    best = best_fitting([*baseline_candidates(graph, budget_bytes), *prep.returned], budget_bytes)
-    bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s),
-                                   threads=threads, multi=False)
+    # budget is never dearer than one it already returned at a smaller), while the bound is
+    # found on a thread of its own (mostly in HiGHS, which lets go of the interpreter, where
+    # the baselines' plans are measured in numpy and Python: each keeps a core busy)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="remat-bound") as pool:
+        bounding = pool.submit(prep.bounds.cost_bound, budget_bytes, threads=threads, multi=False,
+                               time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s))
+        best = best_fitting([*baseline_candidates(graph, budget_bytes), *prep.returned], budget_bytes)
+        bound = bounding.result()
     if not bound.feasible:
         raise _infeasible(graph, budget_bytes, settings, backend, f"at {graph.describe(bound.instant)} the values "
                           f"no plan can drop already exceed it")
