@@ -491,12 +491,15 @@ def test_the_margin_losses_trace_as_eagers_kernels(loss, route):
     compiled_model = copy.deepcopy(model)
     compiled = torch.compile(compiled_model, backend=remat.backend(1 << 40, method="recompute_all", cache_dir=None,
                                                                    fallback=False))
-    for x, t in batches:
-        for m in (model, compiled_model):
-            m.zero_grad(set_to_none=True)
-        want = loss_fn(model, x, t)
-        want.backward()
-        got = loss_fn(compiled, x, t)
-        got.backward()
-        assert torch.equal(got, want)
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(compiled_model.parameters(), model.parameters()))
+    try:
+        for x, t in batches:
+            for m in (model, compiled_model):
+                m.zero_grad(set_to_none=True)
+            want = loss_fn(model, x, t)
+            want.backward()
+            got = loss_fn(compiled, x, t)
+            got.backward()
+            assert torch.equal(got, want)
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(compiled_model.parameters(), model.parameters()))
+    finally:
+        torch._dynamo.reset()  # (nn.Sequential's forward, compiled here, is every Sequential's)

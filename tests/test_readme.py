@@ -89,6 +89,11 @@ def test_python_snippets_run_as_written(stand_ins, capsys):
     assert "overhead" in capsys.readouterr().out  # print(step.report)
     assert all(not p.equal(q) for p, q in zip(model.parameters(), before))  # it trained
 
+    import torch
+
+    # a reader's process compiles from scratch: a test that compiled an nn.Sequential with
+    # another batch size in this process made dynamo compile this one with symbolic shapes
+    torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RematFallbackWarning)  # the backend planned, did not fall back
         exec(compile(backend_snippet, f"README.md:{line2}", "exec"), namespace)
