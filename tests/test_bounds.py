@@ -611,74 +611,46 @@ def test_lps_solved_two_at_a_time_are_those_solved_one_by_one(n_forward: int, se
         assert bounds._relaxed(rest, budget, time.perf_counter() - 1.0, 2, chosen) == [None] * len(rest)
 
 
-def test_the_longer_bound_runs_beside_the_reshuffle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The longer bound and the reshuffle run at the same time: the bound starts on a thread of
-    its own before the reshuffle and is still running when the reshuffle starts."""
+@pytest.mark.parametrize("which", ["the first bound beside the known plans", "the longer bound beside the reshuffle"])
+def test_a_bound_runs_on_a_thread_of_its_own_beside_the_plans(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first bound is found while the known plans are measured, the longer one while the
+    plan is reshuffled: each starts on a thread of its own and is still running when the other
+    work starts on the calling thread."""
     import threading
 
     import remat.solvers.milp as milp_module
     from remat.solvers.prepared import clear
 
-    graph = random_training_graph(20, seed=0)  # its best plan is over 5% above the bound of 8 s
+    if which.startswith("the first"):
+        graph, fraction, time_limit = random_training_graph(12, seed=3), 0.3, 20
+        is_bound, other, applies = (lambda kw: kw.get("multi") is False), "baseline_candidates", (lambda kw: not kw)
+    else:  # (its best plan is over 5% above the bound of 8 s, with time left)
+        graph, fraction, time_limit = random_training_graph(20, seed=0), 0.1, 24
+        is_bound, other, applies = (lambda kw: "multi_time_s" in kw), "_reshuffled", (lambda kw: True)
     floor = InstantBounds(graph).min_budget_bytes
-    budget = int(floor + 0.1 * (checkpoint_all_peak(graph) - floor))
-    bound_started, shuffle_started = threading.Event(), threading.Event()
+    budget = int(floor + fraction * (checkpoint_all_peak(graph) - floor))
+    bound_started, other_started = threading.Event(), threading.Event()
     seen: dict[str, object] = {}
-    original_bound, original_shuffle = InstantBounds.cost_bound, milp_module._reshuffled
+    original_bound, original_other = InstantBounds.cost_bound, getattr(milp_module, other)
 
     def bound(self, budget_bytes, **kwargs):
-        if "multi_time_s" in kwargs:  # the longer one
+        if is_bound(kwargs):
             seen["bound thread"] = threading.current_thread()
             bound_started.set()
-            seen["beside"] = shuffle_started.wait(10.0)  # the reshuffle starts while it runs
+            seen["beside"] = other_started.wait(10.0)  # the other work starts while it runs
         return original_bound(self, budget_bytes, **kwargs)
 
-    def shuffle(*args, **kwargs):
-        seen["shuffle thread"] = threading.current_thread()
-        shuffle_started.set()
-        seen["bound first"] = bound_started.wait(10.0)
-        return original_shuffle(*args, **kwargs)
-
-    monkeypatch.setattr(InstantBounds, "cost_bound", bound)
-    monkeypatch.setattr(milp_module, "_reshuffled", shuffle)
-    clear()
-    result = milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=24)
-    assert seen["beside"] and seen["bound first"]
-    assert seen["bound thread"] is not seen["shuffle thread"] is threading.main_thread()
-    assert result.peak_bytes <= budget
-
-
-def test_the_first_bound_is_found_while_the_known_plans_are_measured(monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-
-    import remat.solvers.milp as milp_module
-    from remat.solvers.prepared import clear
-
-    graph = random_training_graph(12, seed=3)
-    floor = InstantBounds(graph).min_budget_bytes
-    budget = int(floor + 0.3 * (checkpoint_all_peak(graph) - floor))
-    bound_started, plans_started = threading.Event(), threading.Event()
-    seen: dict[str, object] = {}
-    original_bound, original_plans = InstantBounds.cost_bound, milp_module.baseline_candidates
-
-    def bound(self, budget_bytes, **kwargs):
-        if kwargs.get("multi") is False:
-            seen["bound thread"] = threading.current_thread()
-            bound_started.set()
-            seen["beside"] = plans_started.wait(10.0)
-        return original_bound(self, budget_bytes, **kwargs)
-
-    def plans(graph, budget_bytes, **kwargs):
-        if not kwargs:  # (not checkpoint-all's early proof)
-            seen["plans thread"] = threading.current_thread()
-            plans_started.set()
+    def spy(*args, **kwargs):
+        if applies(kwargs):  # (not checkpoint-all's early proof)
+            seen["other thread"] = threading.current_thread()
+            other_started.set()
             seen["bound first"] = bound_started.wait(10.0)
-        return original_plans(graph, budget_bytes, **kwargs)
+        return original_other(*args, **kwargs)
 
     monkeypatch.setattr(InstantBounds, "cost_bound", bound)
-    monkeypatch.setattr(milp_module, "baseline_candidates", plans)
+    monkeypatch.setattr(milp_module, other, spy)
     clear()
-    result = milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=20)
+    result = milp_module.milp(graph, budget, exact_max_nodes=0, time_limit_s=time_limit)
     assert seen["beside"] and seen["bound first"]
-    assert seen["bound thread"] is not seen["plans thread"] is threading.main_thread()
+    assert seen["bound thread"] is not seen["other thread"] is threading.main_thread()
     assert result.peak_bytes <= budget and result.lower_bound <= result.objective + 1e-6
