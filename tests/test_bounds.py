@@ -175,7 +175,7 @@ def test_a_first_instant_with_deadlines_is_below_the_proven_optimum(n_forward: i
         assert graph.total_cost + value <= result.objective + 1e-6, (first, deadlines, "cases")
 
 
-@pytest.mark.parametrize("groups,threads", [(2, 1), (8, 1), (1000, 1), (8, 2), (1000, 2)])
+@pytest.mark.parametrize("groups,threads", [(2, 1), (8, 1), (1000, 1), (1000, 2)])
 def test_the_deadline_cases_never_exceed_the_exhaustive_optimum(groups: int, threads: int, monkeypatch) -> None:
     # the deadline program split by which large value is live at the first instant (into a
     # few groups, or one value each), refined down to single values with their local deadlines
