@@ -31,8 +31,10 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -69,6 +71,7 @@ from remat.solvers.restart import restart_instants, restart_plan
 from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
 
 log = logging.getLogger("remat.solve")
+T = TypeVar("T")
 
 __all__ = ["MilpBackend", "MinimumBudget", "milp", "minimum_budget"]
 
@@ -224,14 +227,11 @@ def milp(
             return _finish(graph, budget_bytes, everything[0], None, graph.total_cost, SolveStatus.OPTIMAL, started,
                            SolverStats(backend=backend.value, nodes_explored=0), "checkpoint-all fits: no search needed")
     # the baselines' plans, and those returned for earlier budgets (a sweep's plan at a larger
-    # budget is never dearer than one it already returned at a smaller), while the bound is
-    # found on a thread of its own (mostly in HiGHS, which lets go of the interpreter, where
-    # the baselines' plans are measured in numpy and Python: each keeps a core busy)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="remat-bound") as pool:
-        bounding = pool.submit(prep.bounds.cost_bound, budget_bytes, threads=threads, multi=False,
-                               time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s))
-        best = best_fitting([*baseline_candidates(graph, budget_bytes), *prep.returned], budget_bytes)
-        bound = bounding.result()
+    # budget is never dearer than one it already returned at a smaller), while the bound is found
+    bound, best = _bound_beside(
+        prep, budget_bytes, lambda: best_fitting([*baseline_candidates(graph, budget_bytes), *prep.returned],
+                                                 budget_bytes),
+        threads=threads, multi=False, time_limit_s=min(BOUND_MAX_S, BOUND_TIME_SHARE * time_limit_s))
     if not bound.feasible:
         raise _infeasible(graph, budget_bytes, settings, backend, f"at {graph.describe(bound.instant)} the values "
                           f"no plan can drop already exceed it")
@@ -307,15 +307,12 @@ def milp(
     left = deadline - time.perf_counter()
     if best.cost > lower * (1 + BOUND_MORE_GAP) and left > BOUND_MORE_MIN_S:
         # still far from the bound with time to spare: the bound goes on with most of it while
-        # the plan is reshuffled (the bound mostly in HiGHS, which lets go of the interpreter,
-        # the reshuffle in numpy and Python: each keeps a core busy)
+        # the plan is reshuffled
         more_s = BOUND_MORE_SHARE * left
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="remat-longer-bound") as pool:
-            running = pool.submit(prep.bounds.cost_bound, budget_bytes, threads=threads, time_limit_s=more_s,
-                                  multi_time_s=more_s)
-            shuffled = _reshuffled(graph, best, budget_bytes, min(RESHUFFLE_MAX_S, RESHUFFLE_SHARE * left),
-                                   stop_at=lower * (1 + mip_gap))
-            longer = running.result()
+        shuffle_s = min(RESHUFFLE_MAX_S, RESHUFFLE_SHARE * left)
+        longer, shuffled = _bound_beside(
+            prep, budget_bytes, lambda: _reshuffled(graph, best, budget_bytes, shuffle_s, lower * (1 + mip_gap)),
+            threads=threads, time_limit_s=more_s, multi_time_s=more_s)
         if shuffled is not None:
             best = shuffled
         if longer.feasible and longer.value > lower:
@@ -333,6 +330,18 @@ def milp(
         prep.minimum = MinimumBudget(result.peak_bytes, result.peak_bytes <= found.lower_bound_bytes,
                                      result.schedule, found.lower_bound_bytes)
     return result
+
+
+def _bound_beside(prep: PreparedGraph, budget_bytes: int, work: Callable[[], T], **bound_options: object
+                  ) -> tuple[CostBound, T]:
+    """``work()`` on the calling thread while ``prep.bounds.cost_bound(budget_bytes,
+    **bound_options)`` runs on a thread of its own: (the bound, what the work returned). The
+    bound runs mostly in HiGHS, which lets go of the interpreter, the work (measuring or
+    reshuffling plans) in numpy and Python, so each keeps one of two cores busy."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="remat-bound") as pool:
+        running = pool.submit(prep.bounds.cost_bound, budget_bytes, **bound_options)
+        done = work()
+        return running.result(), done
 
 
 def _retention(graph: Graph, budget_bytes: int, bound: CostBound, target: float, deadline: float,
