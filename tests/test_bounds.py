@@ -654,3 +654,91 @@ def test_a_bound_runs_on_a_thread_of_its_own_beside_the_plans(which: str, monkey
     assert seen["beside"] and seen["bound first"]
     assert seen["bound thread"] is not seen["other thread"] is threading.main_thread()
     assert result.peak_bytes <= budget and result.lower_bound <= result.objective + 1e-6
+
+
+def test_a_stopped_bound_starts_nothing_more_and_is_still_a_bound() -> None:
+    """``cost_bound(stop=...)``: once the event is set the call starts no more LPs and returns
+    what it has, a valid bound no higher than the full call's; the event is the call's alone."""
+    import threading
+
+    graph = random_training_graph(12, seed=3)
+    floor = InstantBounds(graph).min_budget_bytes
+    budget = int(floor + 0.2 * (checkpoint_all_peak(graph) - floor))
+    full = InstantBounds(graph).cost_bound(budget, time_limit_s=30.0)
+    assert full.feasible and full.value > graph.total_cost
+    stopped = threading.Event()
+    stopped.set()
+    bounds = InstantBounds(graph)
+    started = time.perf_counter()
+    early = bounds.cost_bound(budget, time_limit_s=30.0, stop=stopped)
+    assert time.perf_counter() - started < 5.0
+    assert early.feasible and graph.total_cost <= early.value <= full.value * (1 + 1e-9)
+    assert bounds._stop is None and not bounds._singles  # (an early stop's singles are not kept)
+    # a call without the event is not stopped by the last one's
+    assert bounds.cost_bound(budget, time_limit_s=30.0).value == pytest.approx(full.value, rel=1e-9)
+
+
+def test_the_cases_alone_leave_the_several_instants_to_later_calls() -> None:
+    """``several=False``: the singles, the deadlines and their cases, never the several
+    instants (whose growth a later call would take for its second)."""
+    graph = random_training_graph(20, seed=0)
+    floor = InstantBounds(graph).min_budget_bytes
+    budget = int(floor + 0.1 * (checkpoint_all_peak(graph) - floor))
+    bounds = InstantBounds(graph)
+    first = bounds.cost_bound(budget, time_limit_s=30.0, multi=False)
+    cases = bounds.cost_bound(budget, time_limit_s=30.0, several=False)
+    assert cases.value >= first.value and not bounds._grown and not bounds._mips
+    assert bounds.cost_bound(budget, time_limit_s=30.0).value >= cases.value * (1 - 1e-9)
+    assert bounds._grown
+
+
+class _FakeBounds:
+    """``prep.bounds`` for ``milp._bound_beside``: returns ``values`` in turn, recording each call."""
+
+    def __init__(self, graph: Graph, values: list[float], first_takes_s: float = 0.0) -> None:
+        self.graph, self.values, self.calls, self.first_takes_s = graph, list(values), [], first_takes_s
+
+    def cost_bound(self, budget_bytes: int, **kwargs):
+        from remat.solvers.bounds import CostBound
+
+        self.calls.append(kwargs)
+        if len(self.calls) == 1:
+            time.sleep(self.first_takes_s)
+        else:  # the going on: until the work is done
+            assert kwargs["stop"].wait(10.0)
+        return CostBound(budget_bytes, self.values[len(self.calls) - 1], 0, True, 1, 0.0, (0,))
+
+
+@pytest.mark.parametrize("case", ["tight", "loose", "work done first", "no time left"])
+def test_the_first_bound_goes_on_while_the_known_plans_are_measured(case: str) -> None:
+    """``_bound_beside(go_on_until=...)``: a first bound over ``BESIDE_MORE_ABOVE`` of the step
+    done while the work runs goes on with its cases (one HiGHS thread, no several instants)
+    until the work is done, which stops it; the higher of the two is returned. A loose bound,
+    one done after the work, or one with no time left does not go on."""
+    import types
+
+    import remat.solvers.milp as milp_module
+
+    graph = chain_graph(6, bytes_per_node=1)
+    tight = graph.total_cost * (1 + 2 * milp_module.BESIDE_MORE_ABOVE)
+    first = {"loose": graph.total_cost * (1 + milp_module.BESIDE_MORE_ABOVE / 2)}.get(case, tight)
+    fake = _FakeBounds(graph, [first, tight * 1.1], first_takes_s=0.5 if case == "work done first" else 0.0)
+    prep = types.SimpleNamespace(bounds=fake)
+
+    def work() -> str:
+        if case in ("tight",):
+            deadline = time.perf_counter() + 10.0
+            while len(fake.calls) < 2 and time.perf_counter() < deadline:  # the bound goes on meanwhile
+                time.sleep(0.01)
+        return "plans"
+
+    until = time.perf_counter() + (0.0 if case == "no time left" else 60.0)
+    bound, done = milp_module._bound_beside(prep, 10, work, go_on_until=until, multi=False, time_limit_s=5.0)
+    assert done == "plans"
+    if case == "tight":
+        assert len(fake.calls) == 2 and bound.value == tight * 1.1
+        more = fake.calls[1]
+        assert more["several"] is False and more["threads"] == 1 and more["stop"].is_set()
+    else:
+        assert len(fake.calls) == 1 and bound.value == first
+    assert fake.calls[0] == {"multi": False, "time_limit_s": 5.0}

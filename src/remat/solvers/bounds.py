@@ -321,6 +321,7 @@ class InstantBounds:
         self._deadline_values: dict[tuple[int, int, tuple[int, ...]], tuple[float, float]] = {}
         # per (budget, first instant): the deadlines and the cases of their program (``_cases``)
         self._case_trees: dict[tuple[int, int], tuple[tuple[int, ...], list[list]]] = {}
+        self._stop: threading.Event | None = None  # the running call's (``cost_bound``)
 
     # ------------------------------------------------------------------ the smallest budget
     @cached_property
@@ -576,16 +577,35 @@ class InstantBounds:
     # ------------------------------------------------------------------ the bound
     def cost_bound(self, budget_bytes: int, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
                    instants: tuple[int, ...] = (), threads: int = 2, multi: bool = True,
-                   multi_time_s: float = MULTI_TIME_S) -> CostBound:
+                   multi_time_s: float = MULTI_TIME_S, several: bool = True,
+                   stop: threading.Event | None = None) -> CostBound:
         """The instant bound under ``budget_bytes``: LP relaxations at screened instants (and
         at ``instants``), then MIPs at the most promising ones, within ``time_limit_s``; then the
-        best one with deadlines (the module); with ``multi``, then several instants together
-        for at most ``multi_time_s`` (a quarter of it for their MIPs). The single instants'
-        and the deadlines' results are kept per budget, so asking first without ``multi`` and
-        later with it repeats nothing.
+        best one with deadlines (the module); with ``multi``, their cases, then several instants
+        together for at most ``multi_time_s`` (a quarter of it for their MIPs); with ``multi``
+        and not ``several``, the cases alone, for all the time left. The single instants', the
+        deadlines' and the cases' results are kept per budget, so asking first without
+        ``multi`` and later with it repeats nothing.
 
-        Every number it takes is a valid bound, so stopping early only makes it weaker.
+        Every number it takes is a valid bound, so stopping early only makes it weaker: once
+        ``stop`` is set, it starts nothing more and returns what it has when the LP or MIP then
+        running ends (its caller stops it when the work it runs beside is done). One call at a
+        time per object: the calls share what they keep.
         """
+        self._stop = stop
+        try:
+            return self._cost_bound(budget_bytes, time_limit_s, instants, threads, multi, multi_time_s, several)
+        finally:
+            self._stop = None
+
+    def _now(self) -> float:
+        """The clock the time limits are checked on: past every deadline once the call's
+        ``stop`` is set."""
+        stop = self._stop
+        return math.inf if stop is not None and stop.is_set() else time.perf_counter()
+
+    def _cost_bound(self, budget_bytes: int, time_limit_s: float, instants: tuple[int, ...], threads: int,
+                    multi: bool, multi_time_s: float, several: bool) -> CostBound:
         started = time.perf_counter()
         g = self.graph
         if budget_bytes < self.min_budget_bytes:
@@ -602,7 +622,7 @@ class InstantBounds:
         else:
             lp_values, best_t, best = self._single(budget_bytes, over, excess, deadline, time_limit_s, instants,
                                                    threads)
-            if time.perf_counter() < deadline:  # complete: kept for a second call (``multi``)
+            if self._now() < deadline:  # complete: kept for a second call (``multi``)
                 if len(self._singles) >= 64:
                     self._singles.clear()
                 self._singles[key] = (lp_values, best_t, best)
@@ -611,11 +631,11 @@ class InstantBounds:
         if feasible:  # a first instant with deadlines; then, with ``multi``, several instants
             chained = self._deadlines(budget_bytes, best_t, best, deadline, threads)
             if multi and chained[0] > best * (1 + 1e-6) + 1e-9:  # cases, where deadlines see more
-                until = min(deadline, time.perf_counter() + CASE_SHARE * multi_time_s)
+                until = min(deadline, time.perf_counter() + CASE_SHARE * multi_time_s) if several else deadline
                 cases = self._cases(budget_bytes, best_t, chained[1][1:], chained[0], until, threads)
                 chained = (max(cases, chained[0]), chained[1])
             results = [(best, together)]
-            if multi:  # (no plan fits if the instants together leave none)
+            if multi and several:  # (no plan fits if the instants together leave none)
                 results.append(self._several(budget_bytes, best_t, best, lp_values, excess, deadline, threads,
                                              multi_time_s))
             best, together = max([*results, chained], key=lambda pair: pair[0])  # (ties: the instants)
@@ -657,7 +677,7 @@ class InstantBounds:
         # spacing of the screen down to single instants
         step = max(1, int(over.size // max(1, len(lp_values))))
         best_t = max(lp_values, key=lp_values.get)
-        while step >= 1 and time.perf_counter() < deadline and math.isfinite(lp_values[best_t]):
+        while step >= 1 and self._now() < deadline and math.isfinite(lp_values[best_t]):
             pair = [t for t in (best_t - step, best_t + step) if 0 <= t < g.n and t not in lp_values and excess[t] > 0]
             for t, value in zip(pair, self._relaxed(pair, budget_bytes, deadline, threads)):
                 if value is not None:
@@ -669,7 +689,7 @@ class InstantBounds:
         best = lp_values[best_t]
         if math.isfinite(best):
             for t in sorted(lp_values, key=lp_values.get, reverse=True)[:MIP_INSTANTS]:
-                left = min(deadline - time.perf_counter(), MIP_TIME_S)
+                left = min(deadline - self._now(), MIP_TIME_S)
                 if left <= 0.05:
                     break
                 value = _solve_program(self.program((t,), budget_bytes), relax=False, time_limit_s=left,
@@ -687,7 +707,7 @@ class InstantBounds:
         grows its set of instants from 364 of them)."""
 
         def one(t: int) -> float | None:
-            if time.perf_counter() > until:
+            if self._now() > until:
                 return None
             return _solve_program(self.program((*chosen, t), budget_bytes), relax=True,
                                   time_limit_s=max(until - time.perf_counter(), 0.05), threads=1)
@@ -744,11 +764,11 @@ class InstantBounds:
         # set joined by the tightest instants after the best single one, which the LP cannot rank
         until = min(deadline, time.perf_counter() + mip_s)
         value, together = lp, chosen  # (lp is best while the set is one instant)
-        if len(chosen) > 1 and until - time.perf_counter() > 0.05:
+        if len(chosen) > 1 and until - self._now() > 0.05:
             value = max(value, self._mip(chosen, budget_bytes, until - time.perf_counter(), threads)[0])
         later = [t for t in by_room if t > best_t and t not in chosen]
         extra = MULTI_EXTRA
-        while later and until - time.perf_counter() > 0.05:
+        while later and until - self._now() > 0.05:
             joined = tuple(sorted((*chosen, *later[:extra])))
             v, solved = self._mip(joined, budget_bytes, until - time.perf_counter(), threads)
             if v > value:
@@ -781,7 +801,7 @@ class InstantBounds:
             if key in self._deadline_values:
                 value, last_s = self._deadline_values[key]
             else:
-                left = share * (deadline - time.perf_counter())
+                left = share * (deadline - self._now())
                 if left <= 0.05 or DEADLINE_GROWTH * last_s > left:
                     break
                 started = time.perf_counter()
@@ -854,7 +874,7 @@ class InstantBounds:
                 return "lp", self.deadline_program(first, (*picks[:1], *local), budget_bytes)
             return "stop", None  # (a case that cannot rise any more)
 
-        while cases and time.perf_counter() < deadline:
+        while cases and self._now() < deadline:
             # the least case, and while threads are free the next least ones that need an LP
             # (best-first, ``threads`` at a time: each LP is of one case, and every case's
             # value stays a bound whichever is refined first)
