@@ -284,3 +284,46 @@ def _block_with_fixed_outside(g, own, outside):
     outputs = tuple(k for k, v in enumerate(own) if g.nodes[v].kind is not NodeKind.FORWARD
                     and (v in g.outputs or any(u not in index for u in g.users[v])))
     return Graph(tuple(nodes), sum(g.nodes[v].out_bytes for v in outside), outputs or (len(own) - 1,), "as fixed")
+
+
+def _one_pair_at_a_time(model: ChainModel) -> dict[tuple[int, int], np.ndarray]:
+    """The programme's table as its recurrence reads, one (s, t) at a time, shortest first."""
+    L, base = model.L, model.base
+    M = model.levels - base if model.levels > base else 1
+    need = model.need - base
+    inf = np.float32(np.inf)
+    opt: dict[tuple[int, int], np.ndarray] = {}
+    for length in range(L):
+        for s in range(L - length):
+            t = s + length
+            best = np.full(M, inf, dtype=np.float32)
+            if length == 0:
+                for need_o, extra, _held in model.menus[s]:
+                    k = max(need_o - base, 0)
+                    best[k:] = np.minimum(best[k:], np.float32(max(model.f[s] + extra, 0.0)))
+            else:
+                for k, arr, const, plus in [(model.a[s], opt[s + 1, t], model.f[s], None)] + [
+                        (model.c[sp - 1], opt[sp, t], model.prefix[sp] - model.prefix[s], opt[s, sp - 1])
+                        for sp in range(s + 1, t + 1)]:
+                    k = max(int(k), 0)
+                    if k < M:
+                        shifted = arr[:M - k] + np.float32(const)
+                        if plus is not None:
+                            shifted = shifted + plus[k:]
+                        best[k:] = np.minimum(best[k:], shifted)
+                    if plus is None:  # (after keeping s: levels below its need fit nothing)
+                        best[np.arange(M) < need[s]] = inf
+            opt[s, t] = best
+    return opt
+
+
+@PROPERTY
+@given(graphs())
+def test_the_programme_solved_a_segment_at_a_time_is_its_recurrence(graph):
+    """The table is filled for every end t of a first segment s at once: each entry equals the
+    recurrence solved pair by pair."""
+    model = ChainModel(graph)
+    expected = _one_pair_at_a_time(model)
+    assert set(model.opt) == set(expected)
+    for key, row in expected.items():
+        np.testing.assert_array_equal(model.opt[key], row, err_msg=str(key))

@@ -425,23 +425,23 @@ class ChainModel:
         self.prefix = prefix
         inf = np.float32(np.inf)
         fits = [np.arange(M) >= need[s] for s in range(L + 1)]
-        opt: dict[tuple[int, int], np.ndarray] = {}
-        tmp = np.empty(M, dtype=np.float32)
-        for length in range(L):
-            for s in range(L - length):
-                t = s + length
-                best = np.full(M, inf, dtype=np.float32)
-                if length == 0:
-                    for need_o, extra, _held in self.menus[s]:
-                        here = best[max(need_o - base, 0):]
-                        np.minimum(here, np.float32(max(self.f[s] + extra, 0.0)), out=here)
-                else:
-                    _add_shifted(best, opt[s + 1, t], self.a[s], self.f[s], tmp)
-                    best[~fits[s]] = inf
-                    for sp in range(s + 1, t + 1):
-                        _add_shifted(best, opt[sp, t], self.c[sp - 1], prefix[sp] - prefix[s], tmp, opt[s, sp - 1])
-                opt[s, t] = best
-        self.opt, self.fits = opt, fits
+        # rows[s][t - s] is opt[s, t]: from the last segment back, each s for every t at once
+        # (a split at s' adds opt[s', t] for all t >= s' in one step; opt[s, s' - 1] is final by
+        # then, its own splits being before s'), the same sums and minima as one (s, t) at a time
+        rows: list[np.ndarray] = [np.empty((0, M), dtype=np.float32)] * L
+        for s in range(L - 1, -1, -1):
+            here = np.full((L - s, M), inf, dtype=np.float32)
+            for need_o, extra, _held in self.menus[s]:  # s alone: a leaf
+                leaf = here[0, max(need_o - base, 0):]
+                np.minimum(leaf, np.float32(max(self.f[s] + extra, 0.0)), out=leaf)
+            if s + 1 < L:
+                _add_shifted(here[1:], rows[s + 1], self.a[s], self.f[s])  # keep s
+                here[1:, ~fits[s]] = inf
+                for sp in range(s + 1, L):  # split at sp
+                    _add_shifted(here[sp - s:], rows[sp], self.c[sp - 1], prefix[sp] - prefix[s], here[sp - 1 - s])
+            rows[s] = here
+        self.opt = {(s, t): rows[s][t - s] for s in range(L) for t in range(s, L)}
+        self.fits = fits
         self.top = self._spine(np.where(fits[L], np.float32(0), inf).astype(np.float32), paid=False)
         self.front_levels = self._front(self.top[0])
 
@@ -451,14 +451,13 @@ class ChainModel:
         does; ``paid``: whether running segments forward counts (not in the original forward
         pass, which runs anyway)."""
         L, M = self.L, tail.size
-        tmp = np.empty(M, dtype=np.float32)
         out: list[np.ndarray] = [np.empty(0)] * L + [tail]
         for s in range(L - 1, -1, -1):
             best = np.full(M, np.float32(np.inf), dtype=np.float32)
-            _add_shifted(best, out[s + 1], self.a[s], self.f[s] if paid else 0.0, tmp)
+            _add_shifted(best, out[s + 1], self.a[s], self.f[s] if paid else 0.0)
             best[~self.fits[s]] = np.inf
             for sp in range(s + 1, L + 1):
-                _add_shifted(best, out[sp], self.c[sp - 1], self.prefix[sp] - self.prefix[s] if paid else 0.0, tmp,
+                _add_shifted(best, out[sp], self.c[sp - 1], self.prefix[sp] - self.prefix[s] if paid else 0.0,
                              self.opt[s, sp - 1])
             out[s] = best
         return out
@@ -711,17 +710,17 @@ def _bisect_front(levels: list[int], measure, budget_bytes: int) -> list[Baselin
     return list(measured.values())
 
 
-def _add_shifted(best: np.ndarray, arr: np.ndarray, k: int, const: float, tmp: np.ndarray,
-                 plus: np.ndarray | None = None) -> None:
-    """``best[m] = min(best[m], arr[m - k] + const (+ plus[m]))`` for every m >= k, in place."""
+def _add_shifted(best: np.ndarray, arr: np.ndarray, k: int, const: float, plus: np.ndarray | None = None) -> None:
+    """``best[..., m] = min(best[..., m], arr[..., m - k] + const (+ plus[m]))`` for every
+    m >= k, in place (one row, or rows alike)."""
     k = max(int(k), 0)
-    if k >= best.size:
+    size = best.shape[-1]
+    if k >= size:
         return
-    out = tmp[k:]
-    np.add(arr[:best.size - k], np.float32(const), out=out)
+    out = np.add(arr[..., :size - k], np.float32(const))
     if plus is not None:
         np.add(out, plus[k:], out=out)
-    np.minimum(best[k:], out, out=best[k:])
+    np.minimum(best[..., k:], out, out=best[..., k:])
 
 
 def _segment_key(graph: Graph, members: np.ndarray, stages: list[int]) -> tuple:
