@@ -327,3 +327,30 @@ def test_the_programme_solved_a_segment_at_a_time_is_its_recurrence(graph):
     assert set(model.opt) == set(expected)
     for key, row in expected.items():
         np.testing.assert_array_equal(model.opt[key], row, err_msg=str(key))
+
+
+@PROPERTY
+@given(graphs(), st.data())
+def test_a_leaf_option_measured_on_its_own_stages_is_the_whole_walk(graph, data):
+    """A leaf option's measurement walks only the leaf's own stages (the others' are walked once
+    per segment): its need and cost are those of the whole walk, for one hold and for a hold
+    per backward stage."""
+    model = ChainModel(graph)
+    with_stages = [s for s in range(model.L) if model.members[s].size and model._stages_of[s]]
+    if not with_stages:
+        return
+    s = data.draw(st.sampled_from(with_stages))
+    m, stages = model.members[s].size, len(model._stages_of[s])
+    bits = data.draw(st.lists(st.booleans(), min_size=m * stages, max_size=m * stages))
+    for held in (np.array(bits[:m], dtype=bool), np.array(bits, dtype=bool).reshape(stages, m)):
+        masks = [np.zeros(graph.n, dtype=bool)] * (model.L + 1)
+        rows: list = [None] * (model.L + 1)
+        if held.ndim == 1:
+            masks[s] = model._held_mask(s, held)
+        else:
+            rows[s] = held
+        plan = model._walk(~model.leaf_mask[s] | model.always, masks, rows, "whole walk")
+        mem = chain_module.order_memory(graph, np.asarray(plan.nodes, dtype=np.int64))
+        mine = model._segment_of_stage[np.asarray(plan.stages)] == s
+        need = float((mem[mine] - model._earlier[s, np.asarray(plan.stages)[mine]]).max()) if mine.any() else 0.0
+        assert model._measure_leaf(s, held) == (need, float(plan.cost))

@@ -148,6 +148,8 @@ class ChainModel:
         self.exact = False  # whether the menus have the exact options yet (``refine``)
         self.menus_id = next(_MENUS)
         self._offered: dict[int, list[tuple[float, float, np.ndarray]]] = {}  # options measured, per segment
+        # per segment: what the other segments' stages recompute while its leaf's options are measured
+        self._leaf_others: dict[int, tuple[list[int], list[int]]] = {}
         self._base: dict[int, tuple[float, float]] = {}  # the whole leaf's need and cost, per segment
         self.menus = self._leaf_menus(exact=False)
         self._solve()
@@ -351,11 +353,20 @@ class ChainModel:
         but segment ``s``'s, whose backward recomputes them holding ``held`` (an option's)."""
         masks = [np.zeros(self.graph.n, dtype=bool)] * (self.L + 1)
         rows: list = [None] * (self.L + 1)
+        always = ~self.leaf_mask[s] | self.always
+        if s not in self._leaf_others:  # the other segments' stages hold ``always`` alone: one walk for every option
+            others = StageWalk(self.graph)
+            self._walk_stages(others, always, masks, rows, segment=s, inside=False)
+            self._leaf_others[s] = (others.stages[self.graph.n:], others.nodes[self.graph.n:])
         if held.ndim == 1:
             masks[s] = self._held_mask(s, held)
         else:
             rows[s] = held
-        plan = self._walk(~self.leaf_mask[s] | self.always, masks, rows, "leaf option")
+        walk = StageWalk(self.graph)
+        walk.stages += self._leaf_others[s][0]
+        walk.nodes += self._leaf_others[s][1]
+        self._walk_stages(walk, always, masks, rows, segment=s, inside=True)
+        plan = walk.measure("leaf option")
         mem = order_memory(self.graph, np.asarray(plan.nodes, dtype=np.int64))
         stages = np.asarray(plan.stages, dtype=np.int64)
         mine = self._segment_of_stage[stages] == s
@@ -376,14 +387,24 @@ class ChainModel:
         ``masks[s]``. Where s is a leaf whose option holds by stage (``rows[s]``), the
         segment's members held after each stage are its row, computed in it if they were
         not held."""
-        graph = self.graph
+        walk = StageWalk(self.graph)
+        self._walk_stages(walk, always, masks, rows)
+        return walk.measure(label)
+
+    def _walk_stages(self, walk: StageWalk, always: np.ndarray, masks: list[np.ndarray], rows: list, *,
+                     segment: int | None = None, inside: bool = True) -> None:
+        """``_walk``'s stages recorded in ``walk``; with ``segment``, only its stages
+        (``inside``) or only the others'. (What a segment's stages hold comes from what was
+        held entering it, which is ``always`` again wherever the segment before holds nothing
+        for it beyond it, as the other segments do while a leaf's option is measured.)"""
         kept = always.copy()
-        walk = StageWalk(graph)
         current = None
         for t, seg in self.stage_segments():
             if seg != current:  # the recursion leaves what it held for the segment before
                 kept = always | (kept & masks[seg])
                 current = seg
+            if segment is not None and (seg == segment) != inside:
+                continue
             if rows[seg] is None:
                 done = np.asarray(walk.recompute_for(t, kept), dtype=np.int64)
                 kept[done[masks[seg][done]]] = True
@@ -394,7 +415,6 @@ class ChainModel:
             kept[done[masks[seg][done]]] = True
             kept[mine] = False
             kept[want] = True
-        return walk.measure(label)
 
     def stage_segments(self) -> list[tuple[int, int]]:
         """(stage, segment) of every loss and backward stage: the segment a stage works in is
