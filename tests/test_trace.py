@@ -456,6 +456,75 @@ def test_fused_cpu_lstm_is_refused_with_a_remedy_that_works():
     assert verify.compare(got, want).bitwise
 
 
+
+class _EmbeddedLstm(nn.Module):
+    """An LSTM whose input the step computes (an embedding's output): traced, it became its cell
+    loop (no oneDNN kernel in the graph), while eager ran oneDNN's fused kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.rnn = nn.LSTM(8, 16, batch_first=True, num_layers=2)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.emb(ids))[0])
+
+
+def _next_token_loss(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's LSTM kernel is not built in")
+def test_lstm_whose_input_the_step_computes_is_refused_where_eager_runs_onednn():
+    """Eager ran oneDNN's fused LSTM, the traced step the cell loop: every gradient differed from
+    eager's in the last bits (1e-9), silently. Refused, naming the module; the remedy (oneDNN off
+    while tracing) gives a step bitwise equal to eager PyTorch under the same flag, planned."""
+    torch.manual_seed(0)
+    model = _EmbeddedLstm()
+    ids, targets = torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12))
+    with pytest.raises(TraceError, match="module 'rnn' \\(LSTM\\) runs oneDNN's fused CPU LSTM kernel.*in eager "
+                                         "PyTorch.*round differently.*torch.backends.mkldnn.flags\\(enabled=False\\)"):
+        remat.optimize(model, (ids, targets), _next_token_loss, budget="100%", method="checkpoint_all")
+    with torch.backends.mkldnn.flags(enabled=False):
+        step = remat.optimize(model, (ids, targets), _next_token_loss, budget="97%", method="milp", time_limit_s=10)
+        assert step.report.overhead > 1.0  # it recomputes
+        agreement = verify.check_step(step, _next_token_loss, ids, targets)
+    assert agreement.bitwise, agreement.mismatches
+
+
+def _runs_onednn_eagerly(module: nn.Module, x: object) -> bool:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        out = module(x)[0]
+        (out.data if isinstance(out, nn.utils.rnn.PackedSequence) else out).sum().backward()
+    return any("mkldnn_rnn" in e.name for e in prof.events())
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN", "ignore:LSTM with projections")
+def test_which_recurrent_calls_run_onednn_eagerly_is_what_eager_runs():
+    """``eager_runs_onednn_lstm`` against what torch.profiler sees eager PyTorch run."""
+    from remat.trace_errors import eager_runs_onednn_lstm
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 8)
+    packed = nn.utils.rnn.pack_padded_sequence(x, [6, 5, 3, 2], batch_first=True)
+    cases = [(nn.LSTM(8, 16, batch_first=True), x), (nn.LSTM(8, 16, batch_first=True, bidirectional=True), x),
+             (nn.LSTM(8, 16, batch_first=True, proj_size=4), x), (nn.LSTM(8, 16, batch_first=True), packed),
+             (nn.LSTM(8, 16, batch_first=True).double(), x.double()), (nn.GRU(8, 16, batch_first=True), x),
+             (nn.RNN(8, 16, batch_first=True), x),
+             (nn.LSTM(8, 16, batch_first=True).bfloat16(), x.bfloat16())]
+    seen = []
+    for enabled in (True, False):
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            for module, inputs in cases:
+                predicted = eager_runs_onednn_lstm(module, (inputs,))
+                assert predicted == _runs_onednn_eagerly(module, inputs), (module, enabled)
+                seen.append(predicted)
+    assert any(seen) == torch.backends.mkldnn.is_available()  # (the float32 LSTM, with oneDNN)
+
 class _ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -13,6 +13,7 @@ import traceback
 import warnings
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from remat.errors import TraceError
 from remat.fx_graph import explicit_generator, non_strided_layout
@@ -267,6 +268,47 @@ def gru_rounding_block(device: torch.device, dtype: torch.dtype) -> int | None:
     return max(1, 2 * register // dtype.itemsize)
 
 
+def eager_runs_onednn_lstm(module: torch.nn.Module, args: tuple) -> bool:
+    """Whether eager PyTorch runs this call of ``module`` through oneDNN's fused CPU LSTM kernel
+    (``aten.mkldnn_rnn_layer``): an ``nn.LSTM`` without projections, called on a padded (not
+    packed) non-empty CPU input with CPU weights and states, oneDNN built in and enabled, in
+    float32 (bfloat16 where the CPU supports oneDNN's, float16 only without grad) -- what
+    ``at::native::lstm`` checks before its cell loop. ``nn.GRU`` and ``nn.RNN`` have no such
+    kernel."""
+    if not isinstance(module, torch.nn.LSTM) or module.proj_size > 0 or not args:
+        return False
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.numel() == 0:  # (a PackedSequence takes the cell loop)
+        return False
+    states = [t for t in tree_leaves(args[1:]) if isinstance(t, torch.Tensor)]
+    if any(t.device.type != "cpu" for t in (x, *module._flat_weights, *states) if isinstance(t, torch.Tensor)):
+        return False
+    if x.dtype == torch.float32:
+        return True
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported" if x.dtype == torch.bfloat16
+                        else "_is_mkldnn_fp16_supported", None)
+    if x.dtype == torch.bfloat16:
+        return supported is not None and bool(supported())
+    if x.dtype == torch.float16:
+        return not torch.is_grad_enabled() and supported is not None and bool(supported())
+    return False
+
+
+def _onednn_lstm_error(where: str, kernel: str) -> TraceError:
+    return TraceError(
+        f"{where} runs oneDNN's fused CPU LSTM kernel ({kernel}) in eager PyTorch, which a traced "
+        f"step cannot reproduce: traced through it, the step loses the workspace the kernel's "
+        f"backward reads and cannot run; traced around it, the LSTM becomes plain matrix products, "
+        f"which round differently from the fused kernel (in the last bits), so remat's gradients "
+        f"would not be eager's. Trace with oneDNN off for this step: `with "
+        f"torch.backends.mkldnn.flags(enabled=False): step = remat.optimize(...)`. The LSTM then "
+        f"traces to plain matrix products: the step's gradients are eager PyTorch's with oneDNN off, "
+        f"so compare it with, and switch to it from, eager training under the same flag"
+    )
+
+
 class _ModuleWatch:
     """While in use as a context manager, calls ``self._called(module, args)`` before every
     call of a module of ``model`` that is one of ``kinds`` (named in ``self.names``); nothing
@@ -299,8 +341,12 @@ class RnnWatch(_ModuleWatch):
 
     * dropout between layers in training: PyTorch's traced RNN (its decomposition into cells)
       leaves that dropout out, so the traced step computes other gradients, silently;
-    * oneDNN's fused CPU LSTM (``aten.mkldnn_rnn_layer``): its traced form has no workspace,
-      which its backward needs, so the step cannot run;
+    * oneDNN's fused CPU LSTM (``aten.mkldnn_rnn_layer``), wherever eager PyTorch runs it
+      (``eager_runs_onednn_lstm``): traced through it, the step has no workspace, which the
+      kernel's backward needs, and cannot run; traced around it (an LSTM whose input the step
+      computes, as after an embedding, traces to its cell loop), the matrix products round
+      differently from the fused kernel, so the gradients were eager's only to the last bits
+      (1e-9 in float32), silently;
     * a GRU on a vectorizing CPU whose ``hidden_size`` is not a multiple of the elementwise
       kernels' block (two SIMD registers): eager PyTorch's GRU cell applies ``sigmoid_`` in place
       to strided views of its gates, so each row's last ``hidden_size % block`` elements take
@@ -341,22 +387,18 @@ class RnnWatch(_ModuleWatch):
                     f"ATEN_CPU_CAPABILITY=default before torch is imported (unvectorized kernels: eager "
                     f"and traced then agree)"
                 )
+        if eager_runs_onednn_lstm(module, args):
+            raise _onednn_lstm_error(_describe_module(self.model, name), "aten.mkldnn_rnn_layer")
 
     def check_graph(self, gm: torch.fx.GraphModule) -> None:
-        """Refuse a traced step that runs oneDNN's fused LSTM kernel."""
+        """Refuse a traced step that runs oneDNN's fused LSTM kernel (where a call was not refused
+        already: its inputs did not tell)."""
         fused = next((n for n in gm.graph.nodes if n.op == "call_function" and "mkldnn_rnn" in str(n.target)), None)
         if fused is None:
             return
         lstms = [name for name, m in self.called.items() if isinstance(m, torch.nn.LSTM)] or list(self.called)
         where = ", ".join(_describe_module(self.model, name) for name in lstms) or f"model {type(self.model).__name__}"
-        raise TraceError(
-            f"{where} runs oneDNN's fused CPU LSTM kernel ({fused.target}), whose traced form loses "
-            f"the workspace its backward reads, so the traced step cannot run; trace with oneDNN off "
-            f"for this step: `with torch.backends.mkldnn.flags(enabled=False): step = remat.optimize(...)`. "
-            f"The LSTM then traces to plain matrix products: the step's gradients are eager PyTorch's "
-            f"with oneDNN off, which round differently from the fused kernel's (in the last bits), so "
-            f"compare it with, and switch to it from, eager training under the same flag"
-        )
+        raise _onednn_lstm_error(where, str(fused.target))
 
 
 def check_dense(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
