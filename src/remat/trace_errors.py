@@ -282,18 +282,19 @@ def eager_runs_onednn_lstm(module: torch.nn.Module, args: tuple) -> bool:
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.numel() == 0:  # (a PackedSequence takes the cell loop)
         return False
-    states = [t for t in tree_leaves(args[1:]) if isinstance(t, torch.Tensor)]
-    if any(t.device.type != "cpu" for t in (x, *module._flat_weights, *states) if isinstance(t, torch.Tensor)):
+    if any(t.device.type != "cpu" for t in tree_leaves((x, module._flat_weights, args[1:]))
+           if isinstance(t, torch.Tensor)):
         return False
     if x.dtype == torch.float32:
         return True
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported" if x.dtype == torch.bfloat16
-                        else "_is_mkldnn_fp16_supported", None)
     if x.dtype == torch.bfloat16:
-        return supported is not None and bool(supported())
-    if x.dtype == torch.float16:
-        return not torch.is_grad_enabled() and supported is not None and bool(supported())
-    return False
+        check = "_is_mkldnn_bf16_supported"
+    elif x.dtype == torch.float16 and not torch.is_grad_enabled():
+        check = "_is_mkldnn_fp16_supported"
+    else:
+        return False
+    supported = getattr(torch.ops.mkldnn, check, None)
+    return supported is not None and bool(supported())
 
 
 def _onednn_lstm_error(where: str, kernel: str) -> TraceError:

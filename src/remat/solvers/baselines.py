@@ -200,6 +200,16 @@ class StageWalk:
         self.nodes += done
         return done
 
+    def recomputations(self) -> tuple[list[int], list[int]]:
+        """The (stages, nodes) recorded so far beyond each node's own computation."""
+        n = self.graph.n
+        return self.stages[n:], self.nodes[n:]
+
+    def record(self, stages: list[int], nodes: list[int]) -> None:
+        """Record recomputations another walk of this graph found (its ``recomputations``)."""
+        self.stages += stages
+        self.nodes += nodes
+
     def measure(self, label: str) -> BaselinePlan:
         return measure_by_stage(self.graph, self.stages, self.nodes, label)
 

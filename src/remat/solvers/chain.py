@@ -357,14 +357,13 @@ class ChainModel:
         if s not in self._leaf_others:  # the other segments' stages hold ``always`` alone: one walk for every option
             others = StageWalk(self.graph)
             self._walk_stages(others, always, masks, rows, segment=s, inside=False)
-            self._leaf_others[s] = (others.stages[self.graph.n:], others.nodes[self.graph.n:])
+            self._leaf_others[s] = others.recomputations()
         if held.ndim == 1:
             masks[s] = self._held_mask(s, held)
         else:
             rows[s] = held
         walk = StageWalk(self.graph)
-        walk.stages += self._leaf_others[s][0]
-        walk.nodes += self._leaf_others[s][1]
+        walk.record(*self._leaf_others[s])
         self._walk_stages(walk, always, masks, rows, segment=s, inside=True)
         plan = walk.measure("leaf option")
         mem = order_memory(self.graph, np.asarray(plan.nodes, dtype=np.int64))
