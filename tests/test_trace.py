@@ -102,6 +102,38 @@ def test_checkpoint_all_is_no_larger_than_eager_pytorch():
         assert simulated <= 1.03 * eager.peak_bytes, (name, simulated, eager.peak_bytes)
 
 
+def test_a_dropout_mask_is_copied_only_once_its_output_is_read_for_the_last_time():
+    """Dropout returns its output and its mask; a plan frees a node's outputs together, so the
+    mask (read by dropout's backward) is cloned apart from the output (read last by the next
+    layer's weight gradient). The clone is made right after that last read: made right after
+    the dropout, the copy was held beside the original mask through the forward pass, and with
+    two layers checkpoint-all measured 1.9% above eager PyTorch (6,471,780 B against
+    6,348,888 B). The step, measured with the profiler's allocation events, is what the plan
+    predicts and no more than eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(2) for m in (nn.Linear(512, 512), nn.GELU(), nn.Dropout(0.1))],
+                          nn.Linear(512, 10))
+    x, y = torch.randn(256, 512), torch.randint(0, 10, (256,))
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(x), y)
+    step = remat.optimize(model, (x, y), loss_fn, budget="100%", method="checkpoint_all")
+    graph, names = step.traced.graph, step.traced.node_names
+    masks = [i for i, name in enumerate(names)
+             if name.startswith("clone") and names[graph.nodes[i].deps[0]].startswith("native_dropout")]
+    assert len(masks) == 2
+    for i in masks:
+        dropout = graph.nodes[i].deps[0]
+        readers = [j for j, node in enumerate(graph.nodes) if dropout in node.deps and j != i]
+        assert i == max(readers) + 1 and graph.nodes[i].kind is NodeKind.BACKWARD, [names[j] for j in readers]
+    resident = resident_bytes_of([x, y], list(model.parameters()))
+    planned = measure_peak(lambda: step(x, y), resident_bytes=resident)
+    for p in model.parameters():
+        p.grad = None
+    eager = measure_peak(lambda: loss_fn(model, x, y).backward(), resident_bytes=resident)
+    assert planned.peak_bytes == step.report.predicted_peak_bytes
+    assert planned.peak_bytes < eager.peak_bytes
+
+
 def test_node_kinds_follow_the_phases_of_the_step():
     t = traced("mlp", 256)
     kinds = [n.kind for n in t.graph.nodes]

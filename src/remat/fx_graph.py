@@ -90,12 +90,23 @@ def split_multi_outputs(gm: fx.GraphModule, kinds: dict[str, NodeKind]) -> None:
     """Clone small outputs of multi-output ops that outlive a larger sibling.
 
     A plan frees a node's outputs together, so batch norm's saved statistics (needed in the
-    backward) would keep its large normalized output alive all step, and a weight gradient
-    would keep the input gradient of ``convolution_backward`` alive to the end. An explicit
-    clone of the small long-lived output lets the op's node be freed after the large one's
-    last use (``_worth_cloning`` says when), except what a backward op returns from the step (a
-    weight gradient): ``build_graph`` counts that as the op's ``kept_bytes``, so the op's other
-    outputs are freed without a copy.
+    backward) would keep its large normalized output alive all step, dropout's mask its output
+    and a weight gradient the input gradient of ``convolution_backward`` to the end. An explicit
+    clone of the small long-lived output lets the op's node be freed with the large one, except
+    what a backward op returns from the step (a weight gradient): ``build_graph`` counts that as
+    the op's ``kept_bytes``, so the op's other outputs are freed without a copy.
+
+    The clone is made as late as it can be: right after the last reader of the outputs that
+    are not cloned (``_when_the_op_dies`` chooses which), so the readers after it read the
+    clone and the op is freed there. Eager PyTorch holds each output until its own last reader
+    and makes no copy; the plan holds the copy beside the original for that one step, where
+    the original's other outputs, dead in eager, still count (the prediction is then above the
+    measured step, never below). Made right after the op, the copy was held beside the original
+    through the whole forward pass: a dropout's mask twice from the forward pass to the
+    backward of the layer after it. An output the forward returns (a loss, a running
+    statistic) is cloned right after the op, where ``_worth_cloning`` finds it frees more than
+    it holds, and so is one with a view taken before that reader and read after it (the view
+    would pin the op).
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -116,26 +127,76 @@ def split_multi_outputs(gm: fx.GraphModule, kinds: dict[str, NodeKind]) -> None:
             g: (last_use.get(_storage_key(g.meta["val"]), pos[g]), g.meta["val"].untyped_storage().nbytes())
             for g in gets
         }
-        backward = kinds.get(x.name, NodeKind.BACKWARD) is NodeKind.BACKWARD
-        for g in gets:
-            if backward and info[g][0] == end:
-                continue  # returned by a backward op: ``build_graph`` makes it the op's kept bytes
+        if kinds.get(x.name, NodeKind.BACKWARD) is NodeKind.BACKWARD:
+            # returned by a backward op: ``build_graph`` makes it the op's kept bytes
+            info = {g: v for g, v in info.items() if v[0] != end}
+        late = {g: v for g, v in info.items() if v[0] != end}
+        for g in (g for g in info if g not in late):  # returned by the forward: its copy is made there
             if _worth_cloning(info, g, born=pos[x]):
-                with gm.graph.inserting_after(g):  # before every user of g
-                    c = gm.graph.call_function(torch.ops.aten.clone.default, (g,))
-                g.replace_all_uses_with(c, delete_user_cb=lambda user: user is not c)
-                kinds[c.name] = kinds.get(x.name, NodeKind.FORWARD)
+                _clone_after(gm, g, g, kinds.get(x.name, NodeKind.FORWARD), kinds)
+            else:
+                late = {}  # the op lives to the end anyway
+        dies = _when_the_op_dies(late, born=pos[x]) if late else end
+        for g, (last, _) in late.items():
+            if last <= dies:
+                continue
+            if _viewed_past(g, nodes[dies], pos):  # a view of it would pin the op past its reader
+                if _worth_cloning(info, g, born=pos[x]):
+                    _clone_after(gm, g, g, kinds.get(x.name, NodeKind.FORWARD), kinds)
+                continue
+            _clone_after(gm, g, nodes[dies], kinds.get(nodes[dies].name, NodeKind.FORWARD), kinds, pos=pos)
+
+
+def _clone_after(gm: fx.GraphModule, g: fx.Node, at: fx.Node, kind: NodeKind, kinds: dict, *,
+                 pos: dict | None = None) -> None:
+    """Clone ``g`` right after ``at``, of kind ``kind``; its readers after ``at`` (every one
+    when ``pos``, the nodes' positions, is not given) read the clone."""
+    with gm.graph.inserting_after(at):
+        c = gm.graph.call_function(torch.ops.aten.clone.default, (g,))
+    if pos is None:
+        g.replace_all_uses_with(c, delete_user_cb=lambda user: user is not c)
+    else:
+        g.replace_all_uses_with(c, delete_user_cb=lambda user: user is not c and pos.get(user, -1) > pos[at])
+    kinds[c.name] = kind
+
+
+def _when_the_op_dies(info: dict, *, born: int) -> int:
+    """The position of the last reader of a multi-output op's outputs that are not cloned
+    (``info``: output -> (last use, bytes)): the one that holds the fewest bytes x positions,
+    counting every output until then and each cloned one from then to its own last use (the
+    fewest clones where that ties)."""
+    best, best_cost = None, None
+    total = sum(b for _, b in info.values())
+    for dies in sorted({last for last, _ in info.values()}, reverse=True):
+        cost = total * (dies - born) + sum(b * (last - dies) for last, b in info.values() if last > dies)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = dies, cost
+    return best
+
+
+def _viewed_past(g: fx.Node, reader: fx.Node, pos: dict) -> bool:
+    """Whether a view of ``g`` taken before ``reader`` (a node sharing its storage) is read at
+    or after it: a clone made there would not free the op, which the view pins."""
+    key = _storage_key(g.meta["val"])
+    todo = [u for u in g.users if pos[u] <= pos[reader]]
+    seen = set()
+    while todo:
+        u = todo.pop()
+        if u in seen or key not in {_storage_key(t) for t in _tensors(u.meta.get("val"))}:
+            continue
+        seen.add(u)
+        for w in u.users:
+            if pos.get(w, len(pos)) > pos[reader]:
+                return True
+            todo.append(w)
+    return False
 
 
 def _worth_cloning(info: dict, g: object, *, born: int) -> bool:
-    """Clone output ``g`` (``info``: output -> (last use, bytes), positions in the graph) when
-    it is smaller than the outputs that die before it and the bytes x time it frees beat the
-    bytes x time the copy adds. Freed: the outputs that die before it, no longer held until it
-    dies. Added: the copy, held while the node is alive anyway. A clone across the forward/backward boundary also costs more than the model sees:
-    only the values the backward reads cross it, so the original dies with the forward graph
-    while the model holds it with its node. Batch norm's statistics (the normalized output dies
-    in the forward pass) are cloned; dropout's mask next to an output the backward reads anyway
-    is not."""
+    """Clone output ``g`` right after its op (``info``: output -> (last use, bytes), positions in
+    the graph) when it is smaller than the outputs that die before it and the bytes x time it
+    frees beat the bytes x time the copy adds. Freed: the outputs that die before it, no longer
+    held until it dies. Added: the copy, held while the node is alive anyway."""
     last, nbytes = info[g]
     earlier = [(l, b) for l, b in info.values() if l < last]
     if not earlier:
