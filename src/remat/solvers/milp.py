@@ -172,12 +172,14 @@ RESHUFFLE_SHARE = 1 / 2
 @dataclass(frozen=True)
 class MinimumBudget:
     """The smallest budget with a plan found, its plan, and a budget below which no plan
-    exists; ``proven`` when the two meet."""
+    exists; ``proven`` when the two meet. ``exact``: whether the exact least-peak model was
+    allowed to search (a call with ``exact_max_nodes`` below the graph's size does not run it)."""
 
     budget_bytes: int
     proven: bool
     schedule: Schedule
     lower_bound_bytes: int
+    exact: bool = True
 
 
 @register("milp")
@@ -228,7 +230,8 @@ def milp(
     prep = prepared(graph)
     settings = SolverSettings(time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads)
     if budget_bytes < prep.bounds.min_budget_bytes:
-        raise _infeasible(graph, budget_bytes, settings, backend, "below what the values no plan can drop need")
+        raise _infeasible(graph, budget_bytes, settings, backend, "below what the values no plan can drop need",
+                          exact_max_nodes=exact_max_nodes)
     if early_proof:  # computing every node once is the least any plan costs: nothing to search
         everything = baseline_candidates(graph, budget_bytes, methods=("checkpoint_all",))
         if everything and everything[0].peak_bytes <= budget_bytes:
@@ -243,7 +246,7 @@ def milp(
         go_on_until=started + BOUND_MORE_SHARE * time_limit_s)
     if not bound.feasible:
         raise _infeasible(graph, budget_bytes, settings, backend, f"at {graph.describe(bound.instant)} the values "
-                          f"no plan can drop already exceed it")
+                          f"no plan can drop already exceed it", exact_max_nodes=exact_max_nodes)
     target = bound.value * (1 + mip_gap)
     if best is not None and early_proof and best.cost <= target:
         return _finish(graph, budget_bytes, best, None, bound.value, SolveStatus.OPTIMAL, started,
@@ -304,7 +307,7 @@ def milp(
             timed_out = (status is BackendStatus.FEASIBLE or status is BackendStatus.NO_SOLUTION) and until >= deadline
     if best is None:
         found = minimum_budget(graph, backend=backend, time_limit_s=max(deadline - time.perf_counter(), MIN_SOLVER_TIME_S),
-                               threads=threads)
+                               threads=threads, exact_max_nodes=exact_max_nodes)
         if found.budget_bytes > budget_bytes:
             raise _infeasible(graph, budget_bytes, settings, backend, "no plan found fits", found=found)
         sim = simulate(graph, found.schedule.lower(graph))
@@ -337,7 +340,7 @@ def milp(
     if isinstance(found, MinimumBudget) and result.peak_bytes < found.budget_bytes:
         # a plan below the smallest budget found so far: it is the smallest budget now
         prep.minimum = MinimumBudget(result.peak_bytes, result.peak_bytes <= found.lower_bound_bytes,
-                                     result.schedule, found.lower_bound_bytes)
+                                     result.schedule, found.lower_bound_bytes, found.exact)
     return result
 
 
@@ -669,7 +672,9 @@ def minimum_budget(
     the baselines' plans, those plans with their peaks lowered by ``repair``, the retention
     model's least-peak plan and (on small graphs) the exact least-peak MILP. ``proven`` when
     it meets ``bounds``' smallest-budget bound or the exact model proved it. Remembered per
-    graph: asking ``milp`` for this budget plans.
+    graph: asking ``milp`` for this budget plans. The exact model runs only where the graph
+    has at most ``exact_max_nodes`` nodes (0: never, as ``milp``'s own option says); a budget
+    found without it is found again by a later call that allows it, unless it was proven.
 
     >>> from remat.builders import chain_graph
     >>> minimum_budget(chain_graph(4, bytes_per_node=1)).budget_bytes
@@ -678,8 +683,9 @@ def minimum_budget(
     backend = MilpBackend.parse(backend)
     _check_numbers(time_limit_s, 0.0, threads)
     prep = prepared(graph)
-    if isinstance(prep.minimum, MinimumBudget):
-        return prep.minimum
+    known = prep.minimum
+    if isinstance(known, MinimumBudget) and (known.proven or known.exact or graph.n > exact_max_nodes):
+        return known
     with older_objects_frozen():
         return _minimum_budget(graph, prep, backend, time_limit_s, threads, exact_max_nodes)
 
@@ -732,7 +738,7 @@ def _minimum_budget(graph: Graph, prep: PreparedGraph, backend: MilpBackend, tim
         proven = best.peak_bytes <= lower
     log.info("min-budget: %s needs %d B (%s; no plan below %d B)", graph.name, best.peak_bytes,
              "proven" if proven else "not proven", lower)
-    prep.minimum = MinimumBudget(best.peak_bytes, proven, best.schedule, lower)
+    prep.minimum = MinimumBudget(best.peak_bytes, proven, best.schedule, lower, graph.n <= exact_max_nodes)
     return prep.minimum
 
 
@@ -742,9 +748,9 @@ def _candidate(name: str, graph: Graph, schedule: Schedule) -> Candidate:
 
 
 def _infeasible(graph: Graph, budget_bytes: int, settings: SolverSettings, backend: MilpBackend, why: str,
-                found: MinimumBudget | None = None) -> InfeasibleBudgetError:
+                found: MinimumBudget | None = None, *, exact_max_nodes: int = EXACT_MAX_NODES) -> InfeasibleBudgetError:
     found = found or minimum_budget(graph, backend=backend, time_limit_s=settings.time_limit_s,
-                                    threads=settings.threads)
+                                    threads=settings.threads, exact_max_nodes=exact_max_nodes)
     detail = why if found.proven else (f"{why}; the smallest budget found is not proven the least: no plan fits "
                                        f"below {found.lower_bound_bytes} B")
     return InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=found.budget_bytes, method="milp",
