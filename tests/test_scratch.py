@@ -47,6 +47,45 @@ def test_measuring_restores_the_random_state_and_is_repeatable():
     assert measure(gm, [x]) == first
 
 
+class _CachingAllocatorStats:
+    """The CUDA caching allocator's statistics around one op, as ``torch.cuda.memory_stats``
+    reports them: the op asks for 4096 B of scratch and keeps a 256 B output; the blocks
+    counted as allocated are larger by ``slack`` bytes, which depends on what the allocator had
+    cached before (a block too small to split is counted whole)."""
+
+    def __init__(self, slack: int) -> None:
+        self.slack, self.ran = slack, False
+
+    def reset_peak(self, device=None) -> None:
+        self.ran = True
+
+    def stats(self, device=None) -> dict[str, int]:
+        if not self.ran:
+            return {"requested_bytes.all.current": 1000, "requested_bytes.all.peak": 1000,
+                    "allocated_bytes.all.current": 1024, "allocated_bytes.all.peak": 1024}
+        self.ran = False
+        return {"requested_bytes.all.current": 1256, "requested_bytes.all.peak": 1256 + 4096,
+                "allocated_bytes.all.current": 1536 + self.slack, "allocated_bytes.all.peak": 1536 + 4096 + 2 * self.slack}
+
+
+@pytest.mark.parametrize("slack", [0, 786_432])
+def test_cuda_scratch_is_what_the_op_asked_for_whatever_the_allocator_had_cached(monkeypatch, slack):
+    """On CUDA, scratch was the allocator's allocated bytes, which count whole cached blocks: the
+    same FCN8 measured differently in its first trace than in later ones (on an H200, 12
+    convolutions up to 770 KiB apart), and the smallest budget one trace stated was refused on
+    the next. It is now the bytes the op's kernels asked for."""
+    from remat.scratch import _Probe
+
+    fake = _CachingAllocatorStats(slack)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak)
+    monkeypatch.setattr(torch.cuda, "memory_stats", fake.stats)
+    gm = make_fx(lambda x: torch.ops.aten.native_dropout(x, 0.5, True)[0])(torch.randn(16))
+    probe = _Probe(gm, frozenset(), torch.device("cuda", 0))
+    probe.run(torch.randn(16))
+    assert probe.cuda_scratch == {"native_dropout": 4096}
+
+
 def test_estimate_rules_match_the_measurement_on_dropout_and_skip_other_devices():
     gm, x = _dropout_graph()
     assert estimate(gm)["native_dropout"] == measure(gm, [x])["native_dropout"]

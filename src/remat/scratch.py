@@ -9,7 +9,8 @@ memory at the peak (without it, a plan of the small CNN made for 311,610 B measu
 
 ``ScratchModel.MEASURE`` runs the graph once on real inputs and reads each op's allocations:
 on CPU the ``torch.profiler`` memory events inside the op (its peak minus what it still holds
-when it returns, which is its outputs), on CUDA the caching allocator's peak statistics. It is
+when it returns, which is its outputs), on CUDA the caching allocator's peak statistics of
+requested bytes (not of its blocks, whose sizes depend on what it had cached). It is
 what ``CostModel.PROFILE`` uses. ``ScratchModel.ESTIMATE`` reads ``SCRATCH_RULES``: one rule
 per op, written from what was measured on CPU kernels (the table says how close each rule
 came). ``ScratchModel.NONE`` models no scratch at all.
@@ -85,14 +86,29 @@ class _Probe(fx.Interpreter):
             with torch.profiler.record_function(_MARK + name):
                 return target(*args, **kwargs)
         torch.cuda.synchronize(self.cuda)
-        before = torch.cuda.memory_allocated(self.cuda)
+        before, _ = _requested_bytes(self.cuda)
         torch.cuda.reset_peak_memory_stats(self.cuda)
         result = target(*args, **kwargs)
         torch.cuda.synchronize(self.cuda)
-        peak = torch.cuda.max_memory_allocated(self.cuda) - before
-        held = torch.cuda.memory_allocated(self.cuda) - before
-        self.cuda_scratch[name] = max(0, peak - max(held, 0))
+        current, peak = _requested_bytes(self.cuda)
+        self.cuda_scratch[name] = max(0, (peak - before) - max(current - before, 0))
         return result
+
+
+def _requested_bytes(device: torch.device) -> tuple[int, int]:
+    """The bytes the CUDA caching allocator's callers asked for, now and at the peak.
+
+    Not its allocated bytes: a request served from a cached block too small to split counts
+    that whole block (1.27 MiB asked, 2 MiB counted), so what an op seemed to allocate
+    depended on what the allocator had cached before it ran, and one model traced twice in
+    one process measured different scratch (FCN8 on an H200: 12 convolutions off by up to
+    770 KiB) and stated a smallest budget a second trace could not meet. Outputs are counted
+    as their tensors' bytes too.
+    """
+    stats = torch.cuda.memory_stats(device)
+    if "requested_bytes.all.current" in stats:
+        return stats["requested_bytes.all.current"], stats["requested_bytes.all.peak"]
+    return stats["allocated_bytes.all.current"], stats["allocated_bytes.all.peak"]
 
 
 def measure(
