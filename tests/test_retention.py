@@ -182,6 +182,33 @@ def test_without_the_exact_model_the_smallest_budget_is_found_without_it_too(mon
         minimum_budget(graph)
 
 
+def test_a_smallest_budget_stated_for_one_trace_plans_on_the_next_trace_of_the_model() -> None:
+    """Profiled costs differ from trace to trace, so the same model traced again is a new
+    graph to the planning cache. On an H200, FCN8's smallest budget stated by one
+    ``remat.optimize`` call was refused by the next call asked for exactly that budget. The
+    least-peak plan is now kept by the graph's structure: here the exact model finds 44 B on
+    the first graph, and on the second (other costs, no exact model), whose own searches reach
+    only 49 B, that budget still plans."""
+    from remat.solvers import prepared as prepared_module
+
+    prepared_module.clear()
+    graph = random_training_graph(20, seed=0)
+    again = graph.with_costs([1.5 * n.cost + i % 3 for i, n in enumerate(graph.nodes)])
+    assert again.fingerprint() != graph.fingerprint()
+    assert again.fingerprint(costs=False) == graph.fingerprint(costs=False)
+    alone = minimum_budget(again, exact_max_nodes=0, time_limit_s=5.0)
+    assert alone.budget_bytes == 49  # what the searches without the exact model reach on their own
+    prepared_module.clear()
+    stated = minimum_budget(graph, time_limit_s=20.0)
+    assert stated.budget_bytes == 44 and stated.proven
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(again, 43, method="milp", exact_max_nodes=0, time_limit_s=5.0)
+    assert info.value.min_budget_bytes == 44
+    result = solve(again, 44, method="milp", exact_max_nodes=0, time_limit_s=5.0)
+    assert result.peak_bytes <= 44 and result.sim.ok
+    assert result.objective == pytest.approx(simulate(again, result.plan).total_cost)
+
+
 def test_a_time_limit_returns_the_best_plan_with_the_whole_graph_gap(caplog) -> None:
     graph = random_training_graph(150, seed=4)
     budget = (InstantBounds(graph).min_budget_bytes + checkpoint_all_peak(graph)) // 2

@@ -47,7 +47,7 @@ from remat.simulate import simulate
 from remat.solvers import lp_round
 from remat.solvers.base import SolveResult, SolverStats, SolveStatus, finish, register, relative_gap
 from remat.solvers.base import methods as registered_methods
-from remat.solvers.baselines import BaselinePlan, plans_of
+from remat.solvers.baselines import BaselinePlan, measure_order, plans_of
 from remat.solvers.bounds import CostBound
 from remat.solvers.milp_backends import (
     BackendResult,
@@ -66,7 +66,7 @@ from remat.solvers.milp_start import (
     best_fitting,
     without_unread,
 )
-from remat.solvers.prepared import PreparedGraph, prepared
+from remat.solvers.prepared import PreparedGraph, least_peak_plan, prepared, remember_least_peak
 from remat.solvers.repair import lower_peak, prune, reshuffle
 from remat.solvers.restart import restart_instants, restart_plan
 from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
@@ -699,6 +699,10 @@ def _minimum_budget(graph: Graph, prep: PreparedGraph, backend: MilpBackend, tim
     known += [_retention_candidate(graph, plan) for plan in prep.retention_plans]  # found at other budgets
     if prep.lowest is not None:  # the least-peak plan returned at any budget so far (the exact model's, say)
         known.append(prep.lowest)
+    earlier = least_peak_plan(graph)
+    if earlier is not None:  # found on this structure with other costs: the same model traced before
+        label = "least-peak plan of an earlier trace"
+        known.append(Candidate.of_plan(label, graph, measure_order(graph, earlier.stages, earlier.nodes, label)))
     best = min(known, key=lambda c: (c.peak_bytes, c.cost))
     proven = best.peak_bytes <= lower
     if not proven:  # every method's least-peak plan lowered towards the bound (ResNet50: 24.0% -> 23.1%)
@@ -739,6 +743,7 @@ def _minimum_budget(graph: Graph, prep: PreparedGraph, backend: MilpBackend, tim
     log.info("min-budget: %s needs %d B (%s; no plan below %d B)", graph.name, best.peak_bytes,
              "proven" if proven else "not proven", lower)
     prep.minimum = MinimumBudget(best.peak_bytes, proven, best.schedule, lower, graph.n <= exact_max_nodes)
+    remember_least_peak(graph, best.as_plan(graph))
     return prep.minimum
 
 

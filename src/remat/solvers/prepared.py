@@ -10,6 +10,12 @@ which plan it returns for a budget, except that plans found for earlier budgets 
 as starting points of the search, and a plan returned for an earlier budget is returned for
 a later one it fits when the search finds nothing cheaper (so a sweep never pays more at a
 larger budget than at a smaller one planned before it).
+
+Profiled costs differ from one trace of a model to the next, so a second trace is a new graph
+to that cache. The least-peak plan found for a graph is therefore also kept by its structure
+alone (``Graph.fingerprint(costs=False)``): the smallest-budget search on a graph of the same
+structure starts from it, and the smallest budget an error stated for one trace plans on the
+next, whatever the time-limited searches find there.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING
 from remat.graph import Graph
 
 if TYPE_CHECKING:
+    from remat.solvers.baselines import BaselinePlan
     from remat.solvers.bounds import InstantBounds
     from remat.solvers.milp_start import Candidate
     from remat.solvers.retention import RetentionSolution, RetentionStructure
@@ -120,7 +127,32 @@ def prepared(graph: Graph) -> PreparedGraph:
         return state
 
 
+#: The least-peak plan found per graph structure, for the last this many structures.
+LEAST_PEAK_STRUCTURES = 16
+_LEAST_PEAK: OrderedDict[str, BaselinePlan] = OrderedDict()
+
+
+def least_peak_plan(graph: Graph) -> BaselinePlan | None:
+    """The plan of least peak found so far on a graph of ``graph``'s structure (its costs may
+    differ: re-measure it on ``graph``), or None."""
+    with _LOCK:
+        return _LEAST_PEAK.get(graph.fingerprint(costs=False))
+
+
+def remember_least_peak(graph: Graph, plan: BaselinePlan) -> None:
+    """Keep ``plan`` as its structure's least-peak plan unless one of no higher peak is kept."""
+    key = graph.fingerprint(costs=False)
+    with _LOCK:
+        kept = _LEAST_PEAK.get(key)
+        if kept is None or plan.peak_bytes < kept.peak_bytes:
+            _LEAST_PEAK[key] = plan
+        _LEAST_PEAK.move_to_end(key)
+        while len(_LEAST_PEAK) > LEAST_PEAK_STRUCTURES:
+            _LEAST_PEAK.popitem(last=False)
+
+
 def clear() -> None:
-    """Forget every prepared graph (tests use it to measure cold starts)."""
+    """Forget every prepared graph and least-peak plan (tests use it to measure cold starts)."""
     with _LOCK:
         _CACHE.clear()
+        _LEAST_PEAK.clear()
