@@ -43,7 +43,7 @@ than ``NOISE_FACTOR`` times eager's own counts as agreement.
 The whole run is sized for one H100 in under 10 minutes: batch sizes below, a solver time
 limit, and a deadline (``--deadline-s``) after which the remaining variants are recorded as
 skipped; results are written after every variant and a second run resumes where the first
-stopped.
+stopped, measuring again the variants that failed (after a fix, say).
 
     python bench/cuda_check.py                         # on a CUDA machine: every model
     python bench/cuda_check.py --models resnet50,gpt2  # a subset
@@ -483,12 +483,12 @@ def _report(r) -> dict:
 
 
 def check_model(spec: Spec, args, record: dict, save, deadline: float) -> None:
-    """Every variant of ``spec`` not measured yet (or skipped for time before), in order, saving
-    after each. Eager (and the compiled row, when a compiled variant is pending) run again on a
+    """Every variant of ``spec`` not measured yet (skipped for time before, or failed), in
+    order, saving after each. Eager (and the compiled row, when a compiled variant is pending) run again on a
     resumed run: their gradients are the references."""
     import torch
 
-    done = {name for name, v in record["variants"].items() if "skipped" not in v}
+    done = {name for name, v in record["variants"].items() if "skipped" not in v and "error" not in v}
     pending = [v for v in variant_names(args.budgets) if v not in done]
     if not pending:
         print(f"{spec.key}: done already", flush=True)

@@ -286,6 +286,32 @@ def test_dry_run_on_cpu_measures_writes_renders_and_resumes(tmp_path, capsys, mo
     assert "gpt2@8: done already" in capsys.readouterr().out
 
 
+def test_a_rerun_measures_again_the_variants_that_failed(monkeypatch):
+    """A variant that failed (on an H200: FCN8's cuDNN-off row refused at its own stated
+    smallest budget) is measured again by the next run, once fixed, beside the references it
+    is compared with; a rerun kept the error, and the fixed row could only be measured by
+    editing the JSON."""
+    import time
+
+    names = cuda_check.variant_names([0.7])
+    failed = "remat.optimize 70%, cuDNN off"
+    record = {"variants": {name: {"variant": name, "peak_bytes": 1} for name in names}}
+    record["variants"][failed] = {"variant": failed, "error": "InfeasibleBudgetError: budget 3 B is infeasible"}
+    asked = []
+
+    def measure(spec, variant, *args, **kwargs):
+        asked.append(variant)
+        return {"variant": variant, "peak_bytes": 2, "step_s": 0.1, "_grads": []}
+
+    monkeypatch.setattr(cuda_check, "measure_variant", measure)
+    args = cuda_check.parse_args(["--device", "cpu", "--quick", "--budgets", "0.7"])
+    spec = cuda_check.specs(["gpt2"], True, None)[0]
+    cuda_check.check_model(spec, args, record, lambda: None, time.monotonic() + 600)
+    assert asked == ["eager", cuda_check.EAGER_OFF, cuda_check.COMPILED, failed]
+    assert record["variants"][failed] == {"variant": failed, "peak_bytes": 2, "step_s": 0.1}
+    assert all(record["variants"][name]["peak_bytes"] == 1 for name in names if name != failed)
+
+
 def test_a_refused_batch_norm_model_runs_with_native_batch_norms_against_the_compiled_row(tmp_path, monkeypatch):
     import importlib
 
