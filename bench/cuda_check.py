@@ -484,8 +484,8 @@ def _report(r) -> dict:
 
 def check_model(spec: Spec, args, record: dict, save, deadline: float) -> None:
     """Every variant of ``spec`` not measured yet (skipped for time before, or failed), in
-    order, saving after each. Eager (and the compiled row, when a compiled variant is pending) run again on a
-    resumed run: their gradients are the references."""
+    order, saving after each. Eager (and the compiled row, when a compiled variant is pending)
+    run again on a resumed run: their gradients are the references."""
     import torch
 
     done = {name for name, v in record["variants"].items() if "skipped" not in v and "error" not in v}

@@ -209,6 +209,25 @@ def test_a_smallest_budget_stated_for_one_trace_plans_on_the_next_trace_of_the_m
     assert result.objective == pytest.approx(simulate(again, result.plan).total_cost)
 
 
+def test_a_plan_below_the_smallest_budget_found_serves_the_next_trace_too() -> None:
+    """A ``milp`` call whose plan peaks below the smallest budget found so far makes it the
+    smallest budget: that plan is kept by the graph's structure too, so the budget an error
+    then states for this graph plans on a second trace (other costs) whose own searches reach
+    only 49 B."""
+    from remat.solvers import prepared as prepared_module
+
+    prepared_module.clear()
+    graph = random_training_graph(20, seed=0)
+    again = graph.with_costs([1.5 * n.cost + i % 3 for i, n in enumerate(graph.nodes)])
+    assert minimum_budget(graph, exact_max_nodes=0, time_limit_s=5.0).budget_bytes == 49
+    result = solve(graph, 46, method="milp", time_limit_s=10.0)
+    assert result.peak_bytes <= 46
+    stated = prepared(graph).minimum.budget_bytes
+    assert stated <= result.peak_bytes
+    assert minimum_budget(again, exact_max_nodes=0, time_limit_s=5.0).budget_bytes <= stated
+    assert solve(again, stated, method="milp", exact_max_nodes=0, time_limit_s=3.0).peak_bytes <= stated
+
+
 def test_a_time_limit_returns_the_best_plan_with_the_whole_graph_gap(caplog) -> None:
     graph = random_training_graph(150, seed=4)
     budget = (InstantBounds(graph).min_budget_bytes + checkpoint_all_peak(graph)) // 2

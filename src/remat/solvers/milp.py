@@ -339,8 +339,8 @@ def milp(
     found = prep.minimum
     if isinstance(found, MinimumBudget) and result.peak_bytes < found.budget_bytes:
         # a plan below the smallest budget found so far: it is the smallest budget now
-        prep.minimum = MinimumBudget(result.peak_bytes, result.peak_bytes <= found.lower_bound_bytes,
-                                     result.schedule, found.lower_bound_bytes, found.exact)
+        _new_minimum(graph, prep, MinimumBudget(result.peak_bytes, result.peak_bytes <= found.lower_bound_bytes,
+                                                result.schedule, found.lower_bound_bytes, found.exact), best)
     return result
 
 
@@ -742,9 +742,16 @@ def _minimum_budget(graph: Graph, prep: PreparedGraph, backend: MilpBackend, tim
         proven = best.peak_bytes <= lower
     log.info("min-budget: %s needs %d B (%s; no plan below %d B)", graph.name, best.peak_bytes,
              "proven" if proven else "not proven", lower)
-    prep.minimum = MinimumBudget(best.peak_bytes, proven, best.schedule, lower, graph.n <= exact_max_nodes)
-    remember_least_peak(graph, best.as_plan(graph))
-    return prep.minimum
+    return _new_minimum(graph, prep, MinimumBudget(best.peak_bytes, proven, best.schedule, lower,
+                                                   graph.n <= exact_max_nodes), best)
+
+
+def _new_minimum(graph: Graph, prep: PreparedGraph, minimum: MinimumBudget, plan: Candidate) -> MinimumBudget:
+    """Make ``minimum`` ``graph``'s smallest budget, and ``plan`` (its plan) the least-peak plan
+    of the graph's structure, which a later trace of the same model starts from."""
+    prep.minimum = minimum
+    remember_least_peak(graph, plan.as_plan(graph))
+    return minimum
 
 
 def _candidate(name: str, graph: Graph, schedule: Schedule) -> Candidate:
