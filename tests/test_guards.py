@@ -174,6 +174,13 @@ def test_a_parameter_stored_in_another_layout_is_refused_naming_it():
     model.b.bias.data = torch.zeros(5)
     with pytest.raises(TraceError, match=r"parameter 'b.bias' is now shape \(5,\)"):
         step(x, y)
+    width = model.b.weight.shape[0]
+    model.b.bias.data = torch.zeros(width)
+    step(x, y)  # (its layout as traced again)
+    model.b.bias = nn.Parameter(torch.zeros(width, device="meta"))  # the same shape, strides and dtype elsewhere
+    with pytest.raises(TraceError, match=rf"parameter 'b.bias' is now shape \({width},\), torch.float32 on meta, "
+                                         rf"strides \(1,\) but was shape \({width},\), torch.float32 on cpu"):
+        step(x, y)
 
 
 def test_a_step_called_under_another_autocast_is_refused():

@@ -64,7 +64,9 @@ def _same(a: object, b: object) -> bool:
 
 
 def _hook_count(module: torch.nn.Module) -> int:
-    return sum(len(getattr(module, name, ())) for name in _HOOKS)
+    state = module.__dict__  # (where nn.Module keeps them; read every step, so no loop)
+    return (len(state.get("_forward_hooks", ())) + len(state.get("_forward_pre_hooks", ()))
+            + len(state.get("_backward_hooks", ())) + len(state.get("_backward_pre_hooks", ())))
 
 
 @dataclass(frozen=True)
@@ -86,23 +88,29 @@ class ModuleState:
     #: values read from outside module attributes (``HeldValue``) with their values when traced
     held: tuple[tuple[HeldValue, object], ...] = ()
 
-    def check(self, model: torch.nn.Module) -> None:
-        """Raise ``TraceError`` naming the first value that differs from when the step was traced."""
-        modules = dict(model.named_modules(remove_duplicate=False))
-        for name, key, value in self.attributes:
+    def check(self, model: torch.nn.Module, view: ModelView | None = None) -> None:
+        """Raise ``TraceError`` naming the first value that differs from when the step was traced.
+        ``view``: the model's modules, parameters and buffers, when the caller has read them."""
+        view = view if view is not None else ModelView(model)
+        modules = view.modules
+        for name, recorded in self._attributes_by_module:
             module = modules.get(name)
             if module is None:
                 raise TraceError(f"module {name!r} is gone from the model since the step was traced; trace again")
-            now = module.__dict__.get(key, _MISSING)
-            if key == "training" and isinstance(now, bool) and now != value:
-                mode, other = ("train", "eval") if value else ("eval", "train")
-                call = "model" if not name else f"model.get_submodule({name!r})"
-                raise TraceError(
-                    f"{_where(name, module)} was traced in {mode} mode but is now in {other} mode; "
-                    f"call {call}.{mode}() or trace again (remat.optimize)"
-                )
-            if not _same(now, value):
-                raise _changed(f"{_where(name, module)} attribute {key!r}", now, value)
+            state = module.__dict__
+            for key, value in recorded:
+                now = state.get(key, _MISSING)
+                if now is value:  # (the object recorded, still there: what nearly every check finds)
+                    continue
+                if key == "training" and isinstance(now, bool) and now != value:
+                    mode, other = ("train", "eval") if value else ("eval", "train")
+                    call = "model" if not name else f"model.get_submodule({name!r})"
+                    raise TraceError(
+                        f"{_where(name, module)} was traced in {mode} mode but is now in {other} mode; "
+                        f"call {call}.{mode}() or trace again (remat.optimize)"
+                    )
+                if not _same(now, value):
+                    raise _changed(f"{_where(name, module)} attribute {key!r}", now, value)
         for held, value in self.held:
             now = held.read(model)
             if not _same(now, value):
@@ -128,18 +136,19 @@ class ModuleState:
                 f"torch.autocast(...): return ...) and call step() outside any, or trace again (remat.optimize) "
                 f"under the same autocast"
             )
-        tensors = {"parameter": dict(model.named_parameters()), "buffer": dict(model.named_buffers())}
-        for kind, key, shape, dtype, device, stride in self.layouts:
+        tensors = {"parameter": view.parameters, "buffer": view.buffers}
+        for (kind, key, shape, dtype, device, stride), placed in zip(self.layouts, self._placements):
             t = tensors[kind].get(key)
             if t is None:
                 continue  # (a tensor gone is named below, or by the step's own inputs)
-            if (tuple(t.shape), t.dtype, t.device, t.stride()) != (shape, dtype, device, stride):
+            if t.shape != shape or t.dtype != dtype or t.stride() != stride or (
+                    (t.is_cpu, t.is_cuda, t.get_device()) != placed if placed else t.device != device):
                 raise TraceError(
                     f"{kind} {key!r} is now {_layout(t.shape, t.dtype, t.device, t.stride())} but was "
                     f"{_layout(shape, dtype, device, stride)} when the step was traced; the traced step's "
                     f"kernels were chosen for that layout: trace again (remat.optimize) after changing it"
                 )
-        params = tensors["parameter"]
+        params = view.parameters
         for key, flag in self.requires_grad:
             p = params.get(key)
             if p is None:
@@ -151,6 +160,51 @@ class ModuleState:
                     f"eager PyTorch now would{'' if p.requires_grad else ' not'}; trace again (remat.optimize) "
                     f"after freezing or unfreezing parameters"
                 )
+
+
+    @functools.cached_property
+    def _placements(self) -> tuple[tuple[bool, bool, int] | None, ...]:
+        """Per entry of ``layouts``, its device as ``(t.is_cpu, t.is_cuda, t.get_device())`` of a
+        tensor there, for CPU and CUDA (read from a tensor in a fraction of the time
+        ``t.device`` takes); None for other devices, compared as devices."""
+        def placed(device: torch.device) -> tuple[bool, bool, int] | None:
+            if device.type == "cpu":
+                return (True, False, -1)
+            if device.type == "cuda" and device.index is not None:
+                return (False, True, device.index)
+            return None
+
+        return tuple(placed(device) for _, _, _, _, device, _ in self.layouts)
+
+    @functools.cached_property
+    def _attributes_by_module(self) -> tuple[tuple[str, tuple[tuple[str, object], ...]], ...]:
+        """``attributes`` grouped by module name, in their order (each module's are recorded
+        together)."""
+        groups: dict[str, list[tuple[str, object]]] = {}
+        for name, key, value in self.attributes:
+            groups.setdefault(name, []).append((key, value))
+        return tuple((name, tuple(recorded)) for name, recorded in groups.items())
+
+
+class ModelView:
+    """A model's modules, parameters and buffers by qualified name, each read once: every one
+    is a walk over the module tree, and one step reads them several times (the guards, the
+    step's inputs, where its updates and gradients go)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @functools.cached_property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return dict(self.model.named_modules(remove_duplicate=False))
+
+    @functools.cached_property
+    def parameters(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+    @functools.cached_property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_buffers())
 
 
 def _changed(what: str, now: object, value: object, remedy: str = "") -> TraceError:

@@ -45,6 +45,7 @@ from remat.distributed import refuse_wrapped
 from remat.errors import ScheduleError, TraceError, a_type
 from remat.execute import PlanFacts, PlannedStep, build_module, grad_through_hooks
 from remat.graph import Graph
+from remat.guards import ModelView
 from remat.planning import plan_graph
 from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
@@ -140,10 +141,11 @@ class TrainingStep:
                 "training step computes gradients; call it outside inference_mode"
             )
         batch = self._batch(batch)
-        flat = self.traced.flat_inputs(self.model, batch)
-        targets = self.traced.update_targets(self.model, batch)  # (before anything runs or is written)
+        view = ModelView(self.model)  # (the model's tensors by name, read once for the step)
+        flat = self.traced.flat_inputs(self.model, batch, view)
+        targets = self.traced.update_targets(self.model, batch, view)  # (before anything runs or is written)
         outputs = self.traced.unpack(self.planned(*flat))
-        params = dict(self.model.named_parameters())
+        params = view.parameters
         with torch.no_grad():
             handed: set[int] = set()  # the storages of the gradients handed out as .grad so far
             written = []

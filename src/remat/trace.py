@@ -49,7 +49,7 @@ from remat.errors import TraceError, a_type
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
-from remat.guards import ModuleState, PythonState, module_state
+from remat.guards import ModelView, ModuleState, PythonState, module_state
 from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RngWatch, RnnWatch, check_default_generator,
                                 check_dense, explain_trace_failure, warn_of_stored_trace_tensors)
 
@@ -188,41 +188,45 @@ class TracedStep:
         graph = Graph(nodes=nodes, fixed_bytes=self.graph.fixed_bytes, outputs=self.graph.outputs, name=self.graph.name)
         return dataclasses.replace(self, graph=graph)
 
-    def flat_inputs(self, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def flat_inputs(self, model: torch.nn.Module, batch: Sequence[torch.Tensor],
+                    view: ModelView | None = None) -> list[torch.Tensor]:
         """The placeholder values for one step: the model's current parameters and buffers
         (detached, sharing storage, so buffer updates land in the model), the batch, the
-        constants."""
+        constants. ``view``: the model's tensors by name, when the caller has read them."""
         batch = _as_batch(batch)
         check_batch(self.batch_spec, batch)
-        self.module_state.check(model)
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
+        view = view if view is not None else ModelView(model)
+        self.module_state.check(model, view)
+        sources = (view.parameters, view.buffers, batch)
         constants = iter(self.constants)
-        flat = []
-        for slot in self.inputs:
-            if slot.role is InputRole.PARAM:
-                flat.append(params[slot.key].detach())
-            elif slot.role is InputRole.BUFFER:
-                flat.append(buffers[slot.key].detach())
-            elif slot.role is InputRole.INPUT:
-                flat.append(batch[batch_index(slot.key)].detach())
-            else:
-                flat.append(next(constants))
+        flat = [next(constants) if source is None else sources[source][key].detach() for source, key in self._input_sources]
         self._check_no_shared_update(flat)
         return flat
+
+    @functools.cached_property
+    def _input_sources(self) -> tuple[tuple[int | None, str | int], ...]:
+        """Where each input's value comes from: (0, name) a parameter, (1, name) a buffer,
+        (2, position) a batch tensor, (None, name) the next constant."""
+        source = {InputRole.PARAM: 0, InputRole.BUFFER: 1, InputRole.INPUT: 2}
+        return tuple((source.get(slot.role), batch_index(slot.key) if slot.role is InputRole.INPUT else slot.key)
+                     for slot in self.inputs)
 
     def _check_no_shared_update(self, flat: Sequence[torch.Tensor]) -> None:
         """Refuse inputs where a tensor the step modifies in place shares memory with another
         input (an autoencoder's batch ``(x, x)`` whose forward centres ``x`` in place): eager
         sees the change through the other, the traced step reads each input as it was handed
         (loss 9.8 against eager's 1.0, silently)."""
-        updated = {s.key for s in self.outputs if s.role is OutputRole.UPDATE}
+        updated = self._updated_inputs
         if not updated:
             return
+        storage_of = [None if slot.role is InputRole.CONSTANT or t.is_meta else t.untyped_storage().data_ptr()
+                      for slot, t in zip(self.inputs, flat)]
+        watched = {storage_of[k] for k in updated} - {None}
         by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for slot, t in zip(self.inputs, flat):
-            if slot.role is not InputRole.CONSTANT and t.device.type != "meta":
-                by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((slot.key, t))
+        for slot, t, storage in zip(self.inputs, flat, storage_of):
+            if storage in watched:
+                by_storage.setdefault(storage, []).append((slot.key, t))
+        updated = {self.inputs[k].key for k in updated}
         for sharing in by_storage.values():
             for key, t in sharing:
                 other = next((k for k, u in sharing if k != key and _overlap(t, u)), None) if key in updated else None
@@ -235,13 +239,25 @@ class TracedStep:
                         f"memory ({copy}.clone(), which keeps its values)"
                     )
 
-    def update_targets(self, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    @functools.cached_property
+    def _updated_inputs(self) -> tuple[int, ...]:
+        """The positions of the inputs the step modifies in place (an update output names them)."""
+        updated = {s.key for s in self.outputs if s.role is OutputRole.UPDATE}
+        return tuple(k for k, slot in enumerate(self.inputs) if slot.key in updated)
+
+    @functools.cached_property
+    def _input_roles(self) -> dict[str, InputRole]:
+        return {s.key: s.role for s in self.inputs}
+
+    def update_targets(self, model: torch.nn.Module, batch: Sequence[torch.Tensor],
+                       view: ModelView | None = None) -> dict[str, torch.Tensor]:
         """The tensor each update output of the step is copied into, by its key: the model's
         parameter or buffer of that name, or the batch tensor. Raises ``TraceError`` for a key
-        that names none of them, so a caller resolves them all before writing anything."""
-        role_of = {s.key: s.role for s in self.inputs}
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
+        that names none of them, so a caller resolves them all before writing anything.
+        ``view``: the model's tensors by name, when the caller has read them."""
+        role_of = self._input_roles
+        view = view if view is not None else ModelView(model)
+        params, buffers = view.parameters, view.buffers
         targets = {}
         for slot in self.outputs:
             if slot.role is not OutputRole.UPDATE:
