@@ -79,6 +79,31 @@ def test_recomputed_dropout_replays_the_same_mask():
     assert_same_step(got, eager_step(w, seed=3), "gpt2 recompute-everything")
 
 
+def test_the_generated_program_runs_what_the_instructions_run():
+    """``run`` executes Python generated for the program; ``interpret`` steps through the
+    instructions. On a plan that recomputes dropout (saved and replayed generator states) and
+    re-derives views, both give the same outputs bitwise and leave the generator alike."""
+    w, t = workload("gpt2-tiny", 2), traced("gpt2-tiny", 2)
+    label, plan = random_plans(t, count=1, seed=11)[0]
+    step = build_module(t, plan)
+    assert any(ins.op is Op.RUN_REPLAY_RNG for ins in step.program) and step.rebuilt_views > 0, label
+    flat = t.flat_inputs(w.model, w.batch)
+    results = []
+    for run in (step.interpret, step.run):
+        torch.manual_seed(5)
+        out = run(flat)
+        results.append((out, torch.get_rng_state()))
+    (interpreted, rng_a), (generated, rng_b) = results
+    assert len(interpreted) == len(generated) and torch.equal(rng_a, rng_b)
+    for a, b in zip(interpreted, generated):
+        assert (a is None and b is None) or torch.equal(a, b)
+    # one line per instruction, and two more around each replay (the live generator state kept)
+    body = step.source.splitlines()[1:-1]
+    ops = [ins.op for ins in step.program]
+    assert len(body) == len(ops) + ops.count(Op.RUN_SAVE_RNG) + 3 * ops.count(Op.RUN_REPLAY_RNG)
+    assert sum(line.strip().endswith("= None") for line in body) == ops.count(Op.RELEASE)
+
+
 def test_invalid_plan_is_refused_before_running():
     t = traced("mlp", 256)
     plan = Plan((Step(StepKind.COMPUTE, t.graph.n - 1),))

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import keyword
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -140,6 +142,8 @@ class PlannedStep:
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self._out_slots = tuple(None if v is None else slot_of[v] for v in _flat_outputs(out_node))
         self.rebuilt_views = sum(1 for ins in program if ins.rebuild and ins.op is not Op.RELEASE)
+        self._slot_of = slot_of
+        self._fx_nodes = fx_nodes
 
     def __call__(self, *flat_inputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return self.run(flat_inputs)
@@ -147,12 +151,26 @@ class PlannedStep:
     def run(self, flat_inputs: Sequence[torch.Tensor],
             observe: Callable[[int, object], None] | None = None) -> tuple[torch.Tensor | None, ...]:
         """Run the plan on ``flat_inputs``; ``observe(node, output)``, when given, is called after
-        each node runs (every computation, recomputations included), with what it returned."""
+        each node runs (every computation, recomputations included), with what it returned.
+
+        Without ``observe`` the program runs as Python code generated for it (``source``: one
+        line per instruction, each value a local variable), which spends a fraction of the
+        host time per op that stepping through the instructions does; with it, the
+        instructions are stepped through. Both run the same ops on the same values in the same
+        order, and free each value at the same instruction."""
         if len(flat_inputs) != self._n_inputs:
             raise ScheduleError(
                 f"planned step takes {self._n_inputs} inputs (parameters, buffers, batch, "
                 f"constants: traced.flat_inputs(model, batch)); got {len(flat_inputs)}"
             )
+        if observe is None:
+            with torch.no_grad():
+                return self._generated(*flat_inputs)
+        return self.interpret(flat_inputs, observe)
+
+    def interpret(self, flat_inputs: Sequence[torch.Tensor],
+                  observe: Callable[[int, object], None] | None = None) -> tuple[torch.Tensor | None, ...]:
+        """``run``, stepping through the instructions (see ``run``)."""
         env: list = [None] * self._n_slots
         env[: self._n_inputs] = flat_inputs
         saved_rng: list = [None] * len(self.traced.random_nodes)
@@ -179,6 +197,22 @@ class PlannedStep:
                 args = kwargs = None
         return tuple(None if s is None else env[s] for s in self._out_slots)
 
+    @functools.cached_property
+    def source(self) -> str:
+        """The Python code ``run`` executes (see ``_generate``)."""
+        return self._generation[0]
+
+    @functools.cached_property
+    def _generated(self) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+        code, names = self._generation
+        namespace = dict(names)
+        exec(compile(code, f"<remat plan of {self.traced.graph.name}>", "exec"), namespace)
+        return namespace["planned_step"]
+
+    @functools.cached_property
+    def _generation(self) -> tuple[str, dict[str, object]]:
+        return _generate(self._compiled, self._n_inputs, self._out_slots, self._fx_nodes, self._slot_of)
+
     def describe(self) -> str:
         """The program as text, one instruction a line (rebuilt views marked)."""
         lines = []
@@ -191,6 +225,72 @@ class PlannedStep:
                 tag = {Op.RUN_SAVE_RNG: "  # save rng", Op.RUN_REPLAY_RNG: "  # replay rng"}.get(ins.op, "")
                 lines.append(f"{name} = {target}(...){tag}{'  # view rebuilt' if ins.rebuild else ''}")
         return "\n".join(lines)
+
+
+def _generate(compiled: Sequence[tuple], n_inputs: int, out_slots: Sequence[int | None], fx_nodes: Sequence[fx.Node],
+              slot_of: dict[fx.Node, int]) -> tuple[str, dict[str, object]]:
+    """Python source of one function running ``compiled`` (``PlannedStep._compiled``), and the
+    names it reads: ``planned_step(*flat_inputs)`` returns the step's outputs. Slot k is the
+    local ``v{k}``; a node's op is called through the C++ operator an aten ``OpOverload`` wraps
+    (what its ``__call__`` calls); arguments that are not values are module names bound to the
+    very objects the instructions pass (``K{k}``), except ints, bools and None, which are written
+    out. Freeing a slot sets its local to None, as the instructions clear its entry."""
+    names: dict[str, object] = {}
+    constant_names: dict[int, str] = {}
+
+    def constant(value: object) -> str:
+        if value is None or isinstance(value, bool) or type(value) is int:
+            return repr(value)
+        name = constant_names.get(id(value))
+        if name is None:
+            name = constant_names[id(value)] = f"K{len(constant_names)}"
+            names[name] = value
+        return name
+
+    def render(value: object) -> str:
+        if isinstance(value, fx.Node):
+            return f"v{slot_of[value]}"
+        if isinstance(value, (list, tuple)) and any(isinstance(v, fx.Node) for v in value):
+            parts = ", ".join(render(v) for v in value)
+            if isinstance(value, list):
+                return f"[{parts}]"
+            parts = f"({parts}{',' if len(value) == 1 else ''})"
+            return parts if type(value) is tuple else f"{constant(type(value))}({parts})"
+        return constant(value)
+
+    calls: dict[int, str] = {}
+
+    def call(slot: int, target: object) -> str:
+        if slot not in calls:
+            node = fx_nodes[slot - n_inputs]
+            fn = f"F{slot}"
+            names[fn] = target._op if isinstance(target, torch._ops.OpOverload) else target
+            args = [render(a) for a in node.args]
+            if all(k.isidentifier() and not keyword.iskeyword(k) for k in node.kwargs):
+                args += [f"{k}={render(v)}" for k, v in node.kwargs.items()]
+            elif node.kwargs:
+                args.append("**{" + ", ".join(f"{k!r}: {render(v)}" for k, v in node.kwargs.items()) + "}")
+            calls[slot] = f"{fn}({', '.join(args)})"
+        return calls[slot]
+
+    lines = ["def planned_step(" + "".join(f"v{k}, " for k in range(n_inputs)) + "):"]
+    for op, slot, target, _, rng_slot, rng in compiled:
+        if op is Op.RELEASE:
+            lines.append(f"    v{slot} = None")
+            continue
+        if op is Op.RUN:
+            lines.append(f"    v{slot} = {call(slot, target)}")
+            continue
+        generator = f"R{slot}"
+        names[generator] = rng
+        if op is Op.RUN_SAVE_RNG:
+            lines += [f"    S{rng_slot} = {generator}.get()", f"    v{slot} = {call(slot, target)}"]
+        else:
+            lines += [f"    live = {generator}.get()", f"    {generator}.set(S{rng_slot})",
+                      f"    v{slot} = {call(slot, target)}", f"    {generator}.set(live)"]
+    outputs = ", ".join("None" if s is None else f"v{s}" for s in out_slots)
+    lines.append(f"    return ({outputs}{',' if len(out_slots) == 1 else ''})")
+    return "\n".join(lines) + "\n", names
 
 
 def _flat_outputs(out_node: fx.Node) -> list[fx.Node | None]:
