@@ -540,3 +540,33 @@ def test_the_report_answers_help_without_writing(capsys, monkeypatch, tmp_path):
     with pytest.raises(SystemExit) as done:
         report.main(["--nope"])
     assert done.value.code == 2 and not (tmp_path / "BENCHMARKS.md").exists()
+
+
+# ---------------------------------------------------------------------------- bench/step_overhead.py
+def test_step_overhead_refuses_bad_usage_in_one_line(capsys):
+    overhead = _load("step_overhead")
+    for argv, message in ((["--models", "resnet9000"], "unknown model(s) resnet9000"),
+                          (["--models", ","], "unknown model(s) (none given)"),
+                          (["--rounds", "1"], "--rounds must be at least 3")):
+        with pytest.raises(SystemExit) as done:
+            overhead.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert done.value.code == 2 and message in err[-1], (argv, err)
+
+
+def test_step_overhead_measures_every_variant_against_eager_and_renders_them(monkeypatch, tmp_path):
+    overhead = _load("step_overhead")
+    monkeypatch.setattr(overhead, "PLOT", tmp_path / "plot.png")
+    row = overhead.measure("gpt2-tiny", rounds=3)
+    assert set(row["plans"]) == set(overhead.BUDGETS)
+    assert set(row["variants"]) == {f"{v} {b}" for v in overhead.VARIANTS for b in overhead.BUDGETS}
+    for budget, plan in row["plans"].items():
+        assert plan["instructions"] >= plan["nodes"] and (plan["recomputed_nodes"] > 0) == (budget != "100%")
+        for variant in overhead.VARIANTS:
+            v = row["variants"][f"{variant} {budget}"]
+            assert v["ms"] > 0 and v["vs_eager"] == pytest.approx(v["ms"] / row["eager_ms"], rel=1e-2)
+    results = {"meta": {"threads": 1, "rounds": 3, "measured": "today"}, "models": [row]}
+    text = overhead.markdown(results)
+    assert text.count("| gpt2-tiny |") == len(overhead.BUDGETS) and "step_overhead.png" in text
+    overhead.plot(results)
+    assert (tmp_path / "plot.png").stat().st_size > 0
