@@ -195,7 +195,7 @@ def checks(results: dict) -> list[str]:
                   and c["wall_s"] > FIRST_BUDGET_GOAL_S]
     lines.append(f"- First budget within {FIRST_BUDGET_GOAL_S:.0f} s, tracing included: "
                  + ("met for every workload." if not slow_first else "**not met** for " + ", ".join(slow_first) + "."))
-    slow = [f"{w} {c['level']} ({c['wall_s']:.1f} s)" for w, c in cells if c["level"] not in (LEVELS[0], "min")
+    slow = [f"{w} {c['level']} ({c['wall_s']:.2f} s)" for w, c in cells if c["level"] not in (LEVELS[0], "min")
             and c["wall_s"] > FURTHER_BUDGET_GOAL_S]
     lines.append(f"- Each further budget within {FURTHER_BUDGET_GOAL_S:.0f} s: "
                  + ("met at every point" if not slow else "**not met** at " + ", ".join(slow))

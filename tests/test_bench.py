@@ -518,7 +518,7 @@ def test_scaling_checks_name_every_goal_missed():
     assert "not met** at resnet50 80% (8.3%)" in lines
     assert "Never worse than the best baseline: **not met** at resnet50 80%" in lines
     assert "First budget within 60 s, tracing included: **not met** for resnet50 (75 s)" in lines
-    assert "Each further budget within 5 s: **not met** at resnet50 60% (9.0 s) of 80/60/40%." in lines
+    assert "Each further budget within 5 s: **not met** at resnet50 60% (9.00 s) of 80/60/40%." in lines
     # the smallest budget's cell (its search included) is stated, not counted against that goal
     assert "min (70.0 s)" not in lines and "Their wall times: resnet50 70.0 s." in lines
 
