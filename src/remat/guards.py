@@ -64,9 +64,11 @@ def _same(a: object, b: object) -> bool:
 
 
 def _hook_count(module: torch.nn.Module) -> int:
-    state = module.__dict__  # (where nn.Module keeps them; read every step, so no loop)
-    return (len(state.get("_forward_hooks", ())) + len(state.get("_forward_pre_hooks", ()))
-            + len(state.get("_backward_hooks", ())) + len(state.get("_backward_pre_hooks", ())))
+    state = module.__dict__  # (where nn.Module keeps them: no getattr, read every step)
+    count = 0
+    for name in _HOOKS:
+        count += len(state.get(name, ()))
+    return count
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,6 @@ class ModuleState:
                     f"eager PyTorch now would{'' if p.requires_grad else ' not'}; trace again (remat.optimize) "
                     f"after freezing or unfreezing parameters"
                 )
-
 
     @functools.cached_property
     def _placements(self) -> tuple[tuple[bool, bool, int] | None, ...]:
