@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 
 import numpy as np
@@ -482,6 +483,56 @@ def test_a_second_call_goes_on_from_the_set_the_first_chose(monkeypatch: pytest.
     assert not [ts for ts in mips_again if ts not in growth_sets]  # (the growth's LPs may meet a set again)
     optimum = solve(graph, budget, method="milp")
     assert second.value <= optimum.objective + 1e-6
+
+
+def test_the_set_s_mip_and_the_first_joined_set_s_run_at_once_one_thread_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With two threads the MIP of the set the growth chose and that of the set joined by the
+    # tightest instants after the best one run beside each other, each on one HiGHS thread;
+    # the bound is the one they give one after the other.
+    graph = random_training_graph(7, seed=2)
+    budget = InstantBounds(graph).min_budget_bytes
+    calls: list[tuple[tuple[int, ...], int, str]] = []
+    real = InstantBounds._mip
+
+    def spy(self, instants, budget_bytes, time_limit_s, threads):
+        calls.append((instants, threads, threading.current_thread().name))
+        return real(self, instants, budget_bytes, time_limit_s, threads)
+
+    monkeypatch.setattr(InstantBounds, "_mip", spy)
+    apart = InstantBounds(graph).cost_bound(budget, threads=1)
+    assert calls and all(threads == 1 and name == threading.current_thread().name for _, threads, name in calls)
+    one_by_one = [instants for instants, _, _ in calls]
+    calls.clear()
+    bounds = InstantBounds(graph)
+    together = bounds.cost_bound(budget, threads=2)
+    chosen = bounds._grown[budget, together.instant][0]
+    assert len(chosen) > 1 and one_by_one[0] == chosen
+    first_two = calls[:2]
+    assert {instants for instants, _, _ in first_two} == set(one_by_one[:2])
+    assert all(threads == 1 and name.startswith("remat-bound") for _, threads, name in first_two)
+    assert [instants for instants, _, _ in calls[2:]] == one_by_one[2:]
+    assert together.value == pytest.approx(apart.value, rel=1e-9)
+    optimum = solve(graph, budget, method="milp")
+    assert together.value <= optimum.objective + 1e-6
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_forward=st.integers(3, 10), seed=st.integers(0, 10**6), where=st.floats(0.0, 1.0),
+       sets=st.lists(st.lists(st.integers(0, 10**6), min_size=1, max_size=5), min_size=1, max_size=6),
+       since=st.booleans())
+def test_a_program_built_from_kept_instant_rows_is_the_one_built_anew(n_forward: int, seed: int, where: float,
+                                                                      sets: list[list[int]], since: bool) -> None:
+    """The growth builds hundreds of programs from a few instants; what each instant's rows
+    take from the graph is kept (``_piece``), and changes no program."""
+    graph = random_training_graph(n_forward, seed)
+    kept = InstantBounds(graph)
+    budget = budget_between(graph, kept.min_budget_bytes, where)
+    for picks in sets:
+        instants = tuple(p % graph.n for p in picks)
+        warm, fresh = kept.program(instants, budget, since), InstantBounds(graph).program(instants, budget, since)
+        for field in ("col_cost", "col_upper", "starts", "index", "value", "row_lower", "row_upper"):
+            assert np.array_equal(getattr(warm, field), getattr(fresh, field)), field
+        assert (warm.instants, warm.feasible, warm.empty) == (fresh.instants, fresh.feasible, fresh.empty)
 
 
 def test_the_mip_of_a_set_reports_whether_it_was_solved() -> None:

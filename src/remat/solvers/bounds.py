@@ -163,11 +163,17 @@ MIP_TIME_S = 0.5
 #: The bound of several instants together (see the module): at most this many instants, the
 #: next one chosen among the MULTI_TOP best single instants, those within NEIGHBOURS of the
 #: chosen ones, the MULTI_TOP tightest ones (the least room left beside what every plan holds
-#: there) and MULTI_SPREAD spread evenly over the instants checkpoint-all overfills; then a MIP
+#: there) and, in the first round only, MULTI_SPREAD spread evenly over the instants
+#: checkpoint-all overfills (on the benchmark's graphs, an instant only the spread offered
+#: was chosen in a first round alone, and the spread is half of a round's LPs); then a MIP
 #: on the set for at most MULTI_MIP_TIME_S. It gets all of that time, the joined sets below
 #: what it leaves: a set the growth chose is often solved within it, and its optimum beats a
 #: larger set's dual bound cut short (MobileNet b256 at its smallest budget: seven instants
 #: solved in 1.6 s prove 1.235x; given 1 s, and the joined set the other second, 1.230x).
+#: With two threads or more, the first joined set's MIP runs beside it, each on one thread:
+#: HiGHS' MIP gains little from a second thread (U-Net b32 at 40%: 0.5-0.7 s for the five
+#: instants the growth chose and 0.9-1.2 s for nine, one after the other, 0.7-0.9 s both at
+#: once; ResNet50 b32 at its smallest budget, eight and twelve: 9.4 s against 9.5 s).
 MAX_INSTANTS = 8
 MULTI_TOP = 12
 MULTI_SPREAD = 32
@@ -221,6 +227,8 @@ CASE_LOCAL = 64
 CASE_LOCAL_FIRST = 2
 CASE_LOCAL_DEADLINES = 8
 CASE_SHARE = 0.75
+#: Instants whose rows' ingredients a bound object keeps (``InstantBounds._piece``).
+PIECES_KEPT = 128
 #: Default time for one bound: LPs first, the MIPs with what is left.
 DEFAULT_TIME_LIMIT_S = 10.0
 
@@ -322,6 +330,7 @@ class InstantBounds:
         # per (budget, first instant): the deadlines and the cases of their program (``_cases``)
         self._case_trees: dict[tuple[int, int], tuple[tuple[int, ...], list[list]]] = {}
         self._stop: threading.Event | None = None  # the running call's (``cost_bound``)
+        self._pieces: dict[int, tuple[np.ndarray, ...]] = {}  # per instant (``_piece``)
 
     # ------------------------------------------------------------------ the smallest budget
     @cached_property
@@ -391,6 +400,23 @@ class InstantBounds:
         forced[self.sizes == 0] = True  # a zero-byte value is kept for free
         return forced
 
+    def _piece(self, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What instant t's rows take from the graph alone, kept for the next program that has
+        t (the growth builds hundreds of programs from a few dozen instants): the mask of
+        ``decided(t)``, its values, the recomputable ones, those read after t (or outputs'
+        ancestors), and the edges between decided values into a recomputable one."""
+        piece = self._pieces.get(t)
+        if piece is None:
+            d = self.decided(t)
+            ids = np.flatnonzero(d)
+            src, dst = self.edge_src, self.edge_dst
+            piece = (d, ids, ids[self.recomputable[ids]], np.flatnonzero(d & (self.last_user > t)),
+                     np.flatnonzero(d[src] & d[dst] & self.recomputable[dst]))
+            if len(self._pieces) >= PIECES_KEPT:
+                self._pieces.clear()
+            self._pieces[t] = piece
+        return piece
+
     def decided(self, t: int) -> np.ndarray:
         """The values instant t's program decides on: computed before t, read after it (or
         depended on by what is), and not held there by every plan."""
@@ -406,14 +432,12 @@ class InstantBounds:
         ts = tuple(sorted(set(int(t) for t in instants)))
         caps = [budget_bytes - int(self.forced_bytes[t]) for t in ts]
         decide, x_col, r_col, s_col = [], [], [], []
+        pieces = [self._piece(t) for t in ts]
         col = 0
-        for t in ts:
-            d = self.decided(t)
-            ids = np.flatnonzero(d)
+        for t, (d, ids, rec, _, _) in zip(ts, pieces):
             xs = np.full(n, -1, dtype=np.int64)
             xs[ids] = col + np.arange(ids.size)
             col += ids.size
-            rec = ids[self.recomputable[ids]]
             rs = np.full(n, -1, dtype=np.int64)
             rs[rec] = col + np.arange(rec.size)
             col += rec.size
@@ -433,26 +457,25 @@ class InstantBounds:
         rows = _Rows()
         src, dst = self.edge_src, self.edge_dst
         for k, t in enumerate(ts):
-            d, xs, rs = decide[k], x_col[k], r_col[k]
+            d, ids, _, later, closure = pieces[k]
+            xs, rs = x_col[k], r_col[k]
             # needed: read by a first computation before the next instant (after the last
             # instant: read later at all, or an output): live here or recomputed since
             if k + 1 < len(ts):
                 window = (dst > t) & (dst <= ts[k + 1]) & d[src]
                 need = np.unique(src[window])
             else:
-                need = np.flatnonzero(d & (self.last_user > t))
+                need = later
             rows.add_any(xs[need], rs[need], 1.0, np.inf)
             # live at the next instant: live here, or recomputed since
             if k + 1 < len(ts):
                 both = np.flatnonzero(d & decide[k + 1])
                 rows.add_transfer(x_col[k + 1][both], xs[both], rs[both])
             # a recomputation finds its inputs live here or recomputed since
-            closure = d[src] & d[dst] & (rs[dst] >= 0)
             rows.add_closure(xs[src[closure]], rs[src[closure]], rs[dst[closure]])
             if since and k + 1 < len(ts):
-                self._add_since(rows, k, ts, d, xs, closure, s_col[k], r_col)
+                self._add_since(rows, k, ts, later, xs, closure, s_col[k], r_col)
             # memory, in units of the largest value so the row is well scaled
-            ids = np.flatnonzero(d)
             if ids.size:
                 scale = 1.0 / float(self.sizes[ids].max())
                 rows.add_row(xs[ids], self.sizes[ids] * scale, -np.inf, max(caps[k], 0) * scale)
@@ -466,16 +489,14 @@ class InstantBounds:
         return _Program(ts, col_cost, col_upper, starts, index, value, lower, upper,
                         feasible=min(caps, default=0) >= 0, empty=empty)
 
-    def _add_since(self, rows: _Rows, k: int, ts: tuple[int, ...], d: np.ndarray, xs: np.ndarray,
+    def _add_since(self, rows: _Rows, k: int, ts: tuple[int, ...], needed: np.ndarray, xs: np.ndarray,
                    closure: np.ndarray, ss: np.ndarray, r_col: list[np.ndarray]) -> None:
         """The rows of ``s[k, .]`` (recomputed at any time after instant k): instant k's own
         program on (x[k], s[k]), and ``s[k, v] <= sum of r[j, v] over j >= k``. That sum row
         holds for a value only if every later window where a plan could still need it models
         its recomputation: one held by force at a later instant (read there) has no r there,
         and its s is left free (weaker, still valid)."""
-        t = ts[k]
         src, dst = self.edge_src, self.edge_dst
-        needed = np.flatnonzero(d & (self.last_user > t))
         rows.add_any(xs[needed], ss[needed], 1.0, np.inf)
         rows.add_closure(xs[src[closure]], ss[src[closure]], ss[dst[closure]])
         rec = np.flatnonzero(ss >= 0)
@@ -744,10 +765,10 @@ class InstantBounds:
         spread = over[np.unique(np.linspace(0, over.size - 1, min(MULTI_SPREAD, over.size)).astype(int))].tolist()
         by_room = self._tightest(over).tolist()
         tight = by_room[:MULTI_TOP]
-        for _ in range(MAX_INSTANTS - 1):
+        for round_ in range(MAX_INSTANTS - 1):
             near = {c + d for c in chosen for d in range(-NEIGHBOURS, NEIGHBOURS + 1)}
             ranked = sorted((t for t in single if t not in chosen), key=single.get, reverse=True)[:MULTI_TOP]
-            pool = [t for t in dict.fromkeys([*sorted(near), *ranked, *tight, *spread])
+            pool = [t for t in dict.fromkeys([*sorted(near), *ranked, *tight, *(spread if round_ == 0 else ())])
                     if 0 <= t < n and t not in chosen and excess[t] > 0]
             found: tuple[float, int] | None = None
             for t, v in zip(pool, self._relaxed(pool, budget_bytes, searching, threads, chosen)):
@@ -764,13 +785,23 @@ class InstantBounds:
         # set joined by the tightest instants after the best single one, which the LP cannot rank
         until = min(deadline, time.perf_counter() + mip_s)
         value, together = lp, chosen  # (lp is best while the set is one instant)
-        if len(chosen) > 1 and until - self._now() > 0.05:
-            value = max(value, self._mip(chosen, budget_bytes, until - time.perf_counter(), threads)[0])
         later = [t for t in by_room if t > best_t and t not in chosen]
         extra = MULTI_EXTRA
-        while later and until - self._now() > 0.05:
+        first: tuple[float, bool] | None = None  # the first joined set's MIP, when run beside the set's
+        if len(chosen) > 1 and until - self._now() > 0.05:
+            if later and threads >= 2:  # the two at once, one thread each (HiGHS' MIP is mostly serial)
+                joined = tuple(sorted((*chosen, *later[:extra])))
+                own, first = _lp_pool(2).map(
+                    lambda s: self._mip(s, budget_bytes, until - time.perf_counter(), 1), (chosen, joined))
+                value = max(value, own[0])
+            else:
+                value = max(value, self._mip(chosen, budget_bytes, until - time.perf_counter(), threads)[0])
+        while later and (first is not None or until - self._now() > 0.05):
             joined = tuple(sorted((*chosen, *later[:extra])))
-            v, solved = self._mip(joined, budget_bytes, until - time.perf_counter(), threads)
+            if first is not None:
+                (v, solved), first = first, None
+            else:
+                v, solved = self._mip(joined, budget_bytes, until - time.perf_counter(), threads)
             if v > value:
                 value, together = v, joined
             if extra >= len(later) or not solved:
