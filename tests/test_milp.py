@@ -447,8 +447,9 @@ def test_the_exact_model_as_a_rescue_gets_a_few_seconds_and_still_proves_a_chain
     assert not seen and r.gap > 0.01 and r.status is SolveStatus.FEASIBLE
 
 
-#: The rescue threshold the two tests below run under (``milp.EXACT_RESCUE_GAP`` is 1%).
-RESCUE_GAP = 0.003
+#: The rescue threshold the two tests below run under (``milp.EXACT_RESCUE_GAP`` is 1%; the bound
+#: of their graph proves 564-568 against its best plan's 570, 0.35-1.05%, with more or less time).
+RESCUE_GAP = 0.001
 
 
 def test_a_rescue_searches_only_past_a_relaxation_above_the_bound_in_hand(monkeypatch) -> None:
@@ -468,9 +469,7 @@ def test_a_rescue_searches_only_past_a_relaxation_above_the_bound_in_hand(monkey
 
     monkeypatch.setattr(milp_module, "_exact", exact)
     monkeypatch.setattr(milp_module, "run_backend", search)
-    # its best plan costs 570, and the several-instant bound proves 564-567 (0.5-1.1%, as the
-    # bound's MIPs get more or less done in their seconds): a rescue threshold below that
-    monkeypatch.setattr(milp_module, "EXACT_RESCUE_GAP", RESCUE_GAP)
+    monkeypatch.setattr(milp_module, "EXACT_RESCUE_GAP", RESCUE_GAP)  # (see RESCUE_GAP)
     g = random_training_graph(35, seed=1)  # 71 nodes: a rescue
     floor = 90  # its smallest budget (minimum_budget, which takes a while to find it)
     clear()
@@ -522,7 +521,7 @@ def test_no_rescue_where_the_model_rounds_sizes_up(monkeypatch) -> None:
     rescues = []
     real_exact = milp_module._exact
     monkeypatch.setattr(milp_module, "_exact", lambda *args: rescues.append(args[8]) or real_exact(*args))
-    monkeypatch.setattr(milp_module, "EXACT_RESCUE_GAP", RESCUE_GAP)  # (as in the test above)
+    monkeypatch.setattr(milp_module, "EXACT_RESCUE_GAP", RESCUE_GAP)  # (see RESCUE_GAP)
     unit = 2**18  # sizes up to 8 units of this: past MAX_SIZE_UNITS once their gcd is 1 byte
     exact = random_training_graph(35, seed=1, bytes_unit=unit)  # 71 nodes: a rescue
     nodes = list(exact.nodes)
@@ -636,7 +635,13 @@ def test_planning_leaves_the_objects_made_before_it_out_of_collections(monkeypat
     gc.freeze()  # the process's own freeze
     try:
         frozen = gc.get_freeze_count()
+        calls = []
+        monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+        monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
         solve(graph, 2**40, method="watching")
-        assert gc.get_freeze_count() == frozen
+        assert calls == []
+        # (frozen objects freed while it plans, such as a cache's entries, leave the count)
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
+        monkeypatch.undo()
         gc.unfreeze()
