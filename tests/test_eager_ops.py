@@ -409,6 +409,54 @@ def test_an_attention_mask_the_model_builds_itself_is_skipped_as_in_eager():
     _agree_with_eager(model, (ids, y), loss_fn, methods=("checkpoint_all",))
 
 
+class _CausalStack(nn.Module):
+    """PyTorch's tutorials' pattern: a causal mask built in forward from the sequence length, and
+    no ``is_causal``, which nn.TransformerEncoder/Decoder then work out from the mask's values."""
+
+    def __init__(self, decoder: bool, mask_from_batch: bool = False) -> None:
+        super().__init__()
+        self.decoder, self.mask_from_batch = decoder, mask_from_batch
+        self.emb = nn.Embedding(50, 16)
+        if decoder:
+            self.stack = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 4, 32, dropout=0.1, batch_first=True), 2)
+        else:
+            self.stack = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True), 2,
+                                               enable_nested_tensor=False)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        n = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n)
+        if self.mask_from_batch:  # the same mask's values, now computed from the batch
+            mask = mask + 0 * tokens[0, :1].float()
+        return self.head(self.stack(x, x, tgt_mask=mask) if self.decoder else self.stack(x, mask=mask))
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_a_causal_mask_built_from_shapes_is_detected_as_in_eager(decoder):
+    """Given a mask and no is_causal, both stacks compare the mask with a causal one: traced, that
+    read of values was refused. The mask depends on no input, so the check is answered as eager
+    answers it (causal: SDPA with is_causal=True), and the step is eager's bit for bit."""
+    torch.manual_seed(0)
+    model = _CausalStack(decoder).train()
+    tokens = torch.randint(0, 50, (4, 7))
+    _agree_with_eager(model, (tokens,), lambda m, t: nn.functional.cross_entropy(m(t).flatten(0, 1), t.flatten()),
+                      methods=("checkpoint_all", "recompute_all"))
+    import torch.nn.modules.transformer as transformer_module
+
+    assert transformer_module._detect_is_causal_mask.__name__ == "_detect_is_causal_mask"  # put back
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_a_mask_computed_from_the_batch_without_is_causal_is_refused_naming_the_flag(decoder):
+    model = _CausalStack(decoder, mask_from_batch=True).train()
+    tokens = torch.randint(0, 50, (4, 7))
+    flag = "tgt_is_causal=True" if decoder else "is_causal=True"
+    with pytest.raises(remat.TraceError, match=f"module 'stack'.*pass {flag} if the mask is causal"):
+        trace(model, (tokens,), lambda m, t: m(t).square().mean(), cost_model=None)
+
+
 _LOSSES = {
     "mse_loss": lambda out, y, reduction: nn.functional.mse_loss(out, y, reduction=reduction),
     "smooth_l1_loss": lambda out, y, reduction: nn.functional.smooth_l1_loss(out, y, reduction=reduction),

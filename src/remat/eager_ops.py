@@ -38,6 +38,10 @@ eager's behaviour while tracing:
   language model built its attention mask explicitly instead of passing ``is_causal=True`` to
   SDPA, and its gradients differed from eager's in the last bits (Mistral with
   ``use_cache=False``: 7e-9 in float32, 1e-4 under bfloat16 autocast).
+  PyTorch's ``nn.TransformerEncoder`` and ``nn.TransformerDecoder`` make the same kind of check
+  when ``is_causal`` is not given: is the mask causal? With the tutorials' mask,
+  ``generate_square_subsequent_mask(n)``, which depends on no input, eager says yes and runs
+  SDPA with ``is_causal=True``; the step was refused instead, and now does as eager does.
 * **Grouped matrix products on the CPU** (``aten._grouped_mm``, what transformers' mixture-of-
   experts layers call by default, ``experts_implementation="grouped_mm"``): PyTorch's fake
   kernel is the CUDA kernel's, which takes bfloat16 alone, while the CPU kernel eager runs
@@ -294,6 +298,36 @@ def _eager_mask_check(original: Callable) -> Callable:
     return check
 
 
+def _eager_causal_check(original: Callable) -> Callable:
+    """torch's ``_detect_is_causal_mask`` (how ``nn.TransformerEncoder`` and
+    ``nn.TransformerDecoder`` decide, when ``is_causal`` is not given, whether a mask is causal,
+    by comparing its values with a causal mask) answered as eager answers it when the mask depends
+    on no input, as ``nn.Transformer.generate_square_subsequent_mask(n)`` does, PyTorch's
+    tutorials' pattern: traced, the comparison's value could not be read and the step was
+    refused. Eager then drops the mask for SDPA's ``is_causal=True``, which the step does too. A
+    mask that depends on an input keeps the traced check (refused, naming ``is_causal`` as the
+    remedy)."""
+
+    def detect(mask: object = None, is_causal: bool | None = None, size: int | None = None) -> bool:
+        value = constant_value(mask) if is_causal is None else None
+        if value is not None:
+            with untraced():
+                return original(value, is_causal, size)
+        return original(mask, is_causal, size)
+
+    return detect
+
+
+@contextlib.contextmanager
+def _torch_as_eager() -> Iterator[None]:
+    """While in use, torch's own checks of values that depend on no input are answered as eager
+    answers them (``_eager_causal_check``)."""
+    import torch.nn.modules.transformer as transformer_module
+
+    with _replaced_attributes(transformer_module, {"_detect_is_causal_mask": _eager_causal_check}):
+        yield
+
+
 @contextlib.contextmanager
 def _transformers_as_eager() -> Iterator[None]:
     """While in use, transformers' checks of values that depend on no input are answered as eager
@@ -506,12 +540,13 @@ def _fake_kernels() -> Iterator[None]:
 @contextlib.contextmanager
 def tracing_as_eager() -> Iterator[None]:
     """Around ``make_fx`` under the python dispatcher: upsampling traces as itself, half-precision
-    dropout off CUDA as eager's arithmetic, checkpointed calls as plain calls, transformers'
-    checks of values that depend on no input as eager answers them, CPU grouped products with
-    the CPU kernel's output."""
+    dropout off CUDA as eager's arithmetic, checkpointed calls as plain calls, torch's and
+    transformers' checks of values that depend on no input as eager answers them, CPU grouped
+    products with the CPU kernel's output."""
     replacements: dict[torch._ops.OpOverload, Callable | None] = dict.fromkeys(EAGER_KERNEL_OPS)
     replacements[torch.ops.aten.dropout.default] = _eager_dropout
-    with _replaced_py_kernels(replacements), _fake_kernels(), _plain_checkpoints(), _transformers_as_eager():
+    with _replaced_py_kernels(replacements), _fake_kernels(), _plain_checkpoints(), _torch_as_eager(), \
+            _transformers_as_eager():
         yield
 
 

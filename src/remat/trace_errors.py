@@ -103,6 +103,15 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
                 "traced step cannot make; turn the checks off for training with remat: "
                 "torch.distributions.Distribution.set_default_validate_args(False)"
             )
+        elif isinstance(module, _CAUSAL_CHECKERS):
+            flag = "tgt_is_causal" if isinstance(module, torch.nn.TransformerDecoder) else "is_causal"
+            remedy = (
+                f"given a mask and no {flag}, {type(module).__name__} compares the mask's values with a causal "
+                f"mask to choose its attention kernel, a read a traced step cannot make for a mask computed from "
+                f"the batch; pass {flag}=True if the mask is causal (False if not), or build the mask from "
+                f"shapes alone (nn.Transformer.generate_square_subsequent_mask(n)), whose check remat answers "
+                f"as eager does"
+            )
         elif isinstance(module, _BATCH_NORMS) and module.momentum is None:
             remedy = (
                 "this batch norm has momentum=None (a cumulative average), which reads its "
@@ -607,6 +616,8 @@ def _same_generator(value: object, gen: object) -> bool:
 
 # ---------------------------------------------------------------------------- batch norm on CUDA
 _BATCH_NORMS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
+#: Modules that read an attention mask's values to tell whether it is causal when not told.
+_CAUSAL_CHECKERS = (torch.nn.TransformerEncoder, torch.nn.TransformerDecoder, torch.nn.Transformer)
 #: the smallest eps for which ATen hands a batch norm to cuDNN (CUDNN_BN_MIN_EPSILON)
 CUDNN_MIN_EPS = 1e-5
 #: how a refusal tells the user to accept the traced kernels
