@@ -24,7 +24,8 @@ eager's behaviour while tracing:
   of the trace's reach (the non-reentrant kind met the real parameters there and failed; the
   reentrant kind cut the trace). A checkpointed call traces as a plain call: the recomputation
   gives the values the first computation gave, so the gradients are eager's, and remat's plan
-  decides what to recompute. One exception keeps eager's behaviour: a reentrant checkpoint
+  decides what to recompute (a reentrant one's inputs enter through a view each, so that their
+  gradients are summed in eager's order: the block's uses first). One exception keeps eager's behaviour: a reentrant checkpoint
   none of whose tensor inputs requires grad gives the parameters inside it no gradient in eager
   PyTorch (with a warning), so it traces under ``no_grad`` to the same effect. A checkpoint with
   ``preserve_rng_state=False`` around random ops is refused: eager's recomputation draws other
@@ -130,12 +131,20 @@ def _replaced_py_kernels(replacements: dict[torch._ops.OpOverload, Callable | No
 
 
 class _PlainReentrantCheckpoint:
-    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` while tracing."""
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` while tracing.
+
+    Eager's reentrant checkpoint is one autograd node: its backward runs the block's own
+    backward and hands each input one gradient, the sum of the block's uses of it, which the
+    engine then adds to the input's uses outside. A plain call summed all of them in one go, in
+    another order: ``h + checkpoint(blocks, h)`` whose blocks are residual themselves (``x +
+    f(x)``) gave gradients 1e-10 from eager's. So each input that requires grad enters the block
+    through a view of its own, where the block's uses are summed first, as in eager."""
 
     @staticmethod
     def apply(function: Callable, preserve_rng_state: bool, *args: object) -> object:
         start = _traced_count()
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
             result = function(*args)
         else:
             warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=3)
