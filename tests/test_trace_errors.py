@@ -417,6 +417,28 @@ def test_a_tensor_the_step_stores_outside_the_model_is_warned_about():
                        cost_model=None)
 
 
+class _KeepsItsOutput(nn.Sequential):
+    def forward(self, x):
+        out = super().forward(x)
+        self.last = out.detach()  # for logging, as a user might
+        return out
+
+
+def test_a_tensor_the_forward_stores_on_a_module_is_warned_about_and_left_as_it_was():
+    """``self.last = out.detach()`` in forward: tracing puts the attribute back as it was
+    (unset), and step() never sets it, so reading it failed later with no word of why."""
+    model = _KeepsItsOutput(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    with pytest.warns(UserWarning, match=r"the model \(_KeepsItsOutput\) attribute 'last' holds a tensor the "
+                                         r"training step made while it was traced; .*step\(\) will never update it "
+                                         r".*a module attribute keeps what it held before tracing, or stays unset"):
+        step = remat.optimize(model, batch, lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0,
+                              method="checkpoint_all", cost_model=None)
+    assert "last" not in vars(model)
+    step(batch)
+    assert "last" not in vars(model)
+
+
 class _ReshapesAndScales(nn.Module):
     def __init__(self):
         super().__init__()

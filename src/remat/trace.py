@@ -51,7 +51,8 @@ from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
 from remat.guards import ModelView, ModuleState, PythonState, module_state
 from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RngWatch, RnnWatch, check_default_generator,
-                                check_dense, explain_trace_failure, warn_of_stored_trace_tensors)
+                                _describe_module, check_dense, explain_trace_failure,
+                                warn_of_stored_trace_tensors)
 
 LossFn = Callable[..., torch.Tensor]
 log = logging.getLogger("remat.trace")
@@ -361,22 +362,25 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     fake_mode = FakeTensorMode()
     fakes = [_fake_input(fake_mode, t) for t in flat]
     kinds_by_name: dict[str, NodeKind] = {}
+    stashed: list[str] = []  # tensors the forward stored on its modules (``_module_attributes_kept``)
     before = PythonState.of(model, loss_fn)
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng:
         try:
-            gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name)
+            gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name,
+                                   stashed)
         except BaseException:  # a refused trace changes nothing of the user's Python state
             before.restore(model)
             raise
 
         def again() -> fx.GraphModule:
             kinds_by_name.clear()
+            stashed.clear()
             return _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes,
-                                     kinds_by_name)
+                                     kinds_by_name, stashed)
 
         gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
         rng.check()
-    warn_of_stored_trace_tensors(model, loss_fn)
+    warn_of_stored_trace_tensors(model, loss_fn, stashed)
     rnns.check_graph(gm)
     check_dense(gm, model)
     check_default_generator(gm, model)
@@ -557,7 +561,7 @@ def _check_loss(loss: object) -> None:
         )
 
 
-def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_inputs, flat, kinds_by_name):
+def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_inputs, flat, kinds_by_name, stashed=None):
     wrapper = _Wrapper(model, loss_fn)
     n_train, n_frozen, n_buf = len(trainable), len(frozen), len(buffer_keys)
     names = ["model." + k for k in trainable + frozen + buffer_keys]
@@ -594,7 +598,7 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
 
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     try:
-        with enable_python_dispatcher(), tracing_as_eager(), _module_attributes_kept(model):
+        with enable_python_dispatcher(), tracing_as_eager(), _module_attributes_kept(model, stashed):
             # detached aliases per pass: pass 1 marks its inputs requires_grad
             first = proxy_tensor.make_fx(step, tracing_mode="fake")(*(t.detach() for t in flat))
             phase_of = _phases(first, marks)
@@ -709,14 +713,17 @@ _NORM_PROBES: dict[object, tuple[Callable[[tuple], tuple], tuple[int, ...]]] = {
 
 
 @contextlib.contextmanager
-def _module_attributes_kept(model: torch.nn.Module) -> Iterator[None]:
+def _module_attributes_kept(model: torch.nn.Module, stashed: list[str] | None = None) -> Iterator[None]:
     """Every tensor a module's forward stores on it while traced (a recurrent state kept as an
-    attribute, as RecurrentGemma's ``recurrent_states``) is a fake tensor of the trace: afterwards
-    each such attribute gets its value from before tracing back (or goes, if it had none). Left
-    there, it was a fake tensor with a ``grad_fn`` on the user's model, which ``copy.deepcopy``
-    (and so ``check_step``) refused. Parameters and buffers are put back too: with a submodule
-    registered under two names (``self.alias = self.mid``), ``functional_call`` swaps its
-    tensors in twice and back once, and left the user's model with fake parameters."""
+    attribute, as RecurrentGemma's ``recurrent_states``; an output kept for logging,
+    ``self.last = out.detach()``) is a fake tensor of the trace: afterwards each such attribute
+    gets its value from before tracing back (or goes, if it had none), and ``stashed`` gets
+    ``"module 'path' (Type) attribute 'name'"`` for it (the caller warns: ``step()`` will never
+    set it). Left there, it was a fake tensor with a ``grad_fn`` on the user's model, which
+    ``copy.deepcopy`` (and so ``check_step``) refused. Parameters and buffers are put back too:
+    with a submodule registered under two names (``self.alias = self.mid``), ``functional_call``
+    swaps its tensors in twice and back once, and left the user's model with fake parameters."""
+    paths = {id(m): path for path, m in model.named_modules()}
     before = [(m, dict(m.__dict__)) for m in model.modules()]
     registered = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
     try:
@@ -730,6 +737,8 @@ def _module_attributes_kept(model: torch.nn.Module) -> Iterator[None]:
         for module, attributes in before:
             for name, value in list(module.__dict__.items()):
                 if isinstance(value, torch.Tensor) and attributes.get(name, _ABSENT) is not value:
+                    if stashed is not None:
+                        stashed.append(f"{_describe_module(model, paths.get(id(module), ''))} attribute {name!r}")
                     if name in attributes:
                         setattr(module, name, attributes[name])
                     else:

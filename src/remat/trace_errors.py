@@ -11,6 +11,7 @@ import re
 import sys
 import traceback
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -497,16 +498,18 @@ def _rng_error(what: str) -> TraceError:
     )
 
 
-def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object) -> None:
+def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object, stashed: Sequence[str] = ()) -> None:
     """Warn where the step's Python stored a tensor of the trace outside the model: a metric
     ``loss_fn`` keeps for logging (``metrics["acc"] = ...``), a forward hook's stash. A traced
     step runs no Python, so those stay the trace's fake tensors, never updated (reading one
-    fails with an error about fake tensors). Gradients are unaffected, so this warns."""
+    fails with an error about fake tensors). ``stashed``: module attributes the forward set to a
+    tensor (``self.last = out.detach()``), which tracing put back as they were, so step() never
+    sets them. Gradients are unaffected, so this warns."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     from remat.guards import function_names
 
-    found: list[str] = []
+    found: list[str] = list(dict.fromkeys(stashed))
 
     def look(label: str, value: object, depth: int = 0) -> None:
         if isinstance(value, FakeTensor):
@@ -532,8 +535,9 @@ def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object) -> Non
         warnings.warn(
             f"{shown} {'holds a tensor' if len(found) == 1 else 'hold tensors'} the training step made while "
             f"it was traced; a traced step runs no Python, so step() will never update "
-            f"{'it' if len(found) == 1 else 'them'} (value-less tensors of the trace): compute such values "
-            f"outside the step (step() returns the loss); gradients are not affected",
+            f"{'it' if len(found) == 1 else 'them'} (value-less tensors of the trace; a module attribute keeps "
+            f"what it held before tracing, or stays unset): compute such values outside the step (step() "
+            f"returns the loss); gradients are not affected",
             stacklevel=_outside_remat(),
         )
 
