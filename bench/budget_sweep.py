@@ -315,7 +315,8 @@ def markdown(results: dict) -> str:
     lines = [
         "## Budget sweeps on the paper's networks",
         "",
-        f"`python bench/budget_sweep.py` (time limit {limit:g} s per `lp_round` and `milp` solve; "
+        f"`python bench/budget_sweep.py` (time limit {'?' if limit is None else f'{limit:g}'} s per `lp_round` and "
+        "`milp` solve; "
         f"{meta.get('cpu_count')} CPU cores; torch {meta.get('torch')}, highspy {meta.get('highspy', '?')}). "
         "Each training step (forward, loss, backward) is traced on the meta device at the batch size shown (the "
         "paper's for its networks), so nothing is allocated; node costs come from `CostModel.ESTIMATE`, a roofline of the FLOPs torch's flop "
@@ -387,21 +388,19 @@ def markdown(results: dict) -> str:
 
 # ---------------------------------------------------------------------------- command line
 def parse_fractions(text: str) -> list[float]:
-    """``"1.0,0.6"`` or ``"100%,60%"`` -> ``[1.0, 0.6]``; each in (0, 1] ... (0, 2]."""
-    fractions = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        try:
-            value = float(part[:-1]) / 100 if part.endswith("%") else float(part)
-        except ValueError:
-            raise ValueError(f"budget {part!r} is not a fraction (0.6) or a percentage (60%)") from None
-        if not 0 < value <= 2:
-            raise ValueError(f"budget {part!r} must be a fraction of the checkpoint-all peak in (0, 2]")
-        fractions.append(value)
-    if not fractions:
-        raise ValueError("no budget given")
-    return fractions
+    """``"1.0,0.6"``, ``"100%,60%"`` or ``"60%:100%:3"`` -> fractions of each model's
+    checkpoint-all peak, read as ``remat sweep --budgets`` reads budgets (each in (0, 1]; bytes
+    do not apply: every model has its own peak). Raises ``ValueError``.
+
+    >>> parse_fractions("100%,0.6"), parse_fractions("50%:100%:3")
+    ([1.0, 0.6], [0.5, 0.75, 1.0])
+    """
+    from remat.cli_args import UsageError, fraction_list
+
+    try:
+        return fraction_list(text)
+    except UsageError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def select_models(text: str | None, defaults: Mapping[str, int], batch: int | None) -> dict[str, int]:
@@ -438,8 +437,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--models", default=None,
                    help=f"comma-separated workloads (default: {','.join(f'{m}:{b}' for m, b in MODELS.items())} as model:batch)")
     p.add_argument("--batch", type=int, default=None, help="one batch size for every model (smoke runs)")
-    p.add_argument("--budgets", default=",".join(f"{f:g}" for f in FRACTIONS),
-                   help="comma-separated fractions of the checkpoint-all peak (0.6 or 60%%)")
+    p.add_argument("--budgets", default=",".join(f"{f:.0%}" for f in FRACTIONS),
+                   help="comma-separated fractions of each model's checkpoint-all peak (0.6 or 60%%), or "
+                        "LOW:HIGH:COUNT evenly spaced (30%%:100%%:8)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per lp_round / milp solve")
     p.add_argument("--options", default=None, help="extra solver options as JSON: {method: {option: value}}")
@@ -466,6 +466,22 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     if not args.time_limit > 0:
         p.error(f"--time-limit {args.time_limit:g} must be positive")
     plots = args.plots or (PLOTS if args.out.resolve() == RESULTS else args.out.parent)
+    from remat.cli_args import UsageError, check_solver_options, writable_file, writable_folder
+
+    try:
+        check_solver_options(options)
+        writable_file(args.out, "--out")
+        writable_folder(plots, "--plots" if args.plots else "--out (the plots go next to it)")
+    except UsageError as exc:
+        p.error(str(exc))
+    if args.plot_only:
+        if not args.out.is_file():
+            p.error(f"--plot-only redraws the plots from --out {str(args.out)!r}, which does not exist; run the "
+                    f"sweep without --plot-only to produce it (or give --out the results file of an earlier run)")
+        try:
+            load(args.out)
+        except (ValueError, UnicodeDecodeError) as exc:
+            p.error(f"--out {str(args.out)!r} is not a results file of this benchmark (not readable JSON: {exc})")
     logging.basicConfig(level=logging.WARNING)
     import torch
 

@@ -426,12 +426,11 @@ not grow with the batch) is the traced one."""
 
 # ---------------------------------------------------------------------------- command line
 def parse_bytes(text: str) -> int:
-    from remat.units import parse_budget
+    """``--memory``: bytes or a size (``16GB``, ``2GiB``), read as budgets are read; a
+    fraction or a percentage (of a peak) is refused. Raises ``ValueError``."""
+    from remat.cli_args import size_in_bytes
 
-    try:
-        return parse_budget(text)  # no reference: a percentage is refused
-    except ValueError as exc:
-        raise ValueError(f"--memory: {exc}") from None
+    return size_in_bytes(text, "--memory")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -475,6 +474,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         memory = parse_bytes(args.memory)
         options = parse_solver_options(args.options)
     except ValueError as exc:
+        p.error(str(exc))
+    from remat.cli_args import UsageError, check_solver_options, writable_file
+
+    try:
+        check_solver_options(options)
+        writable_file(args.out, "--out")
+    except UsageError as exc:
         p.error(str(exc))
     logging.basicConfig(level=logging.WARNING)
     import torch

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 import remat
+from remat.cli_args import Parser, arg_type, positive_int
 from remat.cost import CostModel
+from remat.units import EAGER, check_budget
 
 
 def gpt2(args: argparse.Namespace):
@@ -64,17 +66,40 @@ def mlp(args: argparse.Namespace):
     return model, batches(), lambda model, x, y: F.cross_entropy(model(x), y)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def budget(text: str) -> str:
+    """A budget as remat.backend reads it (a fraction is of the compiled region's eager peak)."""
+    check_budget(text, cuda_free=True, of=EAGER)
+    return text
+
+
+def method(name: str) -> str:
+    if name not in remat.solvers.methods():
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(remat.solvers.methods())}")
+    return name
+
+
+def sequence_length(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise ValueError(f"{value} must be at least 2 (the model predicts each next token)")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    # (remat's parser: a usage error is one line and exit code 2)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2")
-    parser.add_argument("--budget", default="0.6", help="bytes (1500000, 2GiB), a fraction (0.6) or a percentage (60%%)")
-    parser.add_argument("--method", default="chen_greedy", help="remat method: milp (small graphs), chen_greedy, ...")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steady on a busy machine)")
+    parser.add_argument("--budget", type=arg_type(budget), default="0.6",
+                        help="bytes (1500000, 2GiB), a fraction (0.6) or a percentage (60%%) of the eager peak")
+    parser.add_argument("--method", type=arg_type(method), default="chen_greedy",
+                        help="remat method: milp (small graphs), chen_greedy, ... (see `remat methods`)")
+    parser.add_argument("--steps", type=arg_type(positive_int), default=5)
+    parser.add_argument("--batch", type=arg_type(positive_int), default=4)
+    parser.add_argument("--seq", type=arg_type(sequence_length), default=64)
+    parser.add_argument("--threads", type=arg_type(positive_int), default=1,
+                        help="intra-op threads (1: steady on a busy machine)")
     parser.add_argument("--check", action="store_true", help="compare the first step's gradients with eager PyTorch")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

@@ -213,7 +213,8 @@ def test_sweep_budget_parsing(text, want):
     assert sweep_mod.parse_fractions(text) == want
 
 
-@pytest.mark.parametrize("text, message", [("0", "in (0, 2]"), ("x", "not a fraction"), (",", "no budget")])
+@pytest.mark.parametrize("text, message", [("0", "must be positive"), ("x", "not understood"), (",", "no budget"),
+                                           ("150%", "percentage in (0%, 100%]"), ("1", "is a size in bytes")])
 def test_sweep_budget_parsing_errors(text, message):
     with pytest.raises(ValueError, match=re_escape(message)):
         sweep_mod.parse_fractions(text)
@@ -383,7 +384,7 @@ def run_cli(capsys, *argv):
         (["bench", "nope"], "invalid choice: 'nope'"),
         (["bench", "sweep", "--models", "nosuch"], "unknown model 'nosuch'"),
         (["bench", "sweep", "--models", "mlp"], "no default batch size here; give --batch"),
-        (["bench", "sweep", "--budgets", "0"], "in (0, 2]"),
+        (["bench", "sweep", "--budgets", "0"], "budget '0' must be positive"),
         (["bench", "sweep", "--methods", "magic"], "unknown method 'magic'"),
         (["bench", "sweep", "--options", "{bad"], "--options is not JSON"),
         (["bench", "sweep", "--time-limit", "0"], "--time-limit 0 must be positive"),

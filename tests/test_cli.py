@@ -372,3 +372,225 @@ def test_demo_writes_table_json_and_plot(capsys, tmp_path):
     assert ran and all(r["bitwise_equal"] and abs(r["peak_error"]) <= 0.02 for r in ran)
     assert out_json.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "bitwise equal" in out and "eager PyTorch peak" in out
+
+
+# ---------------------------------------------------------------- bad usage found by a new user
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one_line_usage_error(code, err):
+    assert code == 2, (code, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    """An existing regular file, used as if it were a folder."""
+    path = tmp_path / "F"
+    path.write_text("not a folder")
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sweep", "--graph", "chain:8", "--methods", "milp", "--budgets", "50%", "--out", "{F}/x.json"],
+        ["sweep", "--graph", "chain:8", "--methods", "milp", "--budgets", "50%", "--out", "{F}/sub/x.json"],
+        ["sweep", "--graph", "chain:8", "--methods", "milp", "--budgets", "50%", "--out", "{tmp}/ok.json",
+         "--plot", "{F}/p.png"],
+        ["demo", "--model", "mlp", "--batch", "2", "--costs", "estimate", "--methods", "checkpoint_all",
+         "--budgets", "100%", "--out", "{F}/d.json"],
+        ["bench", "sweep", "--out", "{F}/x.json", "--models", "mlp", "--batch", "2", "--budgets", "60%",
+         "--methods", "checkpoint_all", "--no-report"],
+        ["bench", "sweep", "--out", "{tmp}/b.json", "--plots", "{F}/plots", "--models", "mlp", "--batch", "2",
+         "--budgets", "60%", "--methods", "checkpoint_all", "--no-report"],
+        ["bench", "max-batch", "--out", "{F}/x.json", "--models", "mlp", "--methods", "checkpoint_all",
+         "--memory", "1GB", "--no-report"],
+    ],
+    ids=["sweep-out", "sweep-out-deeper", "sweep-plot", "demo-out", "bench-sweep-out", "bench-sweep-plots",
+         "bench-max-batch-out"],
+)
+def test_unwritable_output_paths_are_refused_before_any_work(capsys, tmp_path, a_file, argv):
+    argv = [a.format(F=a_file, tmp=tmp_path) for a in argv]
+    started = time.monotonic()
+    code, out, err = run(capsys, *argv)
+    _one_line_usage_error(code, err)
+    assert str(a_file) in err and "is a file, not a folder" in err, err
+    assert "tracing" not in err and out == "" and time.monotonic() - started < 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["F"]  # nothing written, nothing made
+
+
+def test_an_out_path_where_no_file_can_be_created_is_refused(capsys, tmp_path):
+    if not Path("/proc/self").exists():
+        pytest.skip("needs /proc")
+    code, _, err = run(capsys, "sweep", "--graph", "chain:8", "--methods", "milp", "--budgets", "50%",
+                       "--out", "/proc/x.json")
+    _one_line_usage_error(code, err)
+    assert "--out '/proc/x.json': cannot create a file in '/proc'" in err and "give a path in a folder" in err
+    code, _, err = run(capsys, "sweep", "--graph", "chain:8", "--out", str(tmp_path / "dir.json" / "x.json"),
+                       "--plot", str(tmp_path))
+    _one_line_usage_error(code, err)
+    assert "is not one matplotlib writes" in err or "is a folder" in err
+
+
+def test_bench_plot_only_without_its_results_file_is_bad_usage(capsys, tmp_path):
+    missing = tmp_path / "does-not-exist.json"
+    code, _, err = run(capsys, "bench", "sweep", "--plot-only", "--out", str(missing), "--plots",
+                       str(tmp_path / "plots"), "--no-report")
+    _one_line_usage_error(code, err)
+    assert f"--plot-only redraws the plots from --out '{missing}', which does not exist" in err
+    assert "without --plot-only" in err and not missing.exists()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ('{"milp": {"bogus": 1}}', "--options: method 'milp' has no option 'bogus'; its options are: backend"),
+        ('{"nope": {}}', "--options: unknown method 'nope'; choose from"),
+        ('{"milp": {"threads": 0}}', "--options: threads=0 must be a positive int"),
+        ('{"milp": {"max_nodes": 0}}', "--options: max_nodes=0 must be a positive int"),
+        ('{"chen_greedy": {"time_limit_s": 5}}', "method 'chen_greedy' has no option 'time_limit_s'"),
+    ],
+)
+def test_bench_sweep_checks_solver_options_before_tracing(capsys, tmp_path, options, message):
+    out = tmp_path / "b.json"
+    code, stdout, err = run(capsys, "bench", "sweep", "--options", options, "--models", "mlp", "--batch", "2",
+                            "--budgets", "60%", "--methods", "milp", "--out", str(out), "--no-report")
+    _one_line_usage_error(code, err)
+    assert message in err and stdout == "" and not out.exists()
+
+
+def test_bench_sweep_options_plan_graph_keywords_are_accepted(capsys, tmp_path):
+    out = tmp_path / "b.json"
+    code, _, err = run(capsys, "bench", "sweep", "--options", '{"chen_greedy": {"max_nodes": 40}}', "--models",
+                       "mlp", "--batch", "2", "--budgets", "100%", "--methods", "chen_greedy", "--out", str(out),
+                       "--plots", str(tmp_path), "--no-report")
+    assert code == 0, err
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["options"] == {"max_nodes": 40}
+
+
+@pytest.mark.parametrize("budgets", ["150%", "60%,150%", "1.5", "-10%", "2GiB"])
+def test_bench_budgets_are_read_as_remat_sweep_reads_them(capsys, tmp_path, budgets):
+    code, stdout, err = run(capsys, "bench", "sweep", "--budgets", budgets, "--models", "mlp", "--batch", "2",
+                            "--methods", "checkpoint_all", "--out", str(tmp_path / "b.json"), "--no-report")
+    _one_line_usage_error(code, err)
+    assert stdout == "" and not (tmp_path / "b.json").exists()
+    if budgets.endswith("150%"):  # the library's text, as `remat sweep --budgets 150%` says it
+        assert "budget '150%' must be a percentage in (0%, 100%]" in err
+        code, _, sweep_err = run(capsys, "sweep", "--graph", "chain:4", "--budgets", budgets)
+        assert code == 2 and sweep_err.strip().split("'150%'")[1] in err
+    if budgets == "2GiB":
+        assert "is a size in bytes" in err and "a percentage ('60%') of each model's checkpoint-all peak" in err
+
+
+def test_bench_budgets_take_a_range_like_remat_sweep(capsys, tmp_path):
+    out = tmp_path / "b.json"
+    code, _, err = run(capsys, "bench", "sweep", "--budgets", "50%:100%:3", "--models", "mlp", "--batch", "2",
+                       "--methods", "checkpoint_all", "--out", str(out), "--plots", str(tmp_path), "--no-report")
+    assert code == 0, err
+    assert sorted(p["fraction"] for p in json.loads(out.read_text())["points"]) == [0.5, 0.75, 1.0]
+
+
+def test_an_uninstalled_milp_backend_is_bad_usage(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("gurobipy") is not None:
+        pytest.skip("gurobipy is installed")
+    code, _, err = run(capsys, "solve", "--graph", "chain:32", "--budget", "40%", "--backend", "gurobi")
+    _one_line_usage_error(code, err)
+    assert "--backend gurobi: MILP backend 'gurobi' needs the Python package 'gurobipy'" in err
+    assert "pip install gurobipy" in err and "--backend highs" in err
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--backend", "gurobi", "--out", "x.json")
+    _one_line_usage_error(code, err)
+
+
+def test_infeasible_solve_with_json_prints_a_json_status(capsys):
+    code, out, err = run(capsys, "solve", "--graph", "chain:8", "--budget", "10%", "--json")
+    assert code == 1 and "no plan fits" in err and len(err.strip().splitlines()) == 1
+    record = json.loads(out)
+    assert record["status"] == "infeasible" and record["method"] == "milp" and record["graph"] == "chain8"
+    assert record["budget_bytes"] == int(0.1 * record["checkpoint_all_peak_bytes"])
+    assert record["min_budget_bytes"] > record["budget_bytes"]
+    assert f"({record['min_budget_bytes']} B)" in err
+
+
+def test_infeasible_model_solve_with_json_prints_a_json_status(capsys):
+    code, out, err = run(capsys, "solve", "--model", "mlp", "--costs", "estimate", "--budget", "1KiB",
+                         "--method", "checkpoint_all", "--json")
+    assert code == 1 and "needs at least" in err
+    record = json.loads(out)
+    assert record["status"] == "infeasible" and record["model"] == "mlp" and record["budget_bytes"] == 1024
+    assert record["min_budget_bytes"] == record["checkpoint_all_peak_bytes"]
+
+
+def test_infeasible_solve_and_run_with_json_prints_a_json_status(capsys):
+    code, out, err = run(capsys, "solve", "--model", "mlp", "--batch", "16", "--costs", "estimate", "--budget",
+                         "60%", "--method", "checkpoint_all", "--run", "--json")
+    assert code == 1 and err.strip().splitlines()[-1].startswith("no plan fits"), err
+    record = json.loads(out)
+    assert record["status"] == "infeasible" and record["method"] == "checkpoint_all"
+    assert record["min_budget_bytes"] == record["checkpoint_all_peak_bytes"] > record["budget_bytes"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bogus"], "remat: error: unrecognized arguments: --bogus"),
+        (["--bogus", "solve"], "unrecognized arguments: --bogus"),
+        (["solve", "--graph", "chain:32", "--budget", "-10%"], "budget '-10%' must be positive"),
+        (["sweep", "--graph", "chain:32", "--budgets", "-10%,50%"], "budget '-10%' must be positive"),
+        (["solve", "--graph", "chain:32", "--budget", "40%", "--time-limit", "-1e3"], "time limit -1e3 s must be"),
+    ],
+)
+def test_usage_messages_name_the_real_problem(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    _one_line_usage_error(code, err)
+    assert message in err, err
+    assert "required: COMMAND" not in err and "expected one argument" not in err
+
+
+@pytest.mark.parametrize("memory", ["abc", "60%", "0.6", "-1GB"])
+def test_max_batch_memory_messages_list_only_what_memory_accepts(capsys, tmp_path, memory):
+    code, _, err = run(capsys, "bench", "max-batch", "--memory", memory, "--models", "mlp", "--out",
+                       str(tmp_path / "m.json"), "--no-report")
+    _one_line_usage_error(code, err)
+    assert f"--memory {memory!r}" in err and "16GB" in err, err
+    assert "a fraction (0.6)" not in err and "or a percentage ('60%')" not in err
+
+
+def test_sweep_table_never_shows_needs_at_or_below_the_budget(capsys, tmp_path):
+    # unet:8 at 100%: recompute_all needs 5714242 B against a budget of 5713218 B (100.018%)
+    code, out, _ = run(capsys, "sweep", "--graph", "unet:8", "--methods", "recompute_all,checkpoint_all",
+                       "--budgets", "100%", "--out", str(tmp_path / "s.json"))
+    assert code == 0
+    point = _sweep_points(tmp_path / "s.json")[0]
+    assert point["method"] == "recompute_all" and point["min_budget_bytes"] > point["budget_bytes"]
+    assert "needs 100.0%" not in out and "needs 100.02%" in out
+
+
+def test_sweep_runs_every_method_by_default():
+    from remat.cli_args import default_sweep_methods
+    from remat.solvers import methods
+
+    assert sorted(default_sweep_methods().split(",")) == sorted(methods())
+    assert "descent" in default_sweep_methods().split(",")
+    args = build_parser().parse_args(["sweep", "--graph", "chain:4"])
+    assert args.methods is None or sorted(args.methods.split(",")) == sorted(methods())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--budget", "abc"], "argument --budget: budget 'abc' is not understood"),
+        (["--budget", "150%"], "budget '150%' must be a percentage in (0%, 100%]"),
+        (["--method", "nope"], "argument --method: unknown method 'nope'; choose from"),
+        (["--batch", "0"], "argument --batch: 0 must be at least 1"),
+        (["--steps", "x"], "argument --steps: 'x' is not a whole number"),
+    ],
+)
+def test_train_loop_example_refuses_bad_usage_in_one_line(argv, message):
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "train_loop.py"), "--model", "mlp", *argv],
+                          capture_output=True, text=True, timeout=120)
+    _one_line_usage_error(done.returncode, done.stderr)
+    assert message in done.stderr and done.stdout == ""

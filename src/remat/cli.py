@@ -30,12 +30,15 @@ from remat.cli_args import (
     budget_list,
     budget_of,
     build_parser,
+    check_backend,
     check_methods,
+    default_sweep_methods,
     json_path,
     method_list,
     plot_path,
     resolve_target,
     solver_options,
+    writable_file,
 )
 from remat.errors import GraphError, InfeasibleBudgetError, RematError, UnsupportedGraphError
 from remat.graph import Graph
@@ -179,7 +182,12 @@ def cmd_solve(args: argparse.Namespace) -> int:
     if args.model:
         return _solve_model(args, graph, budget, options)
     with _activity(f"planning {graph.name} with {args.method}"):
-        result = run_interruptibly(lambda: solve(graph, budget, method=args.method, **options))
+        try:
+            result = run_interruptibly(lambda: solve(graph, budget, method=args.method, **options))
+        except InfeasibleBudgetError as exc:
+            if args.json:
+                _print_infeasible(args, graph, budget, exc.min_budget_bytes)
+            raise  # (the message on stderr, exit code 1)
     record = result.summary()
     if args.json:
         print(json.dumps(record))
@@ -207,6 +215,8 @@ def _solve_model(args: argparse.Namespace, graph: Graph, budget: int, options: d
             least = exc.min_budget_bytes
             needs = "" if least is None else (f"; {args.model} at batch {args.batch} needs at least "
                                               f"{format_bytes(least)} ({least / reference:.1%} of checkpoint-all)")
+            if args.json:
+                _print_infeasible(args, graph, budget, least)
             err.print(f"[red]no plan fits:[/red] {exc}{needs}", highlight=False)
             return EXIT_INFEASIBLE
     r = planned.result
@@ -241,11 +251,18 @@ def _solve_and_run(args: argparse.Namespace, budget: int, options: dict[str, obj
                                      run=True, traced=_traced(args))
     record = comparison.runs[0]
     if record.status == "infeasible":
+        if args.json:
+            _print_infeasible(args, _traced(args).graph, budget, record.min_budget_bytes,
+                              reference=comparison.checkpoint_all_peak_bytes)
         err.print(f"[red]no plan fits:[/red] budget {format_bytes_exactly(budget)} is infeasible for "
                   f"method {args.method!r} on {args.model}: {record.note}", highlight=False)
         return EXIT_INFEASIBLE
     if record.status == "not applicable":
         raise UsageError(record.note)
+    if record.predicted_peak_bytes is None:  # no plan (a time limit with none found): the solver's note
+        err.print(f"[red]error:[/red] method {args.method!r} found no plan for {args.model} under "
+                  f"{format_bytes_exactly(budget)}: {record.note}", highlight=False)
+        return EXIT_INFEASIBLE
     payload = {**comparison.to_json(), **comparison.to_json()["runs"][0], "peak_bytes": record.predicted_peak_bytes,
                "cost": record.overhead * comparison.checkpoint_all_cost_us}
     payload.pop("runs")
@@ -254,6 +271,20 @@ def _solve_and_run(args: argparse.Namespace, budget: int, options: dict[str, obj
     else:
         _print_runs(comparison)
     return EXIT_OK if record.bitwise_equal is not False else EXIT_INFEASIBLE
+
+
+def _print_infeasible(args: argparse.Namespace, graph: Graph, budget: int, least: int | None, *,
+                      reference: int | None = None) -> None:
+    """``--json`` when no plan fits: the status, the budget asked for and the smallest budget
+    the method can meet (null when it has none), on stdout; the message goes to stderr."""
+    reference = checkpoint_all_peak(graph) if reference is None else reference
+    record: dict[str, object] = {"graph": graph.name, "n_nodes": graph.n, "method": args.method,
+                                 "status": "infeasible", "budget_bytes": budget, "min_budget_bytes": least,
+                                 "checkpoint_all_peak_bytes": reference, "budget_fraction": budget / reference,
+                                 "min_budget_fraction": None if least is None else least / reference}
+    if getattr(args, "model", None):
+        record.update(model=args.model, batch=args.batch, costs=args.costs)
+    print(json.dumps(record))
 
 
 def _print_runs(comparison) -> None:
@@ -285,7 +316,8 @@ def _progress():
 
 def cmd_demo(args: argparse.Namespace) -> int:
     names = method_list(args.methods)
-    out_path = json_path(args.out)
+    out_path = writable_file(json_path(args.out), "--out")
+    writable_file(out_path.with_suffix(".png"), "--out (its plot, .png)")
     budget_list(args.budgets, None)  # checked before the model is traced
     from remat.compare import compare_methods
     from remat.plotting import plot_comparison
@@ -310,9 +342,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    names = method_list(args.methods)
-    out_path = json_path(args.out)
-    plot_file = plot_path(args.plot, out_path)
+    names = method_list(default_sweep_methods() if args.methods is None else args.methods)
+    out_path = writable_file(json_path(args.out), "--out")
+    plot_file = writable_file(plot_path(args.plot, out_path), "--plot" if args.plot else "--out (its plot, .png)")
     graph = _load_graph(args)
     budgets = budget_list(args.budgets, graph)
     options = {m: solver_options(m, args) for m in names}
@@ -374,7 +406,20 @@ def _sweep_cell(p: SweepPoint, reference: int) -> str:
         return f"{p.result['overhead']:.3f}x"
     if p.min_budget_bytes is None:
         return "no plan"
-    return f"needs {p.min_budget_bytes / reference:.1%}"
+    return f"needs {_needs_shown(p.min_budget_bytes, p.budget_bytes, reference)}"
+
+
+def _needs_shown(least: int, budget: int, reference: int) -> str:
+    """The smallest feasible budget as a percentage of ``reference`` with as many decimals as
+    it takes to show it above the budget that failed (as given and as its row shows it: 0
+    decimals); in bytes where no percentage would (5714242 B against 5713218 B is 100.018%)."""
+    budget_pct = 100 * budget / reference
+    shown_budget = float(f"{budget_pct:.0f}")
+    for digits in range(1, 4):
+        text = f"{100 * least / reference:.{digits}f}"
+        if float(text) > max(budget_pct, shown_budget):
+            return f"{text}%"
+    return format_bytes_exactly(least)
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
@@ -449,6 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         resolve_target(args)
+        check_backend(getattr(args, "backend", None))  # (one not installed: before any work)
         return COMMANDS[args.command](args)
     except (UsageError, UnsupportedGraphError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)

@@ -5,8 +5,13 @@ into budgets, methods and paths, or a ``UsageError`` (one line, exit code 2) bef
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
-from collections.abc import Callable, Sequence
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -14,10 +19,14 @@ from remat.graph import Graph
 from remat.solvers import methods as registered_methods
 from remat.solvers.milp_backends import MilpBackend
 from remat.sweep import checkpoint_all_peak
-from remat.units import check_time_limit, parse_budget, read_budget
+from remat.units import _FORMS as BUDGET_FORMS
+from remat.units import BudgetSpec, check_time_limit, read_budget
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-DEFAULT_SWEEP_METHODS = "checkpoint_all,recompute_all,chen_sqrtn,chen_greedy,segments,nested,chain,griewank,lp_round,milp"
+#: The order of `remat sweep`'s columns (baselines first, the MILP last); a method not named
+#: here comes before lp_round and milp: the default sweeps every method `remat methods` lists.
+SWEEP_ORDER = ("checkpoint_all", "recompute_all", "chen_sqrtn", "chen_greedy", "segments", "nested", "chain",
+               "griewank", "descent", "lp_round", "milp")
 DEMO_METHODS = "checkpoint_all,chen_sqrtn,chen_greedy,segments,lp_round,milp"
 DEMO_BUDGETS = "100%,80%,65%,50%"
 DEMO_BATCH = 8
@@ -38,7 +47,54 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # (subcommands' parsers are this class too, and parse their share of the line here)
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._values_with_dashes(args), namespace)
+
+    def _values_with_dashes(self, args: list[str]) -> list[str]:
+        """``--budget -10%`` as ``--budget=-10%``: argparse takes a value that starts with '-'
+        for an option (it knows only plain negative numbers such as -5), and would report
+        "expected one argument" instead of what is wrong with the value."""
+        joined: list[str] = []
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                return joined + args[i:]
+            action = self._option_string_actions.get(arg)
+            if (action is not None and action.nargs is None and i + 1 < len(args)
+                    and _DASHED_VALUE.match(args[i + 1])):
+                joined.append(f"{arg}={args[i + 1]}")
+                i += 2
+                continue
+            joined.append(arg)
+            i += 1
+        return joined
+
+    def _unknown_before_command(self, args: list[str]) -> list[str]:
+        """Options before the command that this parser does not know (``remat --bogus``)."""
+        unknown = []
+        for arg in args:
+            if not arg.startswith("-") or arg in ("-", "--"):
+                break  # the command (or a positional) starts here
+            name = arg.split("=", 1)[0]
+            if name.startswith("--"):
+                known = any(option.startswith(name) for option in self._option_string_actions)
+            else:
+                known = all(f"-{letter}" in self._option_string_actions for letter in name[1:])
+            if not known:
+                unknown.append(arg)
+        return unknown
+
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        args = list(sys.argv[1:] if args is None else args)
+        if self._subparsers is not None:
+            # argparse would say a required command is missing, not that an option is unknown
+            unknown = self._unknown_before_command(args)
+            if unknown:
+                self.exit(EXIT_USAGE, f"{self.prog}: error: unrecognized arguments: {' '.join(unknown)} "
+                                      f"(see `{self.prog} --help`)\n")
         # argparse reports a subcommand's unknown options at the top: name the subcommand's help
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
@@ -46,6 +102,10 @@ class Parser(argparse.ArgumentParser):
             prog = f"{self.prog} {command}" if isinstance(command, str) else self.prog
             self.exit(EXIT_USAGE, f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see `{prog} --help`)\n")
         return parsed
+
+
+#: A value that starts with '-' and a digit or a point: a negative number, budget or size.
+_DASHED_VALUE = re.compile(r"^-[0-9.]")
 
 
 def arg_type(check: Callable[[str], object]) -> Callable[[str], object]:
@@ -73,8 +133,57 @@ def time_limit(text: str) -> float:
 
 
 def budget_text(text: str) -> str:
-    read_budget(text)  # the form and range now; the reference peak once the graph is known
+    read_budget_text(text)  # the form and range now; the reference peak once the graph is known
     return text
+
+
+def read_budget_text(text: str) -> BudgetSpec:
+    """``remat.units.read_budget``, and a negative percentage said to be negative (the library
+    reads '-10%' as a percentage out of range and suggests '100%')."""
+    stripped = text.strip()
+    if stripped.startswith("-") and stripped.endswith("%"):
+        raise ValueError(f"budget {text!r} must be positive; write {BUDGET_FORMS}")
+    return read_budget(text)
+
+
+def _forms_only(message: str, forms: str) -> str:
+    """A ``BudgetError``'s text with the forms an option accepts in place of every budget form."""
+    return message.replace(BUDGET_FORMS, forms)
+
+
+#: The forms `remat bench sweep --budgets` accepts: fractions of each model's own peak.
+FRACTION_FORMS = "a fraction (0.6) or a percentage ('60%') of each model's checkpoint-all peak"
+#: The forms a memory size (`remat bench max-batch --memory`) accepts.
+SIZE_FORMS = "bytes ('16000000000') or a size with a unit ('16GB', '2GiB')"
+
+
+def fraction_of_peak(text: str) -> float:
+    """One budget of ``remat bench sweep --budgets``: read as ``remat sweep`` reads a budget,
+    and a fraction or a percentage (every model has its own peak, so bytes do not apply)."""
+    try:
+        spec = read_budget_text(text)
+    except ValueError as exc:
+        raise ValueError(_forms_only(str(exc), FRACTION_FORMS)) from None
+    if spec.fraction is None:
+        raise ValueError(f"budget {text!r} is a size in bytes ({spec.bytes} B); write {FRACTION_FORMS} "
+                         f"('1.0' or '100%': the whole peak)")
+    return spec.fraction
+
+
+def size_in_bytes(text: str, option: str) -> int:
+    """A memory size (``16GB``, ``2GiB``, ``16000000000``), read as budgets are read, for
+    ``option``; a fraction or percentage of a peak is refused."""
+    try:
+        spec = read_budget_text(text)
+    except ValueError as exc:
+        if "which means a fraction" in str(exc):  # 1.5: neither bytes nor a fraction
+            raise ValueError(f"{option} {text!r} is not a whole number of bytes; write {SIZE_FORMS}") from None
+        message = _forms_only(str(exc), SIZE_FORMS).replace(f"budget {text!r}", f"{option} {text!r}", 1)
+        raise ValueError(message) from None
+    if spec.bytes is None:
+        kind = "a percentage" if text.strip().endswith("%") else "a fraction"
+        raise ValueError(f"{option} {text!r} is {kind}, but {option} is a size: write {SIZE_FORMS}")
+    return spec.bytes
 
 
 def positive_int(text: str) -> int:
@@ -113,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the same command resumes (points of the same graph, method, options and remat "
                                    "version are read back, not solved again).")
     add_target(p, models=False)
-    p.add_argument("--methods", default=DEFAULT_SWEEP_METHODS, help="comma-separated methods (default: all)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated methods (default: every method `remat methods` lists)")
     p.add_argument("--budgets", default="30%:100%:8",
                    help="comma-separated budgets, or LOW:HIGH:COUNT evenly spaced (default 30%%:100%%:8)")
     add_solver_options(p)
@@ -145,6 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("options", nargs=argparse.REMAINDER,
                    help="the benchmark's own options (e.g. --models vgg16 --time-limit 30), and --no-report")
     return parser
+
+
+def default_sweep_methods() -> str:
+    """Every registered method, in ``SWEEP_ORDER`` (others before lp_round and milp)."""
+    known = registered_methods()
+    ordered = [m for m in SWEEP_ORDER if m in known]
+    others = [m for m in known if m not in SWEEP_ORDER]
+    cut = next((i for i, m in enumerate(ordered) if m in ("lp_round", "milp")), len(ordered))
+    return ",".join(ordered[:cut] + others + ordered[cut:])
 
 
 def add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
@@ -192,14 +311,36 @@ def solver_options(method: str, args: argparse.Namespace) -> dict[str, object]:
 
 def budget_of(text: str, graph: Graph) -> int:
     try:
-        return parse_budget(text, checkpoint_all_peak(graph))
+        return read_budget_text(text).resolve(checkpoint_all_peak(graph))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
 def budget_list(text: str, graph: Graph | None) -> list[int]:
     """The budgets of --budgets in bytes (with ``graph`` None: only checked)."""
-    resolve = (lambda part: budget_of(part, graph)) if graph is not None else check_budget_text
+    if graph is None:
+        _spread(text, check_budget_text, whole=True, ordered=False)
+        return []
+    return _spread(text, lambda part: budget_of(part, graph), whole=True)
+
+
+def fraction_list(text: str) -> list[float]:
+    """``remat bench sweep --budgets``: what ``remat sweep --budgets`` takes (a list, or
+    LOW:HIGH:COUNT), each budget a fraction or a percentage of each model's checkpoint-all peak."""
+
+    def resolve(part: str) -> float:
+        try:
+            return fraction_of_peak(part)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
+    return _spread(text, resolve, whole=False)
+
+
+def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered: bool = True) -> list:
+    """The values of a --budgets list or LOW:HIGH:COUNT range, each read by ``resolve``;
+    ``whole``: bytes (rounded), else fractions; not ``ordered``: only checked (LOW and HIGH
+    are not comparable before the graph is known)."""
     if text.count(":") == 2:
         low, high, count = text.split(":")
         try:
@@ -209,12 +350,15 @@ def budget_list(text: str, graph: Graph | None) -> list[int]:
         if k < 1:
             raise UsageError(f"--budgets {text!r}: COUNT must be at least 1")
         lo, hi = resolve(low), resolve(high)
-        if graph is None:
+        if not ordered:
             return []
         if lo > hi:
             raise UsageError(f"--budgets {text!r}: the range runs from LOW to HIGH, and {low} is above {high}; "
                              f"write {high}:{low}:{count}")
-        return [lo] if k == 1 else [round(lo + (hi - lo) * j / (k - 1)) for j in range(k)]
+        if k == 1:
+            return [lo]
+        values = [lo + (hi - lo) * j / (k - 1) for j in range(k)]
+        return [round(v) for v in values] if whole else [round(v, 9) for v in values]
     if ":" in text:
         raise UsageError(f"--budgets {text!r}: a range is LOW:HIGH:COUNT, e.g. 30%:100%:8; or list budgets, "
                          f"e.g. 50%,75%,100%")
@@ -226,7 +370,7 @@ def budget_list(text: str, graph: Graph | None) -> list[int]:
 
 def check_budget_text(text: str) -> int:
     try:
-        read_budget(text)
+        read_budget_text(text)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return 0
@@ -268,3 +412,100 @@ def plot_path(text: str | None, out: Path) -> Path:
     if path.resolve() == out.resolve():
         raise UsageError(f"--plot {text!r} is also --out: the plot would overwrite the results; give another path")
     return path
+
+
+# ---------------------------------------------------------------- output paths
+def writable_file(path: str | os.PathLike, option: str) -> Path:
+    """``path`` if a file can be written there: its folder exists or can be made, and takes
+    new files; checked before any work (a file is tried there, and removed), so a long run
+    does not fail when it first saves. Nothing is left behind. Raises ``UsageError``."""
+    path = Path(path)
+    shown = f"{option} {str(path)!r}"
+    if path.is_dir():
+        example = path / f"results{path.suffix or '.json'}"
+        raise UsageError(f"{shown} is a folder; give a file in it, e.g. {option} {example}")
+    _check_folder(path.parent, shown, "a file")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{shown}: the file exists and cannot be written (permission denied); give another path")
+    return path
+
+
+def writable_folder(path: str | os.PathLike, option: str) -> Path:
+    """``path`` if files can be written in it (it exists, or can be made); else ``UsageError``."""
+    path = Path(path)
+    shown = f"{option} {str(path)!r}"
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{shown} is a file, not a folder; give a folder (it is made if missing)")
+    _check_folder(path, shown, "files")
+    return path
+
+
+def _check_folder(folder: Path, shown: str, what: str) -> None:
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise UsageError(f"{shown}: {str(existing)!r} is a file, not a folder, so nothing can be written under it; "
+                         f"give a path in a folder")
+    where = "" if existing == folder else f" (nor the folder {str(folder)!r})"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".remat-write-check-", dir=existing)
+    except OSError as exc:
+        raise UsageError(f"{shown}: cannot create {what} in {str(existing)!r}{where} ({exc.strerror or exc}); "
+                         f"give a path in a folder you can write to") from None
+    os.close(handle)
+    os.unlink(probe)
+
+
+# ---------------------------------------------------------------- solver options
+def check_backend(name: str | None) -> None:
+    """A MILP backend that is installed (``--backend gurobi`` without gurobipy is bad usage)."""
+    if name is None:
+        return
+    from remat.errors import SolverError
+    from remat.solvers.milp_backends import backend_available
+
+    try:
+        backend_available(MilpBackend.parse(name))
+    except (SolverError, ValueError) as exc:
+        message = str(exc).replace("choose backend='highs'", "use --backend highs (the default)")
+        raise UsageError(f"--backend {name}: {message}") from None
+
+
+def plan_options() -> tuple[str, ...]:
+    """The options ``plan_graph`` takes itself (for every method), besides the method's own."""
+    from remat.planning import plan_graph
+
+    return tuple(name for name, p in inspect.signature(plan_graph).parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def check_solver_options(options: Mapping[str, Mapping[str, object]], flag: str = "--options") -> None:
+    """Every method named, and every option of it, before any work: each method plans a tiny
+    graph with its options, as ``remat.backend`` checks them, so an unknown option (the
+    solver lists the method's options) or a value out of range is refused now, not after
+    tracing. Raises ``UsageError``."""
+    from remat.builders import chain_graph
+    from remat.errors import RematError
+    from remat.planning import plan_graph
+
+    try:
+        check_methods(list(options))
+    except UsageError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+    extra = plan_options()
+    for method, opts in options.items():
+        backend = opts.get("backend")
+        if isinstance(backend, str):
+            check_backend(backend)
+        try:
+            plan_graph(chain_graph(2, bytes_per_node=1), 10**6, method, **opts)
+        except ValueError as exc:
+            message = str(exc)
+            if "its options are:" in message:
+                message += f"; and every method's: {', '.join(extra)}"
+            raise UsageError(f"{flag}: {message}") from None
+        except TypeError as exc:  # e.g. reduce="yes" reached code that needs a bool
+            raise UsageError(f"{flag}: method {method!r}: {exc}") from None
+        except RematError:
+            pass  # (about the tiny graph it was tried on, not about the options)

@@ -51,6 +51,8 @@ class MethodRun:
     bitwise_equal: bool | None = None
     max_abs_diff: float | None = None
     note: str = ""
+    #: where ``status`` is ``infeasible``: the smallest budget the method plans (None: none)
+    min_budget_bytes: int | None = None
 
     @property
     def label(self) -> str:
@@ -147,7 +149,7 @@ def _one(workload: Workload, traced: TracedStep, budget: int, method: str, optio
         least = exc.min_budget_bytes
         note = "no budget works for this method" if least is None else \
             f"needs at least {format_bytes(least)} ({least} B: a budget of exactly that plans)"
-        return MethodRun(method, budget, "infeasible", note=note)
+        return MethodRun(method, budget, "infeasible", note=note, min_budget_bytes=least)
     except UnsupportedGraphError as exc:
         return MethodRun(method, budget, "not applicable", note=str(exc).split(";")[0])
     except SolverError as exc:  # e.g. a time limit with no plan found and no baseline that fits
