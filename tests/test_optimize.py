@@ -19,6 +19,7 @@ from remat.models import Workload, WorkloadError, get_workload, load_factory, na
 from remat.optimize import PlanFileError, StalePlanError, TrainingStep, optimize
 from remat.units import BudgetError
 from remat.solvers import SolveStatus
+from remat.verify import check_step
 from torch_helpers import workload
 
 optimize_mod = importlib.import_module("remat.optimize")  # `import remat.optimize as m` gives the function
@@ -121,11 +122,16 @@ def test_model_without_scalar_loss_is_a_trace_error():
         optimize(torch.nn.Linear(3, 2), (torch.randn(4, 3),), lambda m, x: m(x), 10**9, method="checkpoint_all")
 
 
-def test_step_refuses_a_batch_of_another_shape():
+def test_step_refuses_a_batch_of_another_shape_or_dtype_naming_what_differs():
     w = workload("mlp", 256)
     step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, 10**9, method="checkpoint_all", cost_model=None)
-    with pytest.raises(TraceError, match="plans are shape-specific"):
+    with pytest.raises(TraceError, match=r"a plan is made for its example's shape .*again with an example of this "
+                                         r"shape$"):
         step(*(x[:5] for x in w.batch))
+    x, y = w.batch
+    with pytest.raises(TraceError, match=r"batch\[0\] has shape .*torch.float64.*a plan is made for its example's "
+                                         r"dtype \(its kernels, its memory\): pass batch\[0\].to\(torch.float32\) or"):
+        step(x.double(), y)
 
 
 def test_step_takes_the_batch_as_one_tuple_or_list_or_as_tensors():
@@ -311,3 +317,17 @@ def test_user_factory_and_bad_specs(tmp_path, monkeypatch):
         get_workload("resnet", 2)
     with pytest.raises(WorkloadError, match="batch_size=0 must be a positive int"):
         get_workload("mlp", 0)
+
+
+def test_optimize_under_no_grad_traces_the_training_step_and_under_inference_mode_is_refused():
+    """Under no_grad the loss had no grad_fn, and the step was refused as if loss_fn did not call
+    the model; a training step computes gradients, so it is traced with autograd on."""
+    w = workload("mlp", 64)
+    model = copy.deepcopy(w.model)
+    with torch.no_grad():
+        step = optimize(model, w.batch, w.loss_fn, 10**9, method="checkpoint_all", cost_model=None)
+    assert torch.is_grad_enabled()  # (restored on leaving the block)
+    assert check_step(step, w.loss_fn, *w.batch).bitwise
+    with torch.inference_mode(), pytest.raises(TraceError, match=r"cannot be traced under torch.inference_mode\(\).*"
+                                                                 r"call remat.optimize \(or trace\) outside"):
+        optimize(model, w.batch, w.loss_fn, 10**9, method="checkpoint_all", cost_model=None)

@@ -330,8 +330,18 @@ def trace(
     >>> t = trace(m, (torch.randn(3, 4),), lambda m, x: m(x).square().mean(), cost_model=None)
     >>> [s.key for s in t.outputs]
     ['loss', 'weight', 'bias']
+
+    A training step computes gradients, so it is traced with autograd on, as under
+    ``torch.no_grad()`` too (there, the loss had no ``grad_fn`` and the step was refused as if
+    ``loss_fn`` did not call the model); under ``torch.inference_mode()`` it is refused.
     """
-    with older_objects_frozen():  # (tracing makes many short-lived objects too)
+    if torch.is_inference_mode_enabled():
+        raise TraceError(
+            "a training step cannot be traced under torch.inference_mode(): its tensors cannot take part in "
+            "autograd, and a training step computes gradients; call remat.optimize (or trace) outside "
+            "inference_mode"
+        )
+    with older_objects_frozen(), torch.enable_grad():  # (tracing makes many short-lived objects too)
         return _trace(model, example_inputs, loss_fn, cost_model, name, replay_rng, scratch, allow_native_batch_norm)
 
 
@@ -481,10 +491,15 @@ def check_batch(spec: Sequence[TensorSpec], batch: Sequence[torch.Tensor]) -> No
         raise TraceError(f"the batch has {len(batch)} tensors but the step was traced with {len(spec)}")
     for i, (s, t) in enumerate(zip(spec, batch)):
         if (tuple(t.shape), t.dtype, t.device) != (s.shape, s.dtype, s.device):
+            differ = [what for what, now, then in (("shape", tuple(t.shape), s.shape), ("dtype", t.dtype, s.dtype),
+                                                    ("device", t.device, s.device)) if now != then]
+            remedy = (f"pass batch[{i}].to({s.dtype}) or " if differ == ["dtype"] else
+                      f"pass batch[{i}].to({str(s.device)!r}) or " if differ == ["device"] else "")
             raise TraceError(
                 f"batch[{i}] has shape {tuple(t.shape)}, {t.dtype} on {t.device} but the step was "
-                f"traced with shape {s.shape}, {s.dtype} on {s.device}; plans are shape-specific: "
-                f"trace (or optimize) again with an example of this shape"
+                f"traced with shape {s.shape}, {s.dtype} on {s.device}; a plan is made for its example's "
+                f"{' and '.join(differ)} (its kernels, its memory): {remedy}trace (or optimize) again with an "
+                f"example of this {' and '.join(differ)}"
             )
         if layout_of(t) != s.stride:
             traced_contiguous = s.stride == layout_of(torch.empty(s.shape, device="meta"))
