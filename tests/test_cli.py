@@ -447,7 +447,7 @@ def test_bench_plot_only_without_its_results_file_is_bad_usage(capsys, tmp_path)
     [
         ('{"milp": {"bogus": 1}}', "--options: method 'milp' has no option 'bogus'; its options are: backend"),
         ('{"nope": {}}', "--options: unknown method 'nope'; choose from"),
-        ('{"milp": {"threads": 0}}', "--options: threads=0 must be a positive int"),
+        ('{"milp": {"threads": 0}}', "--options: method 'milp': threads=0 must be a positive int"),
         ('{"milp": {"max_nodes": 0}}', "--options: max_nodes=0 must be a positive int"),
         ('{"chen_greedy": {"time_limit_s": 5}}', "method 'chen_greedy' has no option 'time_limit_s'"),
     ],

@@ -14,7 +14,7 @@ import torch
 
 import remat
 from remat.cost import CostModel
-from remat.errors import InfeasibleBudgetError, RematError, TraceError
+from remat.errors import InfeasibleBudgetError, MethodError, RematError, TraceError
 from remat.models import Workload, WorkloadError, get_workload, load_factory, names
 from remat.optimize import PlanFileError, StalePlanError, TrainingStep, optimize
 from remat.units import BudgetError
@@ -331,3 +331,23 @@ def test_optimize_under_no_grad_traces_the_training_step_and_under_inference_mod
     with torch.inference_mode(), pytest.raises(TraceError, match=r"cannot be traced under torch.inference_mode\(\).*"
                                                                  r"call remat.optimize \(or trace\) outside"):
         optimize(model, w.batch, w.loss_fn, 10**9, method="checkpoint_all", cost_model=None)
+
+
+@pytest.mark.parametrize("method, options, message", [
+    ("revolve", {}, r"unknown method 'revolve' \(did you mean 'griewank'\?\); choose one of: .*griewank"),
+    ("mlip", {}, r"unknown method 'mlip' \(did you mean 'milp'\?\)"),
+    ("descent", {"time_limit_s": 30}, r"method 'descent' has no option 'time_limit_s'; its options are: .*; and "
+                                      r"every method's: reduce, max_nodes"),
+    ("milp", {"threads": 0}, r"threads"),
+    ("milp", {"backend": "nope"}, r"unknown MILP backend 'nope'"),
+])
+def test_a_method_or_option_it_does_not_take_is_refused_before_tracing(method, options, message):
+    calls = []
+
+    def loss_fn(m, x):
+        calls.append(1)
+        return m(x).square().mean()
+
+    with pytest.raises(MethodError, match=message):
+        optimize(torch.nn.Linear(3, 2), (torch.randn(4, 3),), loss_fn, 10**9, method=method, **options)
+    assert not calls  # nothing was traced

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import remat
+from remat.builders import chain_graph
 
 
 def test_every_public_name_resolves():
@@ -64,6 +65,12 @@ def test_trace_and_optimize_stay_the_functions_after_every_submodule_is_imported
 
 def test_budget_error_is_public_and_a_value_error():
     assert issubclass(remat.BudgetError, ValueError) and issubclass(remat.BudgetError, remat.RematError)
+
+
+def test_method_error_is_public_a_value_error_and_what_an_unknown_method_raises():
+    assert issubclass(remat.MethodError, ValueError) and issubclass(remat.MethodError, remat.RematError)
+    with pytest.raises(remat.MethodError, match=r"unknown method 'checkmate' \(did you mean 'milp'\?\)"):
+        remat.solve(chain_graph(2), 1, method="checkmate")
 
 
 # ---------------------------------------------------------------------------- one budget everywhere

@@ -11,6 +11,7 @@ import types
 from remat.errors import (
     GraphError,
     InfeasibleBudgetError,
+    MethodError,
     RematError,
     ScheduleError,
     SolverError,
@@ -71,6 +72,7 @@ __all__ = [
     "Graph",
     "GraphError",
     "InfeasibleBudgetError",
+    "MethodError",
     "Node",
     "NodeKind",
     "Plan",

@@ -65,7 +65,7 @@ from remat.backend_joint import JointStep, UnsupportedJointGraph
 from remat.backend_split import split
 from remat.cost import CostModel, node_costs
 from remat.eager_ops import EAGER_KERNEL_OPS, _replaced_py_kernels
-from remat.errors import InfeasibleBudgetError, RematError, SolverError, a_type
+from remat.errors import InfeasibleBudgetError, MethodError, RematError, SolverError, a_type
 from remat.fx_graph import with_scratch
 from remat.graph import Graph
 from remat.memory import region_eager_peak
@@ -605,22 +605,15 @@ def _reason(exc: BaseException) -> str:
 
 
 def _check_method(method: str, options: dict[str, object]) -> None:
-    """Reject an unknown method or option now rather than at the first compile."""
-    from remat.solvers import base, methods
-
-    if method not in methods():
-        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(methods())}")
-    # the options' names and values (threads=0, mip_gap=-1, an unknown MILP backend): solve
-    # checks the names and the method the values when it runs, which would be inside a compile,
-    # where a failure falls back; so the method runs now, on a tiny graph
-    from remat.builders import chain_graph
+    """Reject an unknown method or option now rather than at the first compile (the options'
+    values too: threads=0, mip_gap=-1, an unknown MILP backend, which the method would check
+    inside a compile, where a failure falls back)."""
+    from remat.planning import check_method
 
     try:
-        base.solve(chain_graph(2, bytes_per_node=1), 10**6, method=method, **options)
-    except ValueError as exc:
-        raise ValueError(f"{exc} (remat.backend(method={method!r}, ...))") from None
-    except RematError:
-        pass  # (about the tiny graph it was tried on, not about the options)
+        check_method(method, options)
+    except MethodError as exc:
+        raise MethodError(f"{exc} (remat.backend(method={method!r}, ...))") from None
 
 
 def create(

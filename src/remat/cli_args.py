@@ -5,7 +5,6 @@ into budgets, methods and paths, or a ``UsageError`` (one line, exit code 2) bef
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import re
@@ -472,40 +471,23 @@ def check_backend(name: str | None) -> None:
         raise UsageError(f"--backend {name}: {message}") from None
 
 
-def plan_options() -> tuple[str, ...]:
-    """The options ``plan_graph`` takes itself (for every method), besides the method's own."""
-    from remat.planning import plan_graph
-
-    return tuple(name for name, p in inspect.signature(plan_graph).parameters.items()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
 def check_solver_options(options: Mapping[str, Mapping[str, object]], flag: str = "--options") -> None:
-    """Every method named, and every option of it, before any work: each method plans a tiny
-    graph with its options, as ``remat.backend`` checks them, so an unknown option (the
+    """Every method named, and every option of it, before any work (``remat.planning.
+    check_method``, as ``optimize`` and ``remat.backend`` check them), so an unknown option (the
     solver lists the method's options) or a value out of range is refused now, not after
     tracing. Raises ``UsageError``."""
-    from remat.builders import chain_graph
-    from remat.errors import RematError
-    from remat.planning import plan_graph
+    from remat.errors import MethodError
+    from remat.planning import check_method
 
     try:
         check_methods(list(options))
     except UsageError as exc:
         raise UsageError(f"{flag}: {exc}") from None
-    extra = plan_options()
     for method, opts in options.items():
         backend = opts.get("backend")
         if isinstance(backend, str):
             check_backend(backend)
         try:
-            plan_graph(chain_graph(2, bytes_per_node=1), 10**6, method, **opts)
-        except ValueError as exc:
-            message = str(exc)
-            if "its options are:" in message:
-                message += f"; and every method's: {', '.join(extra)}"
-            raise UsageError(f"{flag}: {message}") from None
-        except TypeError as exc:  # e.g. reduce="yes" reached code that needs a bool
-            raise UsageError(f"{flag}: method {method!r}: {exc}") from None
-        except RematError:
-            pass  # (about the tiny graph it was tried on, not about the options)
+            check_method(method, opts)
+        except MethodError as exc:
+            raise UsageError(f"{flag}: {exc}") from None

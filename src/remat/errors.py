@@ -23,6 +23,10 @@ class ScheduleError(RematError, ValueError):
     """A schedule or plan is malformed or does not replay (an input not live, ...)."""
 
 
+class MethodError(RematError, ValueError):
+    """An unknown method, or an option its method does not take or a value it cannot use."""
+
+
 class SolverError(RematError, RuntimeError):
     """A solver failed, is missing, or returned an answer the simulator contradicts."""
 

@@ -46,7 +46,7 @@ from remat.errors import ScheduleError, TraceError, a_type
 from remat.execute import PlanFacts, PlannedStep, build_module, grad_through_hooks
 from remat.graph import Graph
 from remat.guards import ModelView
-from remat.planning import plan_graph
+from remat.planning import check_method, plan_graph
 from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
 from remat.solvers import SolveStatus
@@ -419,7 +419,8 @@ def optimize(
     ``budget``: bytes (``int``, ``"512MiB"``), a fraction of the checkpoint-all peak (``0.6``,
     ``"60%"``), as everywhere in remat (see ``remat.units``); ``budget_bytes`` is an ``int``
     ``budget``. Give exactly one. ``solver_options`` go to the method (e.g. ``time_limit_s=30``).
-    Budget and time limit are checked before anything is traced (``BudgetError``).
+    Budget and time limit are checked before anything is traced (``BudgetError``), and so are
+    the method and its options (``MethodError``: an unknown method, an option it does not take).
 
     Raises ``InfeasibleBudgetError`` (stating the least budget the method can meet) when the
     budget is too small, ``TraceError`` when the step cannot be traced or its traced form would
@@ -432,6 +433,7 @@ def optimize(
     ``torch.compile`` does), which round differently, and is refused unless this is True.
     """
     budget = _budget_argument(budget, budget_bytes, solver_options)
+    check_method(method, solver_options)  # (before tracing, which can take minutes)
     refuse_wrapped(model)
     traced = trace(model, example_inputs, loss_fn, cost_model=cost_model, allow_native_batch_norm=allow_native_batch_norm)
     graph = traced.graph

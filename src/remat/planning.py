@@ -18,16 +18,17 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from remat.coarsen import Coarsening, fold_aliases, group_folded
 from remat.collector import older_objects_frozen
-from remat.errors import InfeasibleBudgetError, SolverError, UnsupportedGraphError
+from remat.errors import InfeasibleBudgetError, MethodError, RematError, SolverError, UnsupportedGraphError
 from remat.graph import Graph
 from remat.schedule import Plan
 from remat.simulate import SimResult, simulate
 from remat.solvers import SolveResult, solve
-from remat.solvers.base import SolveStatus, relative_gap
+from remat.solvers.base import SolveStatus, relative_gap, unknown_method
 
 log = logging.getLogger("remat.solve")
 
@@ -88,9 +89,44 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
     (True, 1.0)
     """
     if max_nodes is not None and (not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1):
-        raise ValueError(f"max_nodes={max_nodes!r} must be a positive int, or None (no grouping)")
+        raise MethodError(f"max_nodes={max_nodes!r} must be a positive int, or None (no grouping)")
     with older_objects_frozen():  # (folding and checking the plan make garbage too)
         return _plan_graph(graph, budget_bytes, method, reduce, max_nodes, options)
+
+
+#: The options ``plan_graph`` takes for every method, besides each method's own.
+PLAN_OPTIONS = ("reduce", "max_nodes")
+
+
+def check_method(method: str, options: Mapping[str, object]) -> None:
+    """Refuse, before any work, an unknown ``method`` or an option it does not take or a value it
+    cannot use (``threads=0``, an uninstalled MILP backend): the method plans a two-node graph
+    with ``options``, as ``plan_graph`` would call it (the methods check their options' values
+    when they run). Raises ``MethodError``; the tiny graph's own outcome is ignored."""
+    from remat.builders import chain_graph
+    from remat.solvers import methods
+
+    if method not in methods():
+        raise MethodError(unknown_method(method))
+    backend = options.get("backend")
+    if isinstance(backend, str):  # (a missing package is the solver's error when it runs)
+        from remat.solvers.milp_backends import MilpBackend, backend_available
+
+        try:
+            backend_available(MilpBackend.parse(backend))
+        except (SolverError, ValueError) as exc:
+            raise MethodError(f"method {method!r}: {exc}") from None
+    try:
+        plan_graph(chain_graph(2, bytes_per_node=1), 10**6, method, **options)
+    except MethodError as exc:
+        text = str(exc)
+        if "its options are:" in text:
+            text += f"; and every method's: {', '.join(PLAN_OPTIONS)}"
+        raise MethodError(text) from None
+    except RematError:
+        pass  # (about the tiny graph it was tried on, not about the options)
+    except (ValueError, TypeError) as exc:  # (a value out of range, checked when the method runs)
+        raise MethodError(f"method {method!r}: {exc}") from None
 
 
 def _plan_graph(graph: Graph, budget_bytes: int, method: str, reduce: bool, max_nodes: int | None,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.collector import older_objects_frozen
-from remat.errors import InfeasibleBudgetError, SolverError
+from remat.errors import InfeasibleBudgetError, MethodError, SolverError
 from remat.graph import Graph
 from remat.schedule import Plan, Schedule
 from remat.simulate import SimResult, simulate
@@ -236,7 +236,7 @@ def solve(graph: Graph, budget_bytes: int, method: str = "milp", **options: obje
     """
     _load_builtin()
     if method not in _REGISTRY:
-        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
+        raise MethodError(unknown_method(method))
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive int (bytes)")
     fn = _REGISTRY[method]
@@ -255,13 +255,32 @@ def _check_options(method: str, fn: SolverFn, options: dict[str, object]) -> Non
     for name, value in options.items():
         if name not in accepted:
             listed = ", ".join(accepted) if accepted else "none"
-            raise ValueError(f"method {method!r} has no option {name!r}; its options are: {listed}")
+            raise MethodError(f"method {method!r} has no option {name!r}; its options are: {listed}")
         default = params[name].default
         if isinstance(default, bool) and not isinstance(value, bool):
-            raise ValueError(f"option {name}={value!r} of method {method!r} must be True or False")
+            raise MethodError(f"option {name}={value!r} of method {method!r} must be True or False")
         if (isinstance(default, (int, float)) and not isinstance(default, bool)
                 and (isinstance(value, bool) or not isinstance(value, numbers.Real))):
-            raise ValueError(f"option {name}={value!r} of method {method!r} must be a number (default {default!r})")
+            raise MethodError(f"option {name}={value!r} of method {method!r} must be a number (default {default!r})")
+
+
+#: Other names users know the methods by (papers', other libraries').
+_KNOWN_AS = {"revolve": "griewank", "treeverse": "griewank", "checkmate": "milp", "ilp": "milp", "mip": "milp",
+             "lp": "lp_round", "rotor": "chain", "rockmate": "chain", "chen": "chen_sqrtn' or 'chen_greedy",
+             "sqrt": "chen_sqrtn", "none": "checkpoint_all", "all": "recompute_all"}
+
+
+def unknown_method(method: object) -> str:
+    """The message for a method name that is not registered: the methods, and the one meant
+    where the name is another name of it or a near miss."""
+    import difflib
+
+    _load_builtin()
+    known = sorted(_REGISTRY)
+    name = str(method).strip().lower()
+    meant = _KNOWN_AS.get(name) or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.75)), None)
+    hint = f" (did you mean '{meant}'?)" if meant else ""
+    return f"unknown method {method!r}{hint}; choose one of: {', '.join(known)}"
 
 
 def _load_builtin() -> None:
