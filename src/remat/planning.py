@@ -94,6 +94,10 @@ def plan_graph(graph: Graph, budget_bytes: int, method: str = "milp", *, reduce:
         return _plan_graph(graph, budget_bytes, method, reduce, max_nodes, options)
 
 
+#: Methods that hand back a baseline's plan where theirs is costlier or none fits (their
+#: ``stats.plan_from`` names it, and the result's note says so); milp weighs baselines as plans of
+#: its own and is not noted.
+FALLS_BACK = ("lp_round",)
 #: The options ``plan_graph`` takes for every method, besides each method's own.
 PLAN_OPTIONS = ("reduce", "max_nodes")
 
@@ -137,7 +141,12 @@ def _plan_graph(graph: Graph, budget_bytes: int, method: str, reduce: bool, max_
     target = coarse.coarse if coarse is not None else graph
     if coarse is None or coarse.exact:
         result = solve(target, budget_bytes, method=method, **options)
-        return _checked(graph, coarse, result, method, budget_bytes)
+        checked = _checked(graph, coarse, result, method, budget_bytes)
+        source = result.stats.plan_from
+        if method in FALLS_BACK and source not in (None, method):  # (lp_round: no rounding fit, or was cheaper)
+            note = f"{method} returned baseline {source}'s plan, cheaper than its own (or the only one that fits)"
+            return dataclasses.replace(checked, note=note)
+        return checked
     grouped: GraphPlan | None = None
     infeasible: InfeasibleBudgetError | None = None
     failure: SolverError | None = None

@@ -9,6 +9,7 @@ simulator accepts under the budget. The MILP uses the same rounding for its MIP 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -106,9 +107,11 @@ def lp_round(
     the retention model's relaxation (``remat.solvers.retention``) at each threshold instead;
     ``lower_bound`` is then the instant bound of the whole graph (``remat.solvers.bounds``).
 
-    With ``fallback`` (default) a budget at which no rounded plan fits returns the cheapest
-    baseline plan that does (logged as a warning); otherwise, or if none fits either, it
-    raises ``InfeasibleBudgetError``.
+    With ``fallback`` (default) the cheapest baseline plan that fits is returned where no
+    rounded plan fits or it is cheaper than every one (so lp_round is never worse than a
+    baseline: on a U-Net of depth 80 at 93%, rounding gave 1.058x and descent 1.010x);
+    ``stats.plan_from`` names it, and ``plan_graph``'s note says so. Without it, or if nothing
+    fits, it raises ``InfeasibleBudgetError``.
 
     >>> from remat.builders import chain_graph
     >>> from remat.solvers import solve
@@ -186,20 +189,24 @@ def _none_fit(rounded: list[Candidate]) -> str:
 
 def _best_rounded(graph: Graph, budget_bytes: int, rounded: list[Candidate], lower_bound: float,
                   stats: SolverStats, fallback: bool, started: float) -> SolveResult:
-    """The cheapest rounded plan that fits (or the cheapest baseline, with ``fallback``)."""
+    """The cheapest rounded plan that fits (with ``fallback``, or a cheaper baseline's)."""
     best = best_fitting(rounded, budget_bytes)
-    if best is None and fallback:
-        best = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
-        if best is not None:
-            log.warning("lp_round: %s %d B on %s; returning baseline %s instead", _none_fit(rounded),
-                        budget_bytes, graph.name, best.name)
+    source = "lp_round"
+    if fallback:
+        known = best_fitting(baseline_candidates(graph, budget_bytes), budget_bytes)
+        if known is not None and (best is None or known.cost < best.cost - 1e-9 * max(1.0, known.cost)):
+            why = _none_fit(rounded) if best is None else f"the cheapest rounded plan costs {best.cost:g}"
+            (log.warning if best is None else log.info)(
+                "lp_round: %s under %d B on %s; returning baseline %s (cost %g)", why, budget_bytes, graph.name,
+                known.name, known.cost)
+            best, source = known, known.name
     if best is None:
         raise _infeasible(graph, budget_bytes, f"{_none_fit(rounded)} the budget")
     log.info("lp_round: %s on %s: cost %g, lower bound %g", best.name, graph.name, best.cost, lower_bound)
     return finish(
         graph, best.schedule, budget_bytes=budget_bytes, method="lp_round", status=SolveStatus.FEASIBLE,
         started_s=started, claimed_objective=best.cost, lower_bound=min(lower_bound, best.cost),
-        stats=stats,
+        stats=dataclasses.replace(stats, plan_from=source),
     )
 
 
@@ -211,7 +218,7 @@ def _baseline_after_timeout(graph: Graph, budget_bytes: int, started: float, why
         raise _infeasible(graph, budget_bytes, f"{why}, and no baseline plan fits")
     log.warning("lp_round: %s; returning baseline %s", why, best.name)
     return finish(graph, best.schedule, budget_bytes=budget_bytes, method="lp_round", status=SolveStatus.TIME_LIMIT,
-                  started_s=started, claimed_objective=best.cost, stats=SolverStats(backend="highs"),
+                  started_s=started, claimed_objective=best.cost, stats=SolverStats(backend="highs", plan_from=best.name),
                   lower_bound=None if lower_bound is None else min(lower_bound, best.cost))
 
 
