@@ -428,9 +428,11 @@ def optimize(
     under DistributedDataParallel or FSDP (compile those with ``remat.backend``).
 
     ``allow_native_batch_norm``: on a CUDA device with cuDNN on, eager PyTorch runs batch norms
-    with cuDNN. The traced step does too for a norm in training mode with running statistics;
-    one in eval mode or without running statistics would run PyTorch's native kernels (as
-    ``torch.compile`` does), which round differently, and is refused unless this is True.
+    with cuDNN. The traced step runs the ops cuDNN's kernels run for a norm in training mode,
+    with running statistics or without (``remat.batch_norm``), and PyTorch's native kernels for
+    one in eval mode (measured bitwise cuDNN's); a norm it can do neither for would run the
+    native kernels (as ``torch.compile`` does), which round differently, and is refused unless
+    this is True.
     """
     budget = _budget_argument(budget, budget_bytes, solver_options)
     check_method(method, solver_options)  # (before tracing, which can take minutes)

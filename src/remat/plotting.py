@@ -63,11 +63,13 @@ def plot_comparison(comparison, path: str | Path) -> Path:
     left.set_title(f"{comparison.workload}, batch {comparison.batch_size}")
     left.grid(alpha=0.3)
     left.legend()
+    eager = comparison.eager_peak_bytes / mib
     lims = [p.predicted_peak_bytes / mib for p in comparison.runs if p.predicted_peak_bytes]
     if lims:
         lo, hi = min(lims) * 0.95, max(lims) * 1.05
         right.plot([lo, hi], [lo, hi], color="grey", linestyle="--", label="measured = predicted")
-    right.axhline(comparison.eager_peak_bytes / mib, color="black", linestyle=":", label="eager PyTorch")
+        right.set_ylim(min(lo, eager) * 0.97, max(hi, eager) * 1.03)  # (the eager line inside, not on the frame)
+    right.axhline(eager, color="black", linestyle=":", label="eager PyTorch")
     right.set_xlabel("predicted peak (MiB)")
     right.set_ylabel("measured peak (MiB)")
     right.set_title("simulator vs measured run")
