@@ -793,3 +793,32 @@ def test_the_first_bound_goes_on_while_the_known_plans_are_measured(case: str) -
     else:
         assert len(fake.calls) == 1 and bound.value == first
     assert fake.calls[0] == {"multi": False, "time_limit_s": 5.0}
+
+
+_RESTART_HANG = '''
+import sys, time
+import numpy as np
+from remat.solvers import bounds
+d = np.load(sys.argv[1])
+p = bounds._Program(tuple(int(t) for t in d["instants"]), d["col_cost"], d["col_upper"], d["starts"].astype(np.int64),
+                    d["index"].astype(np.int64), d["value"], d["row_lower"], d["row_upper"], feasible=True, empty=False)
+started = time.perf_counter()
+value, solved, _ = bounds._highs(p, relax=False, presolve=True, time_limit_s=1.4, threads=2)
+print(value, solved, time.perf_counter() - started)
+'''
+
+
+def test_a_bound_mip_that_highs_would_restart_ends_within_its_time_limit():
+    """A bound MIP of U-Net b32 at its smallest budget (14 instants, 1,900 columns): HiGHS 1.16
+    restarted it after the root node and then ran on for minutes, past its 1.4 s and deaf to
+    cancelSolve, so a milp call overran its time limit without end (run apart: a hang must not
+    stall the suite)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data" / "bound_mip_restart.npz"
+    done = subprocess.run([sys.executable, "-c", _RESTART_HANG, str(data)], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    value, solved, seconds = done.stdout.split()
+    assert float(seconds) < 20 and float(value) > 0
