@@ -584,6 +584,7 @@ def test_sweep_runs_every_method_by_default():
     [
         (["--budget", "abc"], "argument --budget: budget 'abc' is not understood"),
         (["--budget", "150%"], "budget '150%' must be a percentage in (0%, 100%]"),
+        (["--budget", "-10%"], "budget '-10%' must be positive"),
         (["--method", "nope"], "argument --method: unknown method 'nope'; choose from"),
         (["--batch", "0"], "argument --batch: 0 must be at least 1"),
         (["--steps", "x"], "argument --steps: 'x' is not a whole number"),

@@ -120,3 +120,17 @@ def test_a_benchmark_record_states_the_machines_speed():
     env = environment()
     assert env["python_loop_ms"] > 0 and env["cpu_count"] >= 1 and env["torch"] == __import__("torch").__version__
     assert isinstance(python_loop_ms(), float)
+
+
+def test_a_sweep_where_no_method_plans_is_drawn_without_an_empty_legend(tmp_path):
+    """matplotlib warned "No artists with labels found to put in legend" for such a sweep."""
+    import warnings
+
+    from remat.plotting import plot_overhead
+    from remat.sweep import SweepPoint
+
+    points = [SweepPoint("checkpoint_all", 10, 0.1, None, min_budget_bytes=100)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = plot_overhead(points, tmp_path / "p.png", title="nothing fits")
+    assert path.stat().st_size > 0

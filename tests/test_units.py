@@ -32,7 +32,7 @@ def test_the_whole_peak(value):
     [("lots", None, "not understood"), ("5 parsecs", None, "unknown unit .parsecs."), ("5 zb", None, "unknown unit 'zb'"),
      ("60%", None, "is a percentage but there is no reference peak"), (0.6, None, "is a fraction but there is no reference peak"), (0, None, "must be a positive number"),
      ("0.0001%", 100, "must be positive"), (True, None, "not a budget"), (None, None, "None is not a budget"),
-     ("150%", 100, r"percentage in \(0%, 100%\]"), ("0%", 100, r"percentage in \(0%, 100%\]"),
+     ("150%", 100, r"percentage in \(0%, 100%\]"), ("0%", 100, "budget '0%' must be positive"), ("-10%", 100, "budget '-10%' must be positive"),
      ("abc%", 100, "is not a percentage"), ("1e400", None, "'1e400' is not a finite number"),
      ("nan", 100, "'nan' is not a finite number"), ("inf", 100, "not a finite number"),
      (float("nan"), 100, r"is a float, which means a fraction of the unoptimized peak .*must be in \(0, 1\]"),

@@ -137,11 +137,7 @@ def budget_text(text: str) -> str:
 
 
 def read_budget_text(text: str) -> BudgetSpec:
-    """``remat.units.read_budget``, and a negative percentage said to be negative (the library
-    reads '-10%' as a percentage out of range and suggests '100%')."""
-    stripped = text.strip()
-    if stripped.startswith("-") and stripped.endswith("%"):
-        raise ValueError(f"budget {text!r} must be positive; write {BUDGET_FORMS}")
+    """``remat.units.read_budget`` (a ``ValueError`` naming the problem)."""
     return read_budget(text)
 
 

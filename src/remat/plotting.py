@@ -33,7 +33,8 @@ def plot_overhead(points: Sequence[SweepPoint], path: str | Path, *, title: str)
     ax.set_ylabel("compute overhead (x checkpoint-all cost)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if not _legend(ax):
+        ax.text(0.5, 0.5, "no method planned any of these budgets", transform=ax.transAxes, ha="center")
     return _save(fig, path)
 
 
@@ -62,7 +63,7 @@ def plot_comparison(comparison, path: str | Path) -> Path:
     left.set_ylabel("compute overhead (x checkpoint-all)")
     left.set_title(f"{comparison.workload}, batch {comparison.batch_size}")
     left.grid(alpha=0.3)
-    left.legend()
+    _legend(left)
     eager = comparison.eager_peak_bytes / mib
     lims = [p.predicted_peak_bytes / mib for p in comparison.runs if p.predicted_peak_bytes]
     if lims:
@@ -74,8 +75,16 @@ def plot_comparison(comparison, path: str | Path) -> Path:
     right.set_ylabel("measured peak (MiB)")
     right.set_title("simulator vs measured run")
     right.grid(alpha=0.3)
-    right.legend(fontsize=8)
+    _legend(right, fontsize=8)
     return _save(fig, path)
+
+
+def _legend(ax, **options: object) -> bool:
+    """The axes' legend, if anything in them has a label (else matplotlib warns of an empty one)."""
+    if not ax.get_legend_handles_labels()[0]:
+        return False
+    ax.legend(**options)
+    return True
 
 
 def _save(fig, path: str | Path) -> Path:

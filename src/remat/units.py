@@ -158,7 +158,9 @@ def _read_text(text: str, *, cuda_free: bool, of: str) -> BudgetSpec:
     if not math.isfinite(value):
         raise BudgetError(f"budget {shown} is not a finite number; write {_forms(of)}")
     if unit == "%":
-        if not 0 < value <= 100:
+        if value <= 0:
+            raise BudgetError(f"budget {shown} must be positive; write {_forms(of)}")
+        if value > 100:
             raise BudgetError(
                 f"budget {shown} must be a percentage in (0%, 100%] of {of}; "
                 f"a budget above that peak needs no planning: write '100%'"
