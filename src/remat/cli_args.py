@@ -19,7 +19,7 @@ from remat.solvers import methods as registered_methods
 from remat.solvers.milp_backends import MilpBackend
 from remat.sweep import checkpoint_all_peak
 from remat.units import _FORMS as BUDGET_FORMS
-from remat.units import BudgetSpec, check_time_limit, read_budget
+from remat.units import check_time_limit, read_budget
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 #: The order of `remat sweep`'s columns (baselines first, the MILP last); a method not named
@@ -132,13 +132,8 @@ def time_limit(text: str) -> float:
 
 
 def budget_text(text: str) -> str:
-    read_budget_text(text)  # the form and range now; the reference peak once the graph is known
+    read_budget(text)  # the form and range now; the reference peak once the graph is known
     return text
-
-
-def read_budget_text(text: str) -> BudgetSpec:
-    """``remat.units.read_budget`` (a ``ValueError`` naming the problem)."""
-    return read_budget(text)
 
 
 def _forms_only(message: str, forms: str) -> str:
@@ -156,7 +151,7 @@ def fraction_of_peak(text: str) -> float:
     """One budget of ``remat bench sweep --budgets``: read as ``remat sweep`` reads a budget,
     and a fraction or a percentage (every model has its own peak, so bytes do not apply)."""
     try:
-        spec = read_budget_text(text)
+        spec = read_budget(text)
     except ValueError as exc:
         raise ValueError(_forms_only(str(exc), FRACTION_FORMS)) from None
     if spec.fraction is None:
@@ -169,7 +164,7 @@ def size_in_bytes(text: str, option: str) -> int:
     """A memory size (``16GB``, ``2GiB``, ``16000000000``), read as budgets are read, for
     ``option``; a fraction or percentage of a peak is refused."""
     try:
-        spec = read_budget_text(text)
+        spec = read_budget(text)
     except ValueError as exc:
         if "which means a fraction" in str(exc):  # 1.5: neither bytes nor a fraction
             raise ValueError(f"{option} {text!r} is not a whole number of bytes; write {SIZE_FORMS}") from None
@@ -306,7 +301,7 @@ def solver_options(method: str, args: argparse.Namespace) -> dict[str, object]:
 
 def budget_of(text: str, graph: Graph) -> int:
     try:
-        return read_budget_text(text).resolve(checkpoint_all_peak(graph))
+        return read_budget(text).resolve(checkpoint_all_peak(graph))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -365,7 +360,7 @@ def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered:
 
 def check_budget_text(text: str) -> int:
     try:
-        read_budget_text(text)
+        read_budget(text)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return 0
@@ -480,10 +475,7 @@ def check_solver_options(options: Mapping[str, Mapping[str, object]], flag: str 
     except UsageError as exc:
         raise UsageError(f"{flag}: {exc}") from None
     for method, opts in options.items():
-        backend = opts.get("backend")
-        if isinstance(backend, str):
-            check_backend(backend)
         try:
-            check_method(method, opts)
+            check_method(method, opts)  # (an uninstalled "backend" too)
         except MethodError as exc:
             raise UsageError(f"{flag}: {exc}") from None
