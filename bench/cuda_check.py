@@ -45,8 +45,15 @@ limit, and a deadline (``--deadline-s``) after which the remaining variants are 
 skipped; results are written after every variant and a second run resumes where the first
 stopped, measuring again the variants that failed (after a fix, say).
 
+A large workload runs only when named: ``gpt2-48l``, the solver-scaling benchmark's deepest GPT-2
+(48 layers of width 256, batch 8 of 256 tokens; 8,625 traced ops), with eager twice,
+``remat.optimize`` at the budgets and at the smallest budget remat states for it (``remat.optimize
+smallest``: asked for one byte, refused, planned at the budget the refusal names), and
+checkpointing every layer (about two minutes on an H200).
+
     python bench/cuda_check.py                         # on a CUDA machine: every model
     python bench/cuda_check.py --models resnet50,gpt2  # a subset
+    python bench/cuda_check.py --models gpt2-48l --budgets 0.5,0.2  # the large workload
     python bench/cuda_check.py --device cpu --quick    # dry run of the same code path on CPU
 
 Writes ``bench/results/cuda_check.json`` (``--out`` for another file; the dry run writes
@@ -81,6 +88,10 @@ MODELS = {"vgg16": 64, "vgg19": 64, "resnet50": 64, "mobilenet": 128, "vgg-unet"
 #: The dry run: a paper model on small images and a small GPT-2, each at this batch; the models
 #: that run on small images (the others need their paper input).
 QUICK_MODELS = {"mobilenet": 2, "gpt2": 8}
+#: Large workloads, run only when named: the solver-scaling benchmark's deepest GPT-2 (48 layers of
+#: width 256, sequence 256, vocabulary 8192, dropout 0.1; 8,625 traced ops), with the variants of
+#: ``LARGE_VARIANTS`` alone: what the planner's plans for thousands of ops measure on a device.
+LARGE_MODELS = {"gpt2-48l": 8}
 QUICK_IMAGE_SIDE = 32
 QUICK_CAPABLE = ("mobilenet", "resnet50", "gpt2")
 BUDGETS = (0.7, 0.5)
@@ -109,6 +120,10 @@ EAGER_AMP_AGAIN = "eager again" + AMP
 #: Row suffixes that change how a step runs; each has its own eager row as the reference.
 MODES = (OFF, AMP)
 #: A measured peak further than this from remat's prediction is flagged in the report.
+#: The remat variant planned at the smallest budget remat states for the step (asked for one byte,
+#: refused with ``InfeasibleBudgetError``, planned again at the budget it names).
+SMALLEST = "remat.optimize smallest"
+
 PEAK_TOLERANCE = 0.05
 MIB = 2**20
 
@@ -136,8 +151,10 @@ def specs(names: list[str], quick: bool, batch: int | None) -> list[Spec]:
     sizes = QUICK_MODELS if quick else MODELS
     out = []
     for name in names:
-        b = batch or sizes.get(name) or MODELS[name]
-        if name == "gpt2":
+        b = batch or sizes.get(name) or {**MODELS, **LARGE_MODELS}[name]
+        if name in LARGE_MODELS:
+            out.append(Spec(name, b, functools.partial(_gpt2_scaling, b, 48), {"layers": 48, "width": 256}))
+        elif name == "gpt2":
             out.append(Spec(name, b, functools.partial(_gpt2, b, quick), {"layers": 2 if quick else 12}))
         else:
             side = QUICK_IMAGE_SIDE if quick else None
@@ -154,6 +171,16 @@ def _gpt2(batch: int, quick: bool):
         layers, width, heads = GPT2_SMALL
         w = gpt2_lm(batch, name="gpt2", layers=layers, width=width, heads=heads, vocab=GPT2_VOCAB,
                     sequence=GPT2_SEQUENCE, positions=GPT2_POSITIONS)
+    return w.model, w.batch, w.loss_fn
+
+
+def _gpt2_scaling(batch: int, layers: int):
+    """The solver-scaling benchmark's GPT-2 of ``layers`` layers (width 256, 4 heads, sequence
+    256, vocabulary 8192, dropout 0.1)."""
+    from remat.models.gpt2 import gpt2_lm
+
+    w = gpt2_lm(batch, name=f"gpt2-{layers}L", layers=layers, width=256, heads=4, vocab=8192, sequence=256,
+                dropout=0.1)
     return w.model, w.batch, w.loss_fn
 
 
@@ -193,7 +220,12 @@ def block_slots(model) -> list[tuple[object, int]]:
 
 
 # ---------------------------------------------------------------------------- variants
-def variant_names(budgets: list[float]) -> list[str]:
+def variant_names(budgets: list[float], model: str | None = None) -> list[str]:
+    """The variants run on ``model`` (every one, or for a model of ``LARGE_MODELS``, eager twice,
+    ``remat.optimize`` at the budgets and at the smallest, and checkpointing every block)."""
+    if model in LARGE_MODELS:
+        return ["eager", "eager again", *(f"remat.optimize {b:.0%}" for b in budgets), SMALLEST,
+                "checkpoint every block"]
     return ["eager", "eager again", EAGER_OFF, EAGER_AMP, EAGER_AMP_AGAIN, COMPILED, *(f"remat.backend {b:.0%}" for b in budgets),
             *(f"remat.optimize {b:.0%}" for b in budgets), *(f"remat.optimize {min(budgets):.0%}{m}" for m in MODES),
             "checkpoint every block", f"activation_memory_budget {AOT_BUDGET:g}"]
@@ -205,8 +237,11 @@ def own_eager(variant: str) -> str | None:
     return next(("eager" + m for m in MODES if variant.endswith(m)), None)
 
 
-def budget_of(variant: str) -> float:
-    """The budget fraction a remat variant's name states (``remat.optimize 50%, cuDNN off``: 0.5)."""
+def budget_of(variant: str) -> float | int:
+    """The budget a remat variant's name states: a fraction (``remat.optimize 50%, cuDNN off``:
+    0.5), or for ``SMALLEST`` one byte (refused, stating the smallest feasible budget)."""
+    if variant == SMALLEST:
+        return 1
     return float(variant.split()[1].rstrip(",").rstrip("%")) / 100
 
 
@@ -489,7 +524,8 @@ def check_model(spec: Spec, args, record: dict, save, deadline: float) -> None:
     import torch
 
     done = {name for name, v in record["variants"].items() if "skipped" not in v and "error" not in v}
-    pending = [v for v in variant_names(args.budgets) if v not in done]
+    names = variant_names(args.budgets, spec.name)
+    pending = [v for v in names if v not in done]
     if not pending:
         print(f"{spec.key}: done already", flush=True)
         return
@@ -501,7 +537,7 @@ def check_model(spec: Spec, args, record: dict, save, deadline: float) -> None:
         base, batch, loss_fn = spec.build()
     record.setdefault("config", {**spec.config, "batch": spec.batch_size})
     references: dict[str, list] = {}
-    for variant in variant_names(args.budgets):
+    for variant in names:
         if variant not in pending and variant not in needed:
             continue
         if time.monotonic() > deadline and variant in pending:
@@ -626,7 +662,7 @@ def markdown(results: dict) -> str:
 def _model_order(key: str) -> tuple:
     """Tables in the order of ``MODELS`` (the JSON keeps its keys sorted), then by batch."""
     name, _, batch = key.partition("@")
-    names = list(MODELS)
+    names = [*MODELS, *LARGE_MODELS]
     return (names.index(name) if name in names else len(names), name, int(batch) if batch.isdigit() else 0)
 
 
@@ -635,7 +671,8 @@ def _order(variant: str) -> tuple:
     the largest budget down, checkpoint, min-cut."""
     for rank, prefix in ((6, "remat.backend"), (7, "remat.optimize")):
         if variant.startswith(prefix):
-            return rank, -budget_of(variant), next((i + 1 for i, m in enumerate(MODES) if variant.endswith(m)), 0)
+            size = 0.0 if variant == SMALLEST else budget_of(variant)
+            return rank, -size, next((i + 1 for i, m in enumerate(MODES) if variant.endswith(m)), 0)
     kinds = ("eager", "eager again", EAGER_OFF, EAGER_AMP, EAGER_AMP_AGAIN, COMPILED, "", "", "checkpoint every block")
     return (kinds.index(variant) if variant in kinds else len(kinds), 0, 0)
 
@@ -723,7 +760,8 @@ def summary(results: dict) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)} (the "
+                        f"default), or of the large {', '.join(LARGE_MODELS)}")
     parser.add_argument("--batch", type=int, default=None, help="one batch size for every model")
     parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS), help="remat budgets, fractions")
     parser.add_argument("--method", default="milp", help="remat method")
@@ -737,9 +775,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replot", action="store_true", help="only print the section from the JSON")
     args = parser.parse_args(argv)
     names = [m for m in (args.models or ",".join(QUICK_MODELS if args.quick else MODELS)).split(",") if m]
-    unknown = [m for m in names if m not in MODELS]
+    unknown = [m for m in names if m not in MODELS and m not in LARGE_MODELS]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join([*MODELS, *LARGE_MODELS])}")
     if args.quick and any(m not in QUICK_CAPABLE for m in names):
         parser.error(f"--quick runs {', '.join(QUICK_CAPABLE)} on small inputs; the other models need their paper input")
     args.models = names

@@ -313,6 +313,47 @@ def test_a_rerun_measures_again_the_variants_that_failed(monkeypatch):
     assert all(record["variants"][name]["peak_bytes"] == 1 for name in names if name != failed)
 
 
+def test_a_large_model_runs_only_when_named_with_eager_remat_optimize_and_checkpointing(monkeypatch):
+    """GPT-2 48L (the solver-scaling workload) is not in the default run; named, it runs eager
+    twice, ``remat.optimize`` at each budget and at the smallest, and checkpointing, nothing
+    compiled."""
+    import time
+
+    assert "gpt2-48l" not in cuda_check.parse_args(["--device", "cpu"]).models
+    args = cuda_check.parse_args(["--device", "cpu", "--models", "gpt2-48l", "--budgets", "0.5,0.2"])
+    spec = cuda_check.specs(args.models, False, None)[0]
+    assert (spec.key, spec.config) == ("gpt2-48l@8", {"layers": 48, "width": 256})
+    asked = []
+
+    def measure(spec, variant, *a, **k):
+        asked.append(variant)
+        return {"variant": variant, "peak_bytes": 2, "step_s": 0.1, "_grads": []}
+
+    monkeypatch.setattr(cuda_check, "measure_variant", measure)
+    record = {"variants": {}}
+    cuda_check.check_model(spec, args, record, lambda: None, time.monotonic() + 600)
+    expected = ["eager", "eager again", "remat.optimize 50%", "remat.optimize 20%", cuda_check.SMALLEST,
+                "checkpoint every block"]
+    assert asked == expected and list(record["variants"]) == expected
+    assert sorted(expected, key=cuda_check._order) == expected  # the smallest budget last among remat's rows
+
+
+def test_the_smallest_variant_plans_at_the_smallest_budget_remat_states(monkeypatch):
+    """``remat.optimize smallest`` asks for one byte, is refused with the smallest feasible
+    budget, and plans (and measures) at that budget."""
+    import argparse
+
+    spec = cuda_check.specs(["gpt2"], True, None)[0]
+    torch.manual_seed(0)
+    base, batch, loss_fn = spec.build()
+    args = argparse.Namespace(method="milp", time_limit_s=3.0, rounds=1)
+    row = cuda_check.measure_variant(spec, cuda_check.SMALLEST, base, batch, loss_fn, {}, args)
+    assert "is infeasible" in row["infeasible"] and "smallest budget" in row["infeasible"], row["infeasible"]
+    assert row["budget_bytes"] == row["planned_at_bytes"] > 1
+    assert row["predicted_peak_bytes"] <= row["planned_at_bytes"]
+    assert row["peak_bytes"] == row["predicted_peak_bytes"]  # (on CPU, by the profiler's allocation events)
+
+
 def test_a_refused_batch_norm_model_runs_with_native_batch_norms_against_the_compiled_row(tmp_path, monkeypatch):
     import importlib
 
@@ -322,7 +363,8 @@ def test_a_refused_batch_norm_model_runs_with_native_batch_norms_against_the_com
     # batch norms left on the native kernels (as one in eval mode would be): refused by default
     monkeypatch.setattr(importlib.import_module("remat.trace"), "use_eager_batch_norm_kernels", lambda gm, kinds: [])
     # the rows this test reads, not every row of the check
-    monkeypatch.setattr(cuda_check, "variant_names", lambda budgets: ["eager", cuda_check.COMPILED, "remat.optimize 70%"])
+    monkeypatch.setattr(cuda_check, "variant_names",
+                        lambda budgets, model=None: ["eager", cuda_check.COMPILED, "remat.optimize 70%"])
     out = tmp_path / "bn.json"
     assert cuda_check.main(["--device", "cpu", "--quick", "--models", "mobilenet", "--budgets", "0.7", "--out",
                             str(out), "--rounds", "1"]) == 0
