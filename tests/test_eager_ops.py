@@ -197,6 +197,53 @@ def test_a_reentrant_checkpoint_without_an_input_that_requires_grad_gives_nothin
         _agree_with_eager(model, (x,), loss)
 
 
+class _SharedWithReentrant(nn.Module):
+    """A layer read twice inside a checkpointed block and twice outside it (``inside``), or a
+    block called twice with the layer inside (``twice``), or the layer's tensors passed to the
+    block as arguments (``argument``)."""
+
+    def __init__(self, how: str, use_reentrant: bool = True) -> None:
+        super().__init__()
+        self.how, self.use_reentrant = how, use_reentrant
+        self.pre, self.lin, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def block(self, h, *weights):
+        w, b = weights or (self.lin.weight, self.lin.bias)
+        return torch.tanh(nn.functional.linear(torch.tanh(nn.functional.linear(h, w, b)), w, b))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        if self.how == "twice":
+            h = self.pre(x)
+            h = checkpoint(self.block, checkpoint(self.block, h, use_reentrant=self.use_reentrant),
+                           use_reentrant=self.use_reentrant)
+            return self.head(h)
+        weights = (self.lin.weight, self.lin.bias) if self.how == "argument" else ()
+        h = self.lin(x)
+        h = checkpoint(self.block, h, *weights, use_reentrant=self.use_reentrant)
+        return self.head(self.lin(h) + h)
+
+
+@pytest.mark.parametrize("how, where", [("inside", "(_SharedWithReentrant.block) and outside it"),
+                                        ("twice", "(_SharedWithReentrant.block) and in another call of it")])
+def test_a_parameter_read_inside_a_reentrant_checkpoint_and_elsewhere_is_refused(how, where):
+    """Eager's reentrant checkpoint adds the block's gradient of a parameter it reads into
+    ``.grad`` on its own, apart from the parameter's other uses; traced, all uses were summed at
+    once, in another order: 5e-10 from eager's, silently."""
+    torch.manual_seed(0)
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    with pytest.raises(remat.TraceError) as info:
+        trace(_SharedWithReentrant(how), (torch.randn(8, 16),), loss, cost_model=None)
+    message = str(info.value)
+    assert message.startswith(f"parameter 'lin.weight' is read both inside a reentrant torch.utils.checkpoint {where}")
+    assert "use_reentrant=False" in message and "as an argument" in message
+    # the remedies the message names: the non-reentrant checkpoint, and the tensors as arguments
+    _agree_with_eager(_SharedWithReentrant(how, use_reentrant=False), (torch.randn(8, 16),), loss)
+    if how == "inside":
+        _agree_with_eager(_SharedWithReentrant("argument"), (torch.randn(8, 16),), loss)
+
+
 def test_tracing_inside_the_callers_autocast_region_empties_the_cast_cache(monkeypatch):
     """The cache empties when the outermost region exits: inside a caller's region, the trace's
     casts of fake parameters would stay cached, under addresses real tensors may reuse."""

@@ -25,7 +25,8 @@ eager's behaviour while tracing:
   reentrant kind cut the trace). A checkpointed call traces as a plain call: the recomputation
   gives the values the first computation gave, so the gradients are eager's, and remat's plan
   decides what to recompute (a reentrant one's inputs enter through a view each, so that their
-  gradients are summed in eager's order: the block's uses first). One exception keeps eager's behaviour: a reentrant checkpoint
+  gradients are summed in eager's order: the block's uses first; a parameter read inside a
+  reentrant call and outside it, whose gradient eager accumulates in parts, is refused). One exception keeps eager's behaviour: a reentrant checkpoint
   none of whose tensor inputs requires grad gives the parameters inside it no gradient in eager
   PyTorch (with a warning), so it traces under ``no_grad`` to the same effect. A checkpoint with
   ``preserve_rng_state=False`` around random ops is refused: eager's recomputation draws other
@@ -59,6 +60,7 @@ import operator
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch._C import DispatchKey
@@ -143,16 +145,96 @@ class _PlainReentrantCheckpoint:
     @staticmethod
     def apply(function: Callable, preserve_rng_state: bool, *args: object) -> object:
         start = _traced_count()
-        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        grads = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        if grads:
             args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+            inner = _traced_count()
             result = function(*args)
         else:
             warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=3)
+            inner = _traced_count()
             with torch.no_grad():  # as eager: no input requires grad, so nothing inside gets a gradient
                 result = function(*args)
+        if _reentrant_blocks is not None:
+            _reentrant_blocks.append(ReentrantBlock(_name_of(function), _traced_names(inner), grads))
         if not preserve_rng_state:
             _refuse_random_since(start, function)
         return result
+
+
+@dataclass(frozen=True)
+class ReentrantBlock:
+    """One call of a reentrant checkpoint while tracing: the function's name, the names of the
+    nodes its computation traced (not the views its inputs enter through), and whether it
+    computed gradients (some tensor input required grad)."""
+
+    name: str
+    nodes: frozenset[str]
+    grads: bool
+
+
+#: The reentrant checkpoint calls of the trace being recorded (``recording_reentrant_blocks``).
+_reentrant_blocks: list[ReentrantBlock] | None = None
+
+
+@contextlib.contextmanager
+def recording_reentrant_blocks() -> Iterator[list[ReentrantBlock]]:
+    """While in use, each reentrant checkpoint call traced is appended to the list it yields."""
+    global _reentrant_blocks
+    saved, _reentrant_blocks = _reentrant_blocks, []
+    try:
+        yield _reentrant_blocks
+    finally:
+        _reentrant_blocks = saved
+
+
+def refuse_leaves_shared_across_reentrant_blocks(gm: torch.fx.GraphModule, blocks: list[ReentrantBlock],
+                                                 leaves: dict[str, str], backward: set[str]) -> None:
+    """Refuse a parameter (or batch input) that requires grad and is read by the forward pass
+    both inside a reentrant checkpoint and outside it, or inside two of its calls.
+
+    Eager PyTorch's reentrant checkpoint runs the block's backward in an engine of its own,
+    which adds the block's gradient of such a tensor into its ``.grad`` there and then: the
+    gradient is accumulated once per place (the uses outside, then each call), where a traced
+    step adds all its uses together, in another order (last bits apart; a block reading a
+    weight twice inside and twice outside measured 5e-10). Tensors passed to the checkpoint
+    as arguments are not affected (their gradient is handed back to the outer backward, as
+    traced). ``leaves``: placeholder name -> what it is (a parameter's name); ``backward``: the
+    names of the nodes the backward pass traced."""
+    if not blocks:
+        return
+    by_size = sorted(blocks, key=lambda b: len(b.nodes))  # the innermost call holding a node first
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.name not in leaves:
+            continue
+        places: dict[int, str] = {}
+        for user in node.users:
+            if user.name in backward:
+                continue
+            block = next((b for b in by_size if user.name in b.nodes), None)
+            if block is not None and not block.grads:
+                continue  # (under no_grad, as eager: no gradient from there)
+            places.setdefault(-1 if block is None else id(block), "outside" if block is None else block.name)
+        if len(places) >= 2:
+            where = sorted(set(places.values()))
+            raise TraceError(
+                f"{leaves[node.name]} is read both inside a reentrant torch.utils.checkpoint "
+                f"({', '.join(w for w in where if w != 'outside')}) and "
+                f"{'outside it' if 'outside' in where else 'in another call of it'}: eager PyTorch adds the "
+                f"block's gradient of it into its .grad separately, in an order a traced step does not "
+                f"reproduce bit for bit; use torch.utils.checkpoint(..., use_reentrant=False), which remat traces "
+                f"exactly, or pass the tensor to the checkpointed function as an argument"
+            )
+
+
+def _name_of(function: Callable) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__name__
+
+
+def _traced_names(start: int) -> frozenset[str]:
+    """The names of the nodes traced since node ``start``."""
+    mode = proxy_tensor.get_proxy_mode()
+    return frozenset() if mode is None else frozenset(n.name for n in list(mode.tracer.graph.nodes)[start:])
 
 
 def _plain_checkpoint_generator(fn: Callable, preserve_rng_state: bool = True, *args: object,
@@ -180,7 +262,7 @@ def _refuse_random_since(start: int, function: Callable) -> None:
         return
     drawn = [n for n in list(mode.tracer.graph.nodes)[start:] if is_random(n)]
     if drawn:
-        name = getattr(function, "__qualname__", None) or type(function).__name__
+        name = _name_of(function)
         raise TraceError(
             f"torch.utils.checkpoint({name}, preserve_rng_state=False) draws random numbers ({drawn[0].target}): "
             f"eager PyTorch's backward recomputes them with other numbers (another dropout mask), which "

@@ -44,7 +44,14 @@ from torch.utils._pytree import tree_leaves
 from remat import cost as cost_mod
 from remat.batch_norm import use_eager_kernels as use_eager_batch_norm_kernels
 from remat.collector import older_objects_frozen
-from remat.eager_ops import autocast_cache, fake_kernel, tracing_as_eager, untraced
+from remat.eager_ops import (
+    autocast_cache,
+    fake_kernel,
+    recording_reentrant_blocks,
+    refuse_leaves_shared_across_reentrant_blocks,
+    tracing_as_eager,
+    untraced,
+)
 from remat.errors import TraceError, a_type
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
@@ -615,8 +622,14 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
     try:
         with enable_python_dispatcher(), tracing_as_eager(), _module_attributes_kept(model, stashed):
             # detached aliases per pass: pass 1 marks its inputs requires_grad
-            first = proxy_tensor.make_fx(step, tracing_mode="fake")(*(t.detach() for t in flat))
+            with recording_reentrant_blocks() as blocks:
+                first = proxy_tensor.make_fx(step, tracing_mode="fake")(*(t.detach() for t in flat))
             phase_of = _phases(first, marks)
+            placeholders = [n.name for n in first.graph.nodes if n.op == "placeholder"]
+            leaves = {placeholders[i]: f"parameter {trainable[i]!r}" for i in range(n_train)}
+            leaves.update({placeholders[n_train + n_frozen + n_buf + i]: f"batch input {i}" for i in grad_inputs})
+            refuse_leaves_shared_across_reentrant_blocks(
+                first, blocks, leaves, {name for name, kind in phase_of.items() if kind is NodeKind.BACKWARD})
             carrier = _PhaseCarrier(first, phase_of, kinds_by_name)
             return proxy_tensor.make_fx(
                 torch.func.functionalize(carrier.run, remove="mutations"), tracing_mode="fake"
