@@ -490,6 +490,28 @@ def test_an_attention_mask_the_model_builds_itself_is_skipped_as_in_eager():
     _agree_with_eager(model, (ids, y), loss_fn, methods=("checkpoint_all",))
 
 
+def test_an_attention_mask_built_from_the_batch_shape_is_skipped_as_in_eager_and_one_from_its_values_is_warned():
+    """``attention_mask=torch.ones_like(ids)`` depends on the batch's shape alone: eager skips it
+    (no token masked) and SDPA runs causal; traced, the check took its general branch and the
+    step applied the mask, 5.4e-9 from eager's gradients on Llama. A mask the batch carries
+    keeps the general branch and is warned about (eager skips it only in steps that pad
+    nothing)."""
+    import warnings
+
+    from remat.models import get_workload
+
+    w = get_workload("remat.models.holdout:llama", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning for a mask built from the shape)
+        _agree_with_eager(w.model, w.batch, w.loss_fn, methods=("checkpoint_all",))
+    ids = w.batch[0]
+    with pytest.warns(UserWarning, match="the attention mask reaching transformers' _ignore_causal_mask_sdpa "
+                                         "depends on the batch"):
+        trace(w.model, (ids, torch.ones_like(ids)),
+              lambda m, ids, mask: m(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss,
+              cost_model=None)
+
+
 class _CausalStack(nn.Module):
     """PyTorch's tutorials' pattern: a causal mask built in forward from the sequence length, and
     no ``is_causal``, which nn.TransformerEncoder/Decoder then work out from the mask's values."""
