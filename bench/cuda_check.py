@@ -33,7 +33,9 @@ what was allocated before the step, plus the parameters, buffers and batch, as r
 them), remat's predicted peak and their relative difference, the median step time over
 ``--rounds`` steps against eager, the median time the CPU takes to issue a step (until the
 step function returns, before synchronizing: near the step time, the step is bound by the
-host, not the GPU; shown as "issued in" on a CUDA run), and every gradient against eager's: the largest absolute
+host, not the GPU; shown as "issued in" on a CUDA run), the caching allocator's calls to the
+driver per timed step (``ALLOCATOR_CALLS``; shown when a step makes any, which slows it whatever
+its plan computes), and every gradient against eager's: the largest absolute
 difference (and as a fraction of the largest eager gradient of its tensor), bitwise equality,
 and ``torch.allclose(grad, eager_grad, rtol=RTOL, atol=ATOL_SCALE * max|eager_grad|)`` per
 tensor. Compiled variants are compared with the ``torch.compile`` row too. cuDNN's backward
@@ -387,6 +389,22 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: The CUDA caching allocator's counters of calls to the driver (``torch.cuda.memory_stats``): a
+#: step that allocates from the driver (``cudaMalloc``) or frees to it (``cudaFree``, which waits
+#: for the device) in steady state is slowed by it, whatever its plan computes.
+ALLOCATOR_CALLS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def allocator_calls(device) -> dict[str, int] | None:
+    """The allocator's ``ALLOCATOR_CALLS`` counters on ``device`` (None off CUDA)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_CALLS}
+
+
 def compare_grads(grads: list, reference: list) -> dict:
     """Largest |difference|, bitwise equality, and the stated allclose, over paired gradients."""
     import torch
@@ -487,6 +505,7 @@ def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, references: 
     if record.get("predicted_peak_bytes"):
         record["peak_error"] = peak.peak_bytes / record["predicted_peak_bytes"] - 1
     times, issued = [], []
+    before = allocator_calls(device)
     for r in range(args.rounds):
         synchronize(device)
         t0 = time.perf_counter()
@@ -496,6 +515,9 @@ def measure_variant(spec: Spec, variant: str, base, batch, loss_fn, references: 
         times.append(time.perf_counter() - t0)
     record.update(step_s=statistics.median(times), step_s_all=[round(t, 5) for t in times],
                   host_s=statistics.median(issued))
+    after = allocator_calls(device)
+    if before is not None and after is not None:  # the timed steps' calls to the driver, per step
+        record["device_allocs_per_step"] = {k: (after[k] - before[k]) / args.rounds for k in after}
     record["_grads"] = grads
     return record
 
@@ -649,6 +671,10 @@ def markdown(results: dict) -> str:
                 notes.append(f"{v['checkpointed_blocks']} blocks")
             if v.get("host_s") is not None and device_runs:
                 notes.append(f"issued in {v['host_s'] * 1e3:.1f} ms")
+            calls = v.get("device_allocs_per_step") or {}
+            if calls.get("num_device_alloc") or calls.get("num_device_free"):
+                notes.append(f"{calls.get('num_device_alloc', 0):g} cudaMalloc and {calls.get('num_device_free', 0):g} "
+                             "cudaFree a step")
             if v.get("graphs") or v.get("partitions"):
                 notes.append(f"first step {v['first_step_s']:.0f} s ({'trace' if 'optimize' in name else 'compile'} "
                              "and plan)")

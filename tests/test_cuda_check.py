@@ -193,6 +193,19 @@ def test_a_cuda_run_shows_the_time_the_cpu_takes_to_issue_each_step():
     assert "issued in 61.5 ms" in row
 
 
+def test_a_cuda_run_shows_the_allocators_calls_to_the_driver_when_a_step_makes_any():
+    results = recorded_gpu_run()
+    results["meta"]["device"] = "cuda"
+    variants = results["models"]["resnet50@64"]["variants"]
+    variants["remat.optimize 70%"]["device_allocs_per_step"] = {"num_device_alloc": 2.4, "num_device_free": 1.0,
+                                                                "num_alloc_retries": 0.0}
+    variants["eager"]["device_allocs_per_step"] = {"num_device_alloc": 0.0, "num_device_free": 0.0}
+    rows = {line.split(" | ")[0]: line for line in cuda_check.markdown(results).splitlines() if line.startswith("| ")}
+    assert "2.4 cudaMalloc and 1 cudaFree a step" in rows["| remat.optimize 70%"]
+    assert "cudaMalloc" not in rows["| eager"]
+    assert cuda_check.allocator_calls(torch.device("cpu")) is None  # (counted on CUDA only)
+
+
 def test_tables_follow_the_models_order_not_the_json_keys():
     results = recorded_gpu_run()
     results["models"] = {"fcn8@8": results["models"]["resnet50@64"], "gpt2@8": {"variants": {}},
