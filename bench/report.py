@@ -14,8 +14,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SECTIONS = ("demo_gpt2", "budget_sweep", "max_batch", "spot_checks", "holdout", "zoo", "solver_scaling", "vs_pytorch",
-            "step_overhead", "distributed", "cuda_check")
+SECTIONS = ("demo_gpt2", "budget_sweep", "max_batch", "spot_checks", "holdout", "zoo", "solver_scaling", "floor_anatomy",
+            "vs_pytorch", "step_overhead", "distributed", "cuda_check")
 
 HEADER = """# Benchmarks
 

@@ -571,3 +571,68 @@ def test_step_overhead_measures_every_variant_against_eager_and_renders_them(mon
     assert text.count("| gpt2-tiny |") == len(overhead.BUDGETS) and "step_overhead.png" in text
     overhead.plot(results)
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------- bench/floor_anatomy.py
+def test_floor_anatomy_refuses_bad_usage_in_one_line(capsys, monkeypatch, tmp_path):
+    anatomy = _load("floor_anatomy")
+    scaling = tmp_path / "solver_scaling.json"
+    scaling.write_text(json.dumps({"workloads": {"gpt2-2L": {}}}))
+    monkeypatch.setattr(anatomy, "SCALING", scaling)
+    for argv, message in ((["--workload", "resnet50"], "reads GPT-2 traces only"),
+                          (["--workload", "gpt2-4L"], "gpt2-4L is not in solver_scaling.json"),
+                          (["--nope"], "unrecognized arguments")):
+        with pytest.raises(SystemExit) as done:
+            anatomy.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert done.value.code == 2 and message in err[-1], (argv, err)
+    monkeypatch.setattr(anatomy, "SCALING", tmp_path / "missing.json")
+    with pytest.raises(SystemExit) as done:
+        anatomy.main([])
+    assert done.value.code == 2 and "run bench/solver_scaling.py first" in capsys.readouterr().err
+
+
+def test_floor_anatomy_prices_the_plan_its_program_describes(monkeypatch, tmp_path):
+    """On the 2-layer GPT-2 at its smallest budget the bound's program, solved exactly, describes
+    a plan that fits and costs the program's optimum (within 0.01%): that plan is optimal, and
+    the program's value is below the planner's plan."""
+    from remat.planning import plan_graph
+    from remat.solvers.milp import minimum_budget
+
+    anatomy = _load("floor_anatomy")
+    traced = scaling_mod.trace_workload("gpt2-2L")
+    from remat.coarsen import fold_aliases
+
+    folded = fold_aliases(traced.graph).coarse
+    budget = minimum_budget(folded, time_limit_s=20.0).budget_bytes
+    plan = plan_graph(folded, budget, method="milp", time_limit_s=20.0).result
+    record = {"cells": [{"level": "min", "budget_bytes": budget, "overhead": plan.cost / folded.total_cost,
+                         "bound": plan.lower_bound / folded.total_cost}]}
+    scaling = tmp_path / "solver_scaling.json"
+    scaling.write_text(json.dumps({"workloads": {"gpt2-2L": record}}))
+    monkeypatch.setattr(anatomy, "SCALING", scaling)
+    out = tmp_path / "anatomy.json"
+    assert anatomy.main(["--workload", "gpt2-2L", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    program, described = result["program"], result["described"]
+    assert program["solved"] and described["ok"]
+    assert described["peak_mib"] <= described["budget_mib"] + 1e-9
+    assert program["overhead"] - 1e-9 <= described["overhead"] <= program["overhead"] * (1 + 1e-4)
+    assert program["overhead"] <= result["plan"] + 1e-9  # the program bounds every plan, the planner's too
+    assert "It fits, within 0.01% of the program's optimum, which no plan beats." in anatomy.markdown(result)
+
+
+def test_floor_anatomy_markdown_names_what_does_not_fit():
+    anatomy = _load("floor_anatomy")
+    result = {"workload": "gpt2-48L", "budget_bytes": 100 * 2**20, "plan": 1.84, "bound": 1.69,
+              "program": {"first": "loss_grad", "deadline": "head_grad", "overhead": 1.6888, "solved": True, "s": 4.7,
+                          "held_mib": 99.0, "room_mib": 99.5, "held_kinds": {"add": 45, "clone_default": 45}},
+              "described": {"ok": True, "overhead": 1.6891, "peak_mib": 140.0, "budget_mib": 100.0,
+                            "restart_peak_mib": 130.0, "windows_over_mib": [2.0, -1.0, 40.0],
+                            "window_layers": [2, 1, 0]},
+              "fitted": {"ok": True, "overhead": 1.87, "peak_mib": 130.0, "window_extra": [0.002, 0.0, 0.007],
+                         "windows_not_fitted": [0]}}
+    text = anatomy.markdown(result)
+    assert "45 `add`, 45 `clone_default`" in text
+    assert "+30.0 MiB while the forward pass runs again, and 2 of 3 layers' backward windows" in text
+    assert "by up to 40.0 MiB (layer 0," in text and "1 windows still over (layers 0)" in text

@@ -34,6 +34,7 @@ SLOW = {
     "torchrun --nproc-per-node 2 examples/distributed.py --check --ddp": "--help",
     "torchrun --nproc-per-node 2 examples/distributed.py --check --fsdp": "--help",
     "python bench/solver_scaling.py": "--help",
+    "python bench/floor_anatomy.py": "--help",
     "python bench/step_overhead.py": "--help",
     "python examples/train_loop.py --check": "--help",
 }
