@@ -596,15 +596,13 @@ def test_floor_anatomy_prices_the_plan_its_program_describes(monkeypatch, tmp_pa
     """On the 2-layer GPT-2 at its smallest budget the bound's program, solved exactly, describes
     a plan that fits and costs the program's optimum (within 0.01%): that plan is optimal, and
     the program's value is below the planner's plan."""
+    from remat.coarsen import fold_aliases
     from remat.planning import plan_graph
-    from remat.solvers.milp import minimum_budget
+    from remat.solvers.bounds import InstantBounds
 
     anatomy = _load("floor_anatomy")
-    traced = scaling_mod.trace_workload("gpt2-2L")
-    from remat.coarsen import fold_aliases
-
-    folded = fold_aliases(traced.graph).coarse
-    budget = minimum_budget(folded, time_limit_s=20.0).budget_bytes
+    folded = fold_aliases(scaling_mod.trace_workload("gpt2-2L").graph).coarse
+    budget = InstantBounds(folded).min_budget_bytes  # (below it no plan fits; here a plan does)
     plan = plan_graph(folded, budget, method="milp", time_limit_s=20.0).result
     record = {"cells": [{"level": "min", "budget_bytes": budget, "overhead": plan.cost / folded.total_cost,
                          "bound": plan.lower_bound / folded.total_cost}]}
