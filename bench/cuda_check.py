@@ -121,11 +121,10 @@ EAGER_AMP = "eager" + AMP
 EAGER_AMP_AGAIN = "eager again" + AMP
 #: Row suffixes that change how a step runs; each has its own eager row as the reference.
 MODES = (OFF, AMP)
-#: A measured peak further than this from remat's prediction is flagged in the report.
 #: The remat variant planned at the smallest budget remat states for the step (asked for one byte,
 #: refused with ``InfeasibleBudgetError``, planned again at the budget it names).
 SMALLEST = "remat.optimize smallest"
-
+#: A measured peak further than this from remat's prediction is flagged in the report.
 PEAK_TOLERANCE = 0.05
 MIB = 2**20
 
@@ -177,12 +176,16 @@ def _gpt2(batch: int, quick: bool):
 
 
 def _gpt2_scaling(batch: int, layers: int):
-    """The solver-scaling benchmark's GPT-2 of ``layers`` layers (width 256, 4 heads, sequence
-    256, vocabulary 8192, dropout 0.1)."""
+    """The solver-scaling benchmark's GPT-2 of ``layers`` layers (its ``gpt2_config``: width 256,
+    4 heads, sequence 256, vocabulary 8192, dropout 0.1)."""
     from remat.models.gpt2 import gpt2_lm
 
-    w = gpt2_lm(batch, name=f"gpt2-{layers}L", layers=layers, width=256, heads=4, vocab=8192, sequence=256,
-                dropout=0.1)
+    sys.path.insert(0, str(HERE))
+    from solver_scaling import gpt2_config
+
+    cfg = gpt2_config(layers)
+    w = gpt2_lm(batch, name=f"gpt2-{layers}L", layers=layers, width=cfg["width"], heads=cfg["heads"],
+                vocab=cfg["vocab"], sequence=cfg["sequence"], dropout=cfg["dropout"])
     return w.model, w.batch, w.loss_fn
 
 

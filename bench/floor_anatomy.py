@@ -150,6 +150,9 @@ def anatomy(workload: str) -> dict:
     alive = bounds.decided(first) & bounds.decided(deadline)
     later = np.flatnonzero(alive & (bounds.last_user > deadline))
     held_ids = np.flatnonzero(bounds._ancestors(alive, later))
+    # the program's columns: x0, s, e, then the deadline's sigma, x (``held_ids``) and rho
+    if program.col_cost.size != offset + held_ids.size + int(bounds.recomputable[held_ids].sum()):
+        raise RuntimeError("the deadline program's columns are no longer laid out as this script reads them")
     held = {int(v) for k, v in enumerate(held_ids) if x is not None and x[offset + k] > 0.5}
     kinds: dict[str, int] = {}
     for v in sorted(held):
@@ -175,16 +178,16 @@ def anatomy(workload: str) -> dict:
     # 3. each window fitted to the room the rest leaves it, top layer first
     fitted, extra, failed = order[:starts[0]], [], []
     for p, q in bounds_of:
-        window, ids_w, lead = window_graph(graph, order, p, q)
         whole = order_memory(graph, np.asarray(fitted + order[p:]))[len(fitted):len(fitted) + q - p]
-        plain = list(range(window.n))
-        own = order_memory(window, np.asarray(plain))[lead:]
-        room = budget - int((whole - own).max())
-        start = measure_order(window, plain, plain, "window")
         if whole.max() <= budget:
             fitted += order[p:q]
             extra.append(0.0)
             continue
+        window, ids_w, lead = window_graph(graph, order, p, q)
+        plain = list(range(window.n))
+        own = order_memory(window, np.asarray(plain))[lead:]
+        room = budget - int((whole - own).max())
+        start = measure_order(window, plain, plain, "window")
         lowered = lower_peak(window, start, budget_bytes=room, time_limit_s=5.0)
         if lowered.peak_bytes <= room:
             lowered = prune(window, lowered, budget_bytes=room, time_limit_s=2.0)
