@@ -645,3 +645,64 @@ def test_planning_leaves_the_objects_made_before_it_out_of_collections(monkeypat
     finally:
         monkeypatch.undo()
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("far", [True, False])
+def test_the_lowering_gets_more_time_where_the_plan_in_hand_is_far_from_the_bound(monkeypatch, far) -> None:
+    """A start far over the budget takes seconds to lower and the starts share the time: where
+    nothing fits yet or the best plan is more than ``BOUND_MORE_GAP`` above the bound, the
+    repair gets ``REPAIR_FAR_SHARE`` of the time limit (at most ``REPAIR_FAR_MAX_S``), else
+    ``REPAIR_TIME_SHARE`` (at most ``REPAIR_MAX_S``)."""
+    import remat.solvers.milp as milp_module
+    from remat.solvers.prepared import clear
+
+    clear()
+    graph = random_training_graph(10, seed=4)
+    floor = minimum_budget(graph, exact_max_nodes=0).budget_bytes
+    given: list[float] = []
+
+    def spy(graph_, budget_bytes, time_limit_s):
+        given.append(time_limit_s)
+        return None
+
+    monkeypatch.setattr(milp_module, "_repair", spy)
+    monkeypatch.setattr(milp_module, "_retention", lambda *args, **kwargs: None)
+    if far:  # nothing known fits
+        monkeypatch.setattr(milp_module, "baseline_candidates", lambda *args, **kwargs: [])
+    else:  # a plan in hand more than 1% above the bound counts as near
+        monkeypatch.setattr(milp_module, "BOUND_MORE_GAP", 1e9)
+    limit = 20.0
+    result = solve(graph, floor, method="milp", exact_max_nodes=0, time_limit_s=limit)
+    assert simulate(graph, result.plan).peak_bytes <= floor
+    assert len(given) == 1, "the repair runs once, before the restarted graphs and the exact model"
+    if far:
+        assert given[0] == pytest.approx(min(milp_module.REPAIR_FAR_MAX_S, milp_module.REPAIR_FAR_SHARE * limit), rel=0.05)
+    else:
+        assert given[0] == pytest.approx(min(milp_module.REPAIR_MAX_S, milp_module.REPAIR_TIME_SHARE * limit))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(min_value=6, max_value=14), st.integers(min_value=0, max_value=10**6), st.floats(0.0, 1.0))
+def test_the_lowered_starts_are_valid_plans_each_below_its_start_and_a_descent_that_fits_is_kept(n, seed, where):
+    """``_lowered`` runs the starts' descents in rounds: every plan it returns simulates to
+    the peak and cost it claims, is below its start, and fits the budget wherever the descent
+    of that start alone, given the whole time, fits it."""
+    from remat.solvers.milp import _lowered
+    from remat.solvers.milp_start import baseline_candidates
+    from remat.solvers.repair import lower_peak
+
+    graph = random_training_graph(n, seed=seed)
+    floor = minimum_budget(graph, exact_max_nodes=0).budget_bytes
+    budget = int(floor + where * (checkpoint_all_peak(graph) - floor))
+    starts = [c for c in baseline_candidates(graph, budget, lowest_peak=True) if c.peak_bytes > budget][:4]
+    found = _lowered(graph, starts, budget, 30.0)
+    by_name = {c.name: c for c in starts}
+    for c in found:
+        start = by_name[c.name.removesuffix(" with its peak lowered")]
+        sim = simulate(graph, c.as_plan(graph).schedule(graph).lower(graph))
+        assert sim.ok and sim.peak_bytes == c.peak_bytes and sim.total_cost == pytest.approx(c.cost)
+        assert c.peak_bytes < start.peak_bytes
+    for start in starts:
+        alone = lower_peak(graph, start.as_plan(graph), budget_bytes=budget, time_limit_s=30.0)
+        if alone.peak_bytes <= budget:
+            assert any(c.name.startswith(start.name) and c.peak_bytes <= budget for c in found)
