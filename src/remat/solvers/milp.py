@@ -146,7 +146,7 @@ REPAIR_TIME_SHARE = 0.1
 #: the lowering gets up to ``REPAIR_FAR_MAX_S`` (and ``REPAIR_FAR_SHARE`` of the time limit):
 #: a start far over the budget takes seconds to lower, and the starts share the time. Mamba
 #: (float32, transformers' reference scan, 4511 nodes) at 50% of checkpoint-all with a 20 s
-#: limit: 2 s lowered nothing and the call returned a chain plan at 2.9-3.7x; 6 s lower
+#: limit: 2 s lowered nothing and the call returned a chain plan at 2.9-3.8x; 6 s lower
 #: Chen's greedy plan to 1.29x.
 REPAIR_FAR_MAX_S = 15.0
 REPAIR_FAR_SHARE = 0.3
@@ -543,16 +543,14 @@ def _lowered(graph: Graph, starts: list[Candidate], budget_bytes: int, time_limi
     return found
 
 
-def _lowered_and_pruned(graph: Graph, start: BaselinePlan, budget_bytes: int, deadline: float, *,
-                        share: int = 1) -> BaselinePlan:
+def _lowered_and_pruned(graph: Graph, start: BaselinePlan, budget_bytes: int, deadline: float) -> BaselinePlan:
     """``start`` with its peak lowered towards the budget (``repair.lower_peak``) and, once it
     fits, pruned (``repair.prune``: the descent's greedy moves leave work behind), each step
-    taking ``1/share`` of the time left before ``deadline`` (pruning at most ``PRUNE_MAX_S``)."""
-    plan = lower_peak(graph, start, budget_bytes=budget_bytes,
-                      time_limit_s=max(deadline - time.perf_counter(), 0.0) / share)
+    with the time left before ``deadline`` (pruning at most ``PRUNE_MAX_S``)."""
+    plan = lower_peak(graph, start, budget_bytes=budget_bytes, time_limit_s=max(deadline - time.perf_counter(), 0.0))
     if plan.peak_bytes <= budget_bytes:
         plan = prune(graph, plan, budget_bytes=budget_bytes,
-                     time_limit_s=min(PRUNE_MAX_S, max(deadline - time.perf_counter(), 0.0) / share))
+                     time_limit_s=min(PRUNE_MAX_S, max(deadline - time.perf_counter(), 0.0)))
     return plan
 
 
