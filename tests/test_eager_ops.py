@@ -4,6 +4,8 @@ values are kept or recomputed."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +15,7 @@ from remat import verify
 from remat.eager_ops import EAGER_KERNEL_OPS
 from remat.execute import build_module
 from remat.models import get_workload
+from remat.optimize import PlanFileError, StalePlanError
 from remat.trace import trace
 
 
@@ -490,12 +493,11 @@ def test_an_attention_mask_the_model_builds_itself_is_skipped_as_in_eager():
     _agree_with_eager(model, (ids, y), loss_fn, methods=("checkpoint_all",))
 
 
-def test_an_attention_mask_built_from_the_batch_shape_is_skipped_as_in_eager_and_one_from_its_values_is_warned():
+def test_an_attention_mask_built_from_the_batch_shape_is_skipped_as_in_eager():
     """``attention_mask=torch.ones_like(ids)`` depends on the batch's shape alone: eager skips it
     (no token masked) and SDPA runs causal; traced, the check took its general branch and the
-    step applied the mask, 5.4e-9 from eager's gradients on Llama. A mask the batch carries
-    keeps the general branch and is warned about (eager skips it only in steps that pad
-    nothing)."""
+    step applied the mask, 5.4e-9 from eager's gradients on Llama. It is answered once, and the
+    step has no branch to choose per batch."""
     import warnings
 
     from remat.models import get_workload
@@ -503,13 +505,134 @@ def test_an_attention_mask_built_from_the_batch_shape_is_skipped_as_in_eager_and
     w = get_workload("remat.models.holdout:llama", 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (no warning for a mask built from the shape)
-        _agree_with_eager(w.model, w.batch, w.loss_fn, methods=("checkpoint_all",))
+        t = _agree_with_eager(w.model, w.batch, w.loss_fn, methods=("checkpoint_all",))
+    assert t.branch_points == ()
+
+
+def _llama_with_mask():
+    from remat.models import get_workload
+
+    w = get_workload("remat.models.holdout:llama", 2)
     ids = w.batch[0]
-    with pytest.warns(UserWarning, match="the attention mask reaching transformers' _ignore_causal_mask_sdpa "
-                                         "depends on the batch"):
-        trace(w.model, (ids, torch.ones_like(ids)),
-              lambda m, ids, mask: m(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss,
-              cost_model=None)
+    padded = torch.ones_like(ids)
+    padded[0, :5] = 0  # (left padding, as a tokenizer for generation pads)
+    return w.model, ids, torch.ones_like(ids), padded
+
+
+def _masked_loss(m, ids, mask):
+    return m(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+
+
+@pytest.mark.parametrize("example_padded", [False, True])
+def test_an_attention_mask_the_batch_carries_runs_eagers_program_for_each_batch(example_padded):
+    """transformers skips an ``attention_mask`` that masks no token (SDPA with ``is_causal=True``)
+    and adds it to the scores otherwise; the two round differently (Llama, float32: 5e-9). The
+    traced step took the general branch for every batch, so an unpadded batch's gradients were
+    not eager's. Now the check is answered for the example batch while tracing and again for
+    each batch when the step runs: a batch that takes the other branch gets the step traced and
+    planned for it (once), and every batch's step is eager's bit for bit."""
+    import warnings
+
+    model, ids, ones, padded = _llama_with_mask()
+    example = (ids, padded) if example_padded else (ids, ones)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning: each batch runs eager's program)
+        step = remat.optimize(model, example, _masked_loss, budget=0.7, method="milp", cost_model=None,
+                              time_limit_s=5)
+    first = step.traced
+    assert [p.name for p in first.branch_points] == ["_ignore_causal_mask_sdpa"]
+    assert first.branch_answers == (not example_padded,)
+    assert first.answers_for((ids, ones)) == (True,) and first.answers_for((ids, padded)) == (False,)
+    for batch in ((ids, ones), (ids, padded)):
+        agreement = verify.check_step(step, _masked_loss, *batch)
+        assert agreement.bitwise, agreement.mismatches[:3]
+    assert set(step._branches) == {(True,), (False,)}
+    second = step._branches[(example_padded,)]
+    assert second.traced.branch_answers == (example_padded,)
+    # the two programs differ: the skipped mask is neither built nor added to the scores
+    assert (second.traced.graph.n < first.graph.n) == example_padded
+    assert second.report.predicted_peak_bytes <= step.report.budget_bytes == second.report.budget_bytes
+    # planned once: the step of each branch serves every later batch of it, from either step
+    assert step.for_batch(ids, padded) is second.for_batch(ids, padded) is step._branches[(False,)]
+    assert second.for_batch(ids, ones) is step._branches[(True,)]
+    assert torch.isfinite(step(ids, padded)) and torch.isfinite(step((ids, ones)))
+    assert set(step._branches) == {(True,), (False,)}
+
+
+def test_a_saved_step_keeps_its_branch_and_plans_the_other_when_a_batch_takes_it(tmp_path):
+    """A saved plan is the program of one branch: loaded with any example batch, the step is that
+    branch's, and a batch of the other is planned again. A file whose branches are not a list of
+    booleans is corrupt; one made for a step that meets another number of checks is stale."""
+    import json
+
+    model, ids, ones, padded = _llama_with_mask()
+    step = remat.optimize(model, (ids, ones), _masked_loss, budget="12MiB", method="checkpoint_all", cost_model=None)
+    path = tmp_path / "plan.json"
+    step.save(path)
+    assert json.loads(path.read_text())["branch_answers"] == [True]
+    loaded = remat.TrainingStep.load(path, model, (ids, padded), _masked_loss)  # (another example's branch)
+    assert loaded.traced.branch_answers == (True,) and loaded.plan.compute_order == step.plan.compute_order
+    assert verify.check_step(loaded, _masked_loss, ids, padded).bitwise
+    assert loaded._branches[(False,)].report.method == "checkpoint_all"
+    record = json.loads(path.read_text())
+    for bad, error, words in (([1], PlanFileError, "branch_answers \\[1\\] is not a list of true/false"),
+                              ([True, False], StalePlanError, "meets 2 check\\(s\\) of the batch's attention mask; "
+                                                                   "this model and loss meet 1")):
+        path.write_text(json.dumps({**record, "branch_answers": bad}))
+        with pytest.raises(error, match=words):
+            remat.TrainingStep.load(path, model, (ids, ones), _masked_loss)
+
+
+def test_a_branch_that_does_not_fit_the_budget_says_so_when_its_batch_comes():
+    """The padded program adds a float mask to every layer's scores: at the smallest budget of
+    the unpadded one it does not fit, and the first padded batch is refused with the budget it
+    needs, saying which branch, with nothing run (the gradients are untouched)."""
+    model, ids, ones, padded = _llama_with_mask()
+    with pytest.raises(remat.InfeasibleBudgetError) as tiny:
+        remat.optimize(model, (ids, ones), _masked_loss, budget_bytes=1, method="milp", cost_model=None)
+    step = remat.optimize(model, (ids, ones), _masked_loss, budget_bytes=tiny.value.min_budget_bytes, method="milp",
+                          cost_model=None, time_limit_s=5)
+    with pytest.raises(remat.InfeasibleBudgetError, match=r"attention-mask checks answer \(False,\), unlike the "
+                                                          r"example's") as refused:
+        step(ids, padded)
+    assert refused.value.min_budget_bytes > step.report.budget_bytes
+    assert all(p.grad is None for p in model.parameters())
+    # that budget plans both
+    bigger = remat.optimize(model, (ids, ones), _masked_loss, budget_bytes=refused.value.min_budget_bytes,
+                            method="milp", cost_model=None, time_limit_s=5)
+    assert verify.check_step(bigger, _masked_loss, ids, padded).bitwise
+
+
+def test_a_step_without_a_planner_for_other_branches_names_the_remedy():
+    model, ids, ones, padded = _llama_with_mask()
+    step = remat.optimize(model, (ids, ones), _masked_loss, budget=1.0, method="checkpoint_all", cost_model=None)
+    bare = remat.TrainingStep(model, step.traced, step.plan, step.planned, step.report)
+    assert bare.for_batch(ids, ones) is bare
+    with pytest.raises(remat.TraceError, match="takes another branch at transformers' _ignore_causal_mask_sdpa .* "
+                                               "call remat.optimize with this batch"):
+        bare(ids, padded)
+
+
+def test_a_mask_computed_from_a_parameter_keeps_the_general_branch_and_is_warned():
+    """A mask the step cannot compute from the batch alone (here it reads the embedding weights)
+    cannot be answered per batch: the traced, general branch stays, with a warning; on the meta
+    device (a step that runs nowhere) the general branch stays quietly."""
+    import warnings
+
+    model, ids, ones, padded = _llama_with_mask()
+
+    def loss_fn(m, ids):
+        mask = (m.get_input_embeddings()(ids)[..., 0] > -1e9).long()
+        return m(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+
+    with pytest.warns(UserWarning, match="the attention mask reaching transformers' _ignore_causal_mask_sdpa is not "
+                                         "computed from the batch alone"):
+        t = trace(model, (ids,), loss_fn, cost_model=None)
+    assert t.branch_points == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = trace(copy.deepcopy(model).to("meta"), (ids.to("meta"), ones.to("meta")), _masked_loss, cost_model=None)
+    assert t.branch_answers == (False,)
 
 
 class _CausalStack(nn.Module):

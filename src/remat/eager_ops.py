@@ -40,6 +40,10 @@ eager's behaviour while tracing:
   language model built its attention mask explicitly instead of passing ``is_causal=True`` to
   SDPA, and its gradients differed from eager's in the last bits (Mistral with
   ``use_cache=False``: 7e-9 in float32, 1e-4 under bfloat16 autocast).
+  transformers' check whether an attention mask can be skipped is answered the same way when
+  the mask depends on no input; when it is computed from the batch (an ``attention_mask`` the
+  batch carries), the check is answered for the example batch and recorded as a
+  ``BranchPoint``, which the step answers again for each batch it runs.
   PyTorch's ``nn.TransformerEncoder`` and ``nn.TransformerDecoder`` make the same kind of check
   when ``is_causal`` is not given: is the mask causal? With the tutorials' mask,
   ``generate_square_subsequent_mask(n)``, which depends on no input, eager says yes and runs
@@ -59,7 +63,7 @@ import contextlib
 import operator
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -317,16 +321,11 @@ _FILLED_LIKE: dict[object, Callable[[torch.fx.Node], object]] = {
 }
 
 
-def constant_value(t: object) -> torch.Tensor | None:
-    """The value of ``t``, a tensor of the step ``make_fx`` is tracing, computed for real when it
-    depends on no input of the step (only on constants and shapes, like ``torch.arange(n)`` or
-    ``torch.ones_like(ids)``, whose input lends only its shape, fixed in a traced step); None
-    when it depends on an input, a parameter, a random draw or a tensor some op wrote to, or is
-    not being traced. A value traced on the meta device is computed on the CPU."""
-    mode = proxy_tensor.get_proxy_mode()
-    if mode is None or not isinstance(t, torch.Tensor) or not proxy_tensor.has_proxy_slot(t, mode.tracer):
-        return None
-    target = proxy_tensor.get_proxy_slot(t, mode.tracer).proxy.node
+def _ancestry(target: torch.fx.Node, inputs: bool) -> set[torch.fx.Node] | None:
+    """The nodes of ``target``'s graph that compute it, ``target`` included, stopping at a fill
+    (``_FILLED_LIKE``: its input lends only its shape); None when one is an input of the step
+    (a placeholder; allowed with ``inputs``), a random draw or anything but an op, or when an op
+    wrote to one of them, itself or through a view (a copy of these nodes would not replay it)."""
     needed: set[torch.fx.Node] = set()
     stack = [target]
     while stack:
@@ -340,11 +339,13 @@ def constant_value(t: object) -> torch.Tensor | None:
             op = node.target
             if not isinstance(op, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in op.tags:
                 return None
+        elif node.op == "placeholder" and inputs:
+            needed.add(node)
+            continue
         elif node.op not in ("get_attr", "call_function"):
             return None  # an input of the step (a placeholder), or something else
         needed.add(node)
         stack.extend(node.all_input_nodes)
-    # a tensor an op wrote to, itself or through a view, holds what the copy below does not replay
     aliases = set(needed)
     for node in target.graph.nodes:
         op = node.target
@@ -355,6 +356,13 @@ def constant_value(t: object) -> torch.Tensor | None:
             return None
         if reads and reads[0] in aliases and any(r.alias_info is not None for r in op._schema.returns):
             aliases.add(node)
+    return needed
+
+
+def _copied(target: torch.fx.Node, needed: set[torch.fx.Node], root: torch.nn.Module) -> torch.fx.GraphModule:
+    """A module computing ``target`` from the ``needed`` nodes of its graph (``_ancestry``): its
+    inputs are their placeholders, in the graph's order; a fill is made from its shape alone, and
+    a tensor the trace made on the meta device is made on the CPU."""
     graph = torch.fx.Graph()
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in target.graph.nodes:
@@ -368,12 +376,115 @@ def constant_value(t: object) -> torch.Tensor | None:
             if node.kwargs.get("device") == torch.device("meta"):
                 copies[node].kwargs = {**node.kwargs, "device": torch.device("cpu")}
     graph.output(copies[target])
+    return torch.fx.GraphModule(root, graph)
+
+
+def constant_value(t: object) -> torch.Tensor | None:
+    """The value of ``t``, a tensor of the step ``make_fx`` is tracing, computed for real when it
+    depends on no input of the step (only on constants and shapes, like ``torch.arange(n)`` or
+    ``torch.ones_like(ids)``, whose input lends only its shape, fixed in a traced step); None
+    when it depends on an input, a parameter, a random draw or a tensor some op wrote to, or is
+    not being traced. A value traced on the meta device is computed on the CPU."""
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor) or not proxy_tensor.has_proxy_slot(t, mode.tracer):
+        return None
+    target = proxy_tensor.get_proxy_slot(t, mode.tracer).proxy.node
+    needed = _ancestry(target, inputs=False)
+    if needed is None:
+        return None
     try:
         with untraced():
-            value = torch.fx.GraphModule(mode.tracer.root, graph)()
+            value = _copied(target, needed, mode.tracer.root)()
     except Exception:  # noqa: BLE001 - (a constant stored on the meta device, say): the traced branch stays
         return None
     return value if isinstance(value, torch.Tensor) and value.device.type != "meta" else None
+
+
+@dataclass(frozen=True, eq=False)
+class BranchPoint:
+    """A check of library code whose answer depends on the batch's values and picks the program
+    eager PyTorch runs (transformers' "can this attention mask be skipped?", see
+    ``_eager_mask_check``): the traced step took the branch ``answer``; ``answer_for(batch)``
+    is what eager answers for another batch, computed from the batch tensors ``batch_indices``
+    by ``program`` (the ops the trace computed the checked tensor with) and the check itself."""
+
+    #: the library's check, as it was before tracing replaced it
+    check: Callable[..., object]
+    #: the checked tensor from the batch tensors ``batch_indices``
+    program: torch.fx.GraphModule
+    batch_indices: tuple[int, ...]
+    #: the check's other arguments, Python values fixed in the traced step
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+    answer: bool
+
+    @property
+    def name(self) -> str:
+        return getattr(self.check, "__name__", "check")
+
+    def answer_for(self, batch: Sequence[torch.Tensor]) -> bool:
+        with torch.no_grad():
+            checked = self.program(*(batch[i].detach() for i in self.batch_indices))
+            return bool(self.check(checked, *self.args, **self.kwargs))
+
+
+@dataclass
+class _BranchRecorder:
+    """While a step is traced: the batch's real tensors (None on the meta device) and the
+    position of its first tensor among the step's inputs; the answers to take (``forced``, by
+    order of the checks), else eager's for this batch; and the checks met so far."""
+
+    batch: tuple[torch.Tensor, ...] | None
+    first_input: int
+    forced: tuple[bool, ...] | None
+    points: list[BranchPoint]
+
+    def record(self, check: Callable[..., object], t: torch.Tensor, args: tuple, kwargs: dict) -> BranchPoint | None:
+        """The branch to take at a check of ``t``, which depends on the batch; None where the
+        traced, general branch must stay (``t`` computed from parameters or by random ops, the
+        batch on the meta device, a tensor among the other arguments)."""
+        mode = proxy_tensor.get_proxy_mode()
+        if (mode is None or not proxy_tensor.has_proxy_slot(t, mode.tracer)
+                or any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))):
+            return None
+        target = proxy_tensor.get_proxy_slot(t, mode.tracer).proxy.node
+        needed = _ancestry(target, inputs=True)
+        if needed is None:
+            return None
+        position = {n: k for k, n in enumerate(n for n in target.graph.nodes if n.op == "placeholder")}
+        read = [position[n] - self.first_input for n in target.graph.nodes if n in needed and n.op == "placeholder"]
+        if any(i < 0 for i in read):  # (a parameter or buffer: the check would follow training)
+            return None
+        program = _copied(target, needed, mode.tracer.root)
+        k = len(self.points)
+        if self.forced is not None and k < len(self.forced):
+            answer = self.forced[k]
+        elif self.batch is None:  # (a step traced on the meta device runs nowhere)
+            answer = False
+        else:
+            with untraced():
+                answer = bool(check(program(*(self.batch[i] for i in read)), *args, **kwargs))
+        point = BranchPoint(check, program, tuple(read), tuple(args), dict(kwargs), answer)
+        self.points.append(point)
+        return point
+
+
+_RECORDER: list[_BranchRecorder] = []
+
+
+@contextlib.contextmanager
+def recording_branches(batch: tuple[torch.Tensor, ...] | None, first_input: int,
+                       forced: Sequence[bool] | None = None) -> Iterator[list[BranchPoint]]:
+    """While in use, a check of the batch's values that picks eager's program (``BranchPoint``)
+    takes the branch eager takes for ``batch`` (the example's real tensors; None on the meta
+    device, where the general branch stays), or the ``forced`` answers in order, and is listed
+    in the list yielded."""
+    recorder = _BranchRecorder(batch, first_input, None if forced is None else tuple(forced), [])
+    _RECORDER.append(recorder)
+    try:
+        yield recorder.points
+    finally:
+        _RECORDER.remove(recorder)
 
 
 def _eager_packed_check(original: Callable) -> Callable:
@@ -394,29 +505,36 @@ def _eager_packed_check(original: Callable) -> Callable:
 
 def _eager_mask_check(original: Callable) -> Callable:
     """transformers' checks whether an attention mask can be skipped (``_ignore_causal_mask_sdpa``,
-    ``_ignore_bidirectional_mask_sdpa``: no token masked) answered as eager answers them when the
-    padding mask depends on no input (a model that builds ``torch.ones`` itself, as Perceiver
-    does): traced, the check took its general branch and the step added an all-zero float mask
-    to the attention scores, which under bfloat16 autocast rounded otherwise than eager's
-    unmasked attention. A mask built from the batch's shape (``torch.ones_like(input_ids)``, what
-    the built-in GPT-2 and the holdout models pass) depends on no value of it and is answered so
-    too (Llama was 5.4e-9 from eager). A mask that depends on the batch's values keeps the traced,
-    general branch, and is warned about: eager skips it in every step whose batch masks no token,
-    where the traced step's gradients agree with eager's to rounding, not bit for bit (choosing
-    the branch per batch when the step runs is not built)."""
+    ``_ignore_bidirectional_mask_sdpa``: no token masked), answered as eager answers them. Eager
+    then runs SDPA with ``is_causal=True`` (or no mask) instead of adding the mask to the scores,
+    which rounds otherwise (Llama in float32: 5e-9; under bfloat16 autocast 4e-4 on a gradient).
+
+    A padding mask that depends on no input (a model that builds ``torch.ones`` itself, as
+    Perceiver does, or one built from the batch's shape, ``torch.ones_like(input_ids)``) is
+    computed and answered once. One computed from the batch's values (an ``attention_mask`` the
+    batch carries) is answered for the example batch while tracing, and the check is recorded
+    (``BranchPoint``): a step checks each batch as eager would and runs the program traced for
+    its answers (``TrainingStep``). Where the mask cannot be computed from the batch alone (it
+    reads a parameter, a random draw, the meta device) the traced, general branch stays, with a
+    warning: eager skips the mask in every step whose batch masks no token, where the traced
+    step's gradients agree with eager's to rounding, not bit for bit."""
 
     def check(padding_mask: object = None, *args: object, **kwargs: object) -> object:
         value = constant_value(padding_mask) if isinstance(padding_mask, torch.Tensor) else None
         if value is not None and not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
             with untraced():
                 return original(value, *args, **kwargs)
+        if isinstance(padding_mask, torch.Tensor) and _RECORDER:
+            point = _RECORDER[-1].record(original, padding_mask, args, kwargs)
+            if point is not None:
+                return point.answer
         if isinstance(padding_mask, torch.Tensor):
             warnings.warn(
-                f"the attention mask reaching transformers' {getattr(original, '__name__', 'mask check')} depends on "
-                f"the batch, so the traced step always applies it; eager PyTorch skips a mask that masks no token, "
-                f"so in steps whose batch pads nothing the gradients agree with eager's to rounding, not bit for "
-                f"bit; when nothing is padded, pass attention_mask=None or build it in loss_fn from the batch's "
-                f"shape (torch.ones_like(input_ids)), which remat answers as eager does",
+                f"the attention mask reaching transformers' {getattr(original, '__name__', 'mask check')} is not "
+                f"computed from the batch alone, so the traced step always applies it; eager PyTorch skips a mask "
+                f"that masks no token, so in steps whose batch pads nothing the gradients agree with eager's to "
+                f"rounding, not bit for bit; pass the mask in the batch, or attention_mask=None when nothing is "
+                f"padded",
                 stacklevel=2,
             )
         return original(padding_mask, *args, **kwargs)

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -42,7 +43,7 @@ import torch
 
 from remat.cost import CostModel
 from remat.distributed import refuse_wrapped
-from remat.errors import ScheduleError, TraceError, a_type
+from remat.errors import InfeasibleBudgetError, ScheduleError, TraceError, a_type
 from remat.execute import PlanFacts, PlannedStep, build_module, grad_through_hooks
 from remat.graph import Graph
 from remat.guards import ModelView
@@ -53,6 +54,8 @@ from remat.solvers import SolveStatus
 from remat.solvers.base import relative_gap
 from remat.trace import LossFn, TracedStep, batch_index, trace
 from remat.units import BudgetError, check_budget, format_bytes, parse_budget
+
+log = logging.getLogger("remat")
 
 PLAN_FORMAT = "remat.training_step"
 PLAN_VERSION = 3
@@ -126,13 +129,17 @@ class TrainingStep:
     them)."""
 
     def __init__(
-        self, model: torch.nn.Module, traced: TracedStep, plan: Plan, planned: PlannedStep, report: StepReport
+        self, model: torch.nn.Module, traced: TracedStep, plan: Plan, planned: PlannedStep, report: StepReport,
+        replan: Replan | None = None,
     ) -> None:
         self.model = model
         self.traced = traced
         self.plan = plan
         self.planned = planned
         self.report = report
+        self._replan = replan
+        #: the steps planned for each branch met so far, this one's included (shared between them)
+        self._branches: dict[tuple[bool, ...], TrainingStep] = {traced.branch_answers: self}
 
     def __call__(self, *batch: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         if torch.is_inference_mode_enabled():  # (the gradients would be inference tensors, unusable after)
@@ -141,6 +148,37 @@ class TrainingStep:
                 "training step computes gradients; call it outside inference_mode"
             )
         batch = self._batch(batch)
+        return self.for_batch(*batch)._run(batch)
+
+    def for_batch(self, *batch: torch.Tensor | Sequence[torch.Tensor]) -> TrainingStep:
+        """The planned step that runs ``batch`` as eager PyTorch does. Library code can pick the
+        program eager runs from the batch's values: transformers attends without the
+        ``attention_mask`` when it masks no token (``is_causal=True`` in SDPA) and adds it to the
+        scores otherwise, which rounds otherwise. Such a step is traced for the example batch's
+        branch (``traced.branch_points``); a batch that takes another gets the step traced and
+        planned for that branch, with this step's method and budget, the first time one comes
+        (``InfeasibleBudgetError`` if that program cannot fit the budget), and kept. Call it with
+        a batch of each kind before training to plan every branch up front."""
+        batch = self._batch(batch)
+        if not self.traced.branch_points:
+            return self
+        answers = self.traced.answers_for(batch)
+        step = self._branches.get(answers)
+        if step is None:
+            if self._replan is None:
+                raise TraceError(
+                    f"this batch takes another branch at transformers' {self.traced.branch_points[0].name} than the "
+                    f"step was traced for (the attention mask masks {'no' if self.traced.branch_answers[0] else 'a'} "
+                    f"token in the example), and this step cannot plan another: call remat.optimize with this batch"
+                )
+            log.info("planning the step for batches whose attention-mask checks answer %s (the example's: %s)",
+                     answers, self.traced.branch_answers)
+            step = self._replan(answers, batch)
+            step._replan, step._branches = self._replan, self._branches
+            self._branches[answers] = step
+        return step
+
+    def _run(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         view = ModelView(self.model)  # (the model's tensors by name, read once for the step)
         flat = self.traced.flat_inputs(self.model, batch, view)
         targets = self.traced.update_targets(self.model, batch, view)  # (before anything runs or is written)
@@ -180,7 +218,9 @@ class TrainingStep:
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON: the order in which nodes are computed (values are freed at
-        their last use), keyed by fingerprint and budget (no pickle: the file is data)."""
+        their last use), keyed by fingerprint and budget (no pickle: the file is data). A step
+        with branches (``for_batch``) saves this one's; the loaded step plans the others again
+        when a batch takes them."""
         record = {
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
@@ -189,6 +229,7 @@ class TrainingStep:
             "n_nodes": self.traced.graph.n,
             "structure_fingerprint": _structure_fingerprint(self.traced.graph),
             "batch_requires_grad": [s.requires_grad for s in self.traced.batch_spec],
+            "branch_answers": list(self.traced.branch_answers),
             "compute_order": list(self.plan.compute_order),
             **self.traced.measurements(),
             "report": self.report.to_json(),
@@ -215,7 +256,15 @@ class TrainingStep:
         refuse_wrapped(model, "TrainingStep.load()")
         budget_bytes = _saved_budget(budget_bytes)
         record = _read_plan(path)
-        traced = trace(model, example_inputs, loss_fn, cost_model=None, allow_native_batch_norm=allow_native_batch_norm)
+        branches = _saved_branches(path, record)
+        traced = trace(model, example_inputs, loss_fn, cost_model=None, allow_native_batch_norm=allow_native_batch_norm,
+                       branches=branches)
+        if branches is not None and traced.branch_answers != branches:
+            raise StalePlanError(
+                f"saved plan {os.fspath(path)!r} was made for a step that meets {len(branches)} check(s) of the batch's "
+                f"attention mask; this model and loss meet {len(traced.branch_answers)}: run optimize() again and save "
+                f"the new plan"
+            )
         _check_requires_grad(path, record, traced)
         # the step's structure without what the file measured: a file saved for this step whose
         # measured scratch was edited is corrupt, not stale (files from before the field was
@@ -281,7 +330,21 @@ class TrainingStep:
                 f"saved plan {os.fspath(path)!r}: its lower bound ({report.lower_bound_us!r}) is above the cost its "
                 f"plan simulates to ({report.cost_us!r}); the file is corrupt: run optimize() again"
             )
-        return cls(model, traced, plan, planned, report)
+        replan = _branch_planner(model, loss_fn, report.budget_bytes, report.method, cost_model=CostModel.PROFILE,
+                                 allow_native_batch_norm=allow_native_batch_norm)
+        return cls(model, traced, plan, planned, report, replan)
+
+
+def _saved_branches(path: str | os.PathLike, record: dict) -> tuple[bool, ...] | None:
+    """The branches a saved plan's step took at its checks of the batch's values (None in
+    files from before they were saved: the example's are taken)."""
+    branches = record.get("branch_answers")
+    if branches is None:
+        return None
+    if not isinstance(branches, list) or not all(isinstance(b, bool) for b in branches):
+        raise PlanFileError(f"saved plan {os.fspath(path)!r}: branch_answers {branches!r} is not a list of true/false; "
+                            f"the file is corrupt: delete it and run optimize() again")
+    return tuple(branches)
 
 
 def _saved_budget(budget: object) -> int | None:
@@ -441,13 +504,46 @@ def optimize(
     graph = traced.graph
     baseline = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
     budget = parse_budget(budget, reference_bytes=baseline.peak_bytes)
-    planned_graph = plan_graph(graph, budget, method=method, **solver_options)
+    replan = _branch_planner(model, loss_fn, budget, method, cost_model=cost_model,
+                             allow_native_batch_norm=allow_native_batch_norm, **solver_options)
+    return _planned(model, traced, budget, method, replan, **solver_options)
+
+
+#: ``replan(answers, batch)``: the step traced with ``answers`` at its branch points and planned
+Replan = Callable[[tuple[bool, ...], tuple[torch.Tensor, ...]], "TrainingStep"]
+
+
+def _planned(model: torch.nn.Module, traced: TracedStep, budget: int, method: str, replan: Replan | None,
+             **solver_options: object) -> TrainingStep:
+    """``traced`` planned under ``budget`` bytes by ``method``."""
+    planned_graph = plan_graph(traced.graph, budget, method=method, **solver_options)
     result = planned_graph.result
     planned = build_module(traced, planned_graph.plan)
     report = StepReport(method=method, status=result.status, budget_bytes=budget, solve_s=result.solve_s,
                         note=planned_graph.note, lower_bound_us=planned_graph.lower_bound,
                         **dataclasses.asdict(PlanFacts.of(planned)))
-    return TrainingStep(model, traced, planned_graph.plan, planned, report)
+    return TrainingStep(model, traced, planned_graph.plan, planned, report, replan)
+
+
+def _branch_planner(model: torch.nn.Module, loss_fn: LossFn, budget: int, method: str, *,
+                    cost_model: CostModel | None, allow_native_batch_norm: bool, **solver_options: object) -> Replan:
+    """How a step plans a branch its example did not take (``TrainingStep.for_batch``): traced
+    again with those answers, on the batch that takes it, and planned as the first was."""
+
+    def replan(answers: tuple[bool, ...], batch: tuple[torch.Tensor, ...]) -> TrainingStep:
+        traced = trace(model, batch, loss_fn, cost_model=cost_model, allow_native_batch_norm=allow_native_batch_norm,
+                       branches=answers)
+        try:
+            return _planned(model, traced, budget, method, None, **solver_options)
+        except InfeasibleBudgetError as exc:
+            raise InfeasibleBudgetError(
+                budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes, method=exc.method,
+                graph_name=exc.graph_name,
+                detail=f"the program eager runs for this batch, whose attention-mask checks answer {answers}, unlike "
+                       f"the example's: it needs more memory; call remat.optimize again with the larger budget",
+            ) from exc
+
+    return replan
 
 
 def _stated_bound(value: object) -> float | None:

@@ -45,8 +45,10 @@ from remat import cost as cost_mod
 from remat.batch_norm import use_eager_kernels as use_eager_batch_norm_kernels
 from remat.collector import older_objects_frozen
 from remat.eager_ops import (
+    BranchPoint,
     autocast_cache,
     fake_kernel,
+    recording_branches,
     recording_reentrant_blocks,
     refuse_leaves_shared_across_reentrant_blocks,
     tracing_as_eager,
@@ -160,6 +162,20 @@ class TracedStep:
     #: mode, hooks, requires_grad, each parameter's and buffer's layout, the ambient autocast),
     #: checked before every run
     module_state: ModuleState
+    #: the checks of the batch's values that pick the program eager runs (``BranchPoint``:
+    #: transformers' "can this attention mask be skipped?"), in the order the step meets them,
+    #: each with the answer this step was traced with
+    branch_points: tuple[BranchPoint, ...] = ()
+
+    @property
+    def branch_answers(self) -> tuple[bool, ...]:
+        """The answers of ``branch_points`` this step was traced with."""
+        return tuple(p.answer for p in self.branch_points)
+
+    def answers_for(self, batch: Sequence[torch.Tensor]) -> tuple[bool, ...]:
+        """What eager PyTorch answers at each of ``branch_points`` for ``batch``: the step runs
+        eager's program for ``batch`` if these are ``branch_answers``."""
+        return tuple(p.answer_for(batch) for p in self.branch_points)
 
     def fx_node(self, i: int) -> fx.Node:
         return self._fx_nodes[i]
@@ -312,6 +328,7 @@ def trace(
     replay_rng: bool = True,
     scratch: ScratchModel | None = None,
     allow_native_batch_norm: bool = False,
+    branches: Sequence[bool] | None = None,
 ) -> TracedStep:
     """Trace ``loss_fn(model, *example_inputs)`` and its backward into a ``TracedStep``.
 
@@ -326,6 +343,11 @@ def trace(
     with cuDNN is refused with a ``TraceError`` naming the module, since the traced step would
     run PyTorch's native kernels, which round differently; ``allow_native_batch_norm=True``
     accepts them (``remat.trace_errors``).
+
+    Where library code checks the batch's values to pick the program eager runs (transformers'
+    "can this attention mask be skipped?", ``eager_ops.BranchPoint``), the step takes eager's
+    branch for ``example_inputs``, or ``branches``, the answers to take in the order the checks
+    come (checks beyond them take eager's); ``TracedStep.branch_points`` lists them.
 
     A batch tensor that requires grad (``requires_grad=True``, or a tensor computed outside the
     step with a ``grad_fn``) gets its gradient computed as ``loss.backward()`` would
@@ -349,12 +371,13 @@ def trace(
             "inference_mode"
         )
     with older_objects_frozen(), torch.enable_grad():  # (tracing makes many short-lived objects too)
-        return _trace(model, example_inputs, loss_fn, cost_model, name, replay_rng, scratch, allow_native_batch_norm)
+        return _trace(model, example_inputs, loss_fn, cost_model, name, replay_rng, scratch, allow_native_batch_norm,
+                      branches)
 
 
 def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], loss_fn: LossFn,
            cost_model: cost_mod.CostModel | None, name: str | None, replay_rng: bool, scratch: ScratchModel | None,
-           allow_native_batch_norm: bool) -> TracedStep:
+           allow_native_batch_norm: bool, branches: Sequence[bool] | None = None) -> TracedStep:
     batch = _as_batch(example_inputs)
     params = dict(model.named_parameters())
     trainable = [k for k, p in params.items() if p.requires_grad]
@@ -381,7 +404,9 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     kinds_by_name: dict[str, NodeKind] = {}
     stashed: list[str] = []  # tensors the forward stored on its modules (``_module_attributes_kept``)
     before = PythonState.of(model, loss_fn)
-    with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng:
+    real_batch = None if on_meta else tuple(t.detach() for t in batch)
+    with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng, \
+            recording_branches(real_batch, len(params) + len(buffers), branches) as branch_points:
         try:
             gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name,
                                    stashed)
@@ -392,11 +417,13 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
         def again() -> fx.GraphModule:
             kinds_by_name.clear()
             stashed.clear()
+            branch_points.clear()
             return _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes,
                                      kinds_by_name, stashed)
 
         gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
         rng.check()
+        branch_points = tuple(branch_points)
     warn_of_stored_trace_tensors(model, loss_fn, stashed)
     rnns.check_graph(gm)
     check_dense(gm, model)
@@ -433,6 +460,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
         random_nodes=random_nodes,
         batch_spec=tuple(TensorSpec.of(t) for t in batch),
         module_state=module_state(model, loss_fn),
+        branch_points=branch_points,
     )
     if cost_model is not None:
         # (meta models are only estimated, from the fake tensors' metadata)
