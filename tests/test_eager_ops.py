@@ -559,6 +559,30 @@ def test_an_attention_mask_the_batch_carries_runs_eagers_program_for_each_batch(
     assert set(step._branches) == {(True,), (False,)}
 
 
+def test_position_ids_the_batch_carries_run_eagers_program_for_packed_and_unpacked_batches():
+    """Without an attention mask, transformers looks for packed sequences in ``position_ids``
+    (``find_packed_sequence_indices``): where every row holds one sequence eager builds no mask
+    and SDPA runs causal, else it builds a mask that keeps each sequence to itself. Traced, the
+    general branch built that mask for every batch, so unpacked batches rounded otherwise than
+    eager. Each batch now runs eager's program, packed or not, bitwise."""
+    model, ids, _, _ = _llama_with_mask()
+    rows, length = ids.shape
+    unpacked = torch.arange(length).expand(rows, -1).clone()
+    packed = unpacked.clone()
+    packed[0] = torch.cat([torch.arange(50), torch.arange(length - 50)])  # (two sequences in row 0)
+
+    def loss_fn(m, ids, position_ids):
+        return m(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False).loss
+
+    step = remat.optimize(model, (ids, unpacked), loss_fn, budget=0.7, method="milp", cost_model=None, time_limit_s=5)
+    assert [p.name for p in step.traced.branch_points] == ["find_packed_sequence_indices"]
+    assert step.traced.answers_for((ids, unpacked)) == (True,) and step.traced.answers_for((ids, packed)) == (False,)
+    for batch in ((ids, unpacked), (ids, packed)):
+        agreement = verify.check_step(step, loss_fn, *batch)
+        assert agreement.bitwise, agreement.mismatches[:3]
+    assert step._branches[(False,)].traced.graph.n > step.traced.graph.n  # (the packed mask built and applied)
+
+
 def test_a_saved_step_keeps_its_branch_and_plans_the_other_when_a_batch_takes_it(tmp_path):
     """A saved plan is the program of one branch: loaded with any example batch, the step is that
     branch's, and a batch of the other is planned again. A file whose branches are not a list of
@@ -576,8 +600,8 @@ def test_a_saved_step_keeps_its_branch_and_plans_the_other_when_a_batch_takes_it
     assert loaded._branches[(False,)].report.method == "checkpoint_all"
     record = json.loads(path.read_text())
     for bad, error, words in (([1], PlanFileError, "branch_answers \\[1\\] is not a list of true/false"),
-                              ([True, False], StalePlanError, "meets 2 check\\(s\\) of the batch's attention mask; "
-                                                                   "this model and loss meet 1")):
+                              ([True, False], StalePlanError, "meets 2 check\\(s\\) of the batch's values .* this "
+                                                              "model and loss meet 1")):
         path.write_text(json.dumps({**record, "branch_answers": bad}))
         with pytest.raises(error, match=words):
             remat.TrainingStep.load(path, model, (ids, ones), _masked_loss)
@@ -592,8 +616,8 @@ def test_a_branch_that_does_not_fit_the_budget_says_so_when_its_batch_comes():
         remat.optimize(model, (ids, ones), _masked_loss, budget_bytes=1, method="milp", cost_model=None)
     step = remat.optimize(model, (ids, ones), _masked_loss, budget_bytes=tiny.value.min_budget_bytes, method="milp",
                           cost_model=None, time_limit_s=5)
-    with pytest.raises(remat.InfeasibleBudgetError, match=r"attention-mask checks answer \(False,\), unlike the "
-                                                          r"example's") as refused:
+    with pytest.raises(remat.InfeasibleBudgetError, match=r"checks at _ignore_causal_mask_sdpa answer \(False,\), "
+                                                          r"unlike the example's") as refused:
         step(ids, padded)
     assert refused.value.min_budget_bytes > step.report.budget_bytes
     assert all(p.grad is None for p in model.parameters())
@@ -608,8 +632,9 @@ def test_a_step_without_a_planner_for_other_branches_names_the_remedy():
     step = remat.optimize(model, (ids, ones), _masked_loss, budget=1.0, method="checkpoint_all", cost_model=None)
     bare = remat.TrainingStep(model, step.traced, step.plan, step.planned, step.report)
     assert bare.for_batch(ids, ones) is bare
-    with pytest.raises(remat.TraceError, match="takes another branch at transformers' _ignore_causal_mask_sdpa .* "
-                                               "call remat.optimize with this batch"):
+    with pytest.raises(remat.TraceError, match=r"takes another branch at transformers' _ignore_causal_mask_sdpa than "
+                                               r"the step was traced for \(answers \(False,\), the example's \(True,\)\)"
+                                               r".* call remat.optimize with this batch"):
         bare(ids, padded)
 
 

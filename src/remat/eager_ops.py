@@ -41,9 +41,10 @@ eager's behaviour while tracing:
   SDPA, and its gradients differed from eager's in the last bits (Mistral with
   ``use_cache=False``: 7e-9 in float32, 1e-4 under bfloat16 autocast).
   transformers' check whether an attention mask can be skipped is answered the same way when
-  the mask depends on no input; when it is computed from the batch (an ``attention_mask`` the
-  batch carries), the check is answered for the example batch and recorded as a
-  ``BranchPoint``, which the step answers again for each batch it runs.
+  the mask depends on no input. When the checked tensor is computed from the batch (an
+  ``attention_mask`` or ``position_ids`` the batch carries), the check is answered for the
+  example batch and recorded as a ``BranchPoint``, which the step answers again for each batch
+  it runs.
   PyTorch's ``nn.TransformerEncoder`` and ``nn.TransformerDecoder`` make the same kind of check
   when ``is_causal`` is not given: is the mask causal? With the tutorials' mask,
   ``generate_square_subsequent_mask(n)``, which depends on no input, eager says yes and runs
@@ -403,10 +404,11 @@ def constant_value(t: object) -> torch.Tensor | None:
 @dataclass(frozen=True, eq=False)
 class BranchPoint:
     """A check of library code whose answer depends on the batch's values and picks the program
-    eager PyTorch runs (transformers' "can this attention mask be skipped?", see
-    ``_eager_mask_check``): the traced step took the branch ``answer``; ``answer_for(batch)``
-    is what eager answers for another batch, computed from the batch tensors ``batch_indices``
-    by ``program`` (the ops the trace computed the checked tensor with) and the check itself."""
+    eager PyTorch runs (transformers' "can this attention mask be skipped?" and "one sequence
+    per row?", see ``_eager_mask_check`` and ``_eager_packed_check``): the traced step took the
+    branch ``answer``; ``answer_for(batch)`` is what eager answers for another batch, computed
+    from the batch tensors ``batch_indices`` by ``program`` (the ops the trace computed the
+    checked tensor with) and the check itself."""
 
     #: the library's check, as it was before tracing replaced it
     check: Callable[..., object]
@@ -488,8 +490,18 @@ def recording_branches(batch: tuple[torch.Tensor, ...] | None, first_input: int,
 
 
 def _eager_packed_check(original: Callable) -> Callable:
-    """transformers' ``find_packed_sequence_indices`` taking eager's branch for position ids that
-    depend on no input (see the module); the traced, general one otherwise."""
+    """transformers' ``find_packed_sequence_indices`` taking eager's branch: for position ids that
+    depend on no input (see the module), computed once; for position ids the batch carries,
+    answered for the example batch and recorded (``BranchPoint``: "one sequence per row?"), so
+    that each batch runs eager's program. Eager builds no packed-sequence mask when every row
+    holds one sequence (SDPA runs causal) and one otherwise; the traced, general branch, which
+    builds it from the position ids, stays where the position ids cannot be computed from the
+    batch alone."""
+
+    def one_sequence_per_row(position_ids: torch.Tensor, *args: object, **kwargs: object) -> bool:
+        return original(position_ids, *args, **kwargs) is None
+
+    one_sequence_per_row.__name__ = getattr(original, "__name__", "find_packed_sequence_indices")
 
     def find_packed_sequence_indices(position_ids: torch.Tensor, *args: object, **kwargs: object) -> object:
         value = constant_value(position_ids)
@@ -497,6 +509,10 @@ def _eager_packed_check(original: Callable) -> Callable:
             with untraced():
                 packed = original(value, *args, **kwargs)
             if packed is None:  # one sequence per row: eager skips the packed-sequence mask
+                return None
+        elif isinstance(position_ids, torch.Tensor) and _RECORDER:
+            point = _RECORDER[-1].record(one_sequence_per_row, position_ids, args, kwargs)
+            if point is not None and point.answer:
                 return None
         return original(position_ids, *args, **kwargs)
 

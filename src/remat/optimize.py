@@ -154,7 +154,8 @@ class TrainingStep:
         """The planned step that runs ``batch`` as eager PyTorch does. Library code can pick the
         program eager runs from the batch's values: transformers attends without the
         ``attention_mask`` when it masks no token (``is_causal=True`` in SDPA) and adds it to the
-        scores otherwise, which rounds otherwise. Such a step is traced for the example batch's
+        scores otherwise, which rounds otherwise (and builds a packed-sequence mask from
+        ``position_ids`` only where a row holds several sequences). Such a step is traced for the example batch's
         branch (``traced.branch_points``); a batch that takes another gets the step traced and
         planned for that branch, with this step's method and budget, the first time one comes
         (``InfeasibleBudgetError`` if that program cannot fit the budget), and kept. Call it with
@@ -167,12 +168,13 @@ class TrainingStep:
         if step is None:
             if self._replan is None:
                 raise TraceError(
-                    f"this batch takes another branch at transformers' {self.traced.branch_points[0].name} than the "
-                    f"step was traced for (the attention mask masks {'no' if self.traced.branch_answers[0] else 'a'} "
-                    f"token in the example), and this step cannot plan another: call remat.optimize with this batch"
+                    f"this batch takes another branch at transformers' "
+                    f"{', '.join(dict.fromkeys(p.name for p in self.traced.branch_points))} than the step was traced "
+                    f"for (answers {answers}, the example's {self.traced.branch_answers}), and this step cannot plan "
+                    f"another: call remat.optimize with this batch"
                 )
-            log.info("planning the step for batches whose attention-mask checks answer %s (the example's: %s)",
-                     answers, self.traced.branch_answers)
+            log.info("planning the step for batches whose checks at %s answer %s (the example's: %s)",
+                     ", ".join(p.name for p in self.traced.branch_points), answers, self.traced.branch_answers)
             step = self._replan(answers, batch)
             step._replan, step._branches = self._replan, self._branches
             self._branches[answers] = step
@@ -262,8 +264,8 @@ class TrainingStep:
         if branches is not None and traced.branch_answers != branches:
             raise StalePlanError(
                 f"saved plan {os.fspath(path)!r} was made for a step that meets {len(branches)} check(s) of the batch's "
-                f"attention mask; this model and loss meet {len(traced.branch_answers)}: run optimize() again and save "
-                f"the new plan"
+                f"values (transformers' attention-mask and packed-sequence checks); this model and loss meet "
+                f"{len(traced.branch_answers)}: run optimize() again and save the new plan"
             )
         _check_requires_grad(path, record, traced)
         # the step's structure without what the file measured: a file saved for this step whose
@@ -539,7 +541,8 @@ def _branch_planner(model: torch.nn.Module, loss_fn: LossFn, budget: int, method
             raise InfeasibleBudgetError(
                 budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes, method=exc.method,
                 graph_name=exc.graph_name,
-                detail=f"the program eager runs for this batch, whose attention-mask checks answer {answers}, unlike "
+                detail=f"the program eager runs for this batch, whose checks at "
+                       f"{', '.join(dict.fromkeys(p.name for p in traced.branch_points))} answer {answers}, unlike "
                        f"the example's: it needs more memory; call remat.optimize again with the larger budget",
             ) from exc
 

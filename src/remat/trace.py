@@ -163,8 +163,8 @@ class TracedStep:
     #: checked before every run
     module_state: ModuleState
     #: the checks of the batch's values that pick the program eager runs (``BranchPoint``:
-    #: transformers' "can this attention mask be skipped?"), in the order the step meets them,
-    #: each with the answer this step was traced with
+    #: transformers' "can this attention mask be skipped?", "one sequence per row?"), in the
+    #: order the step meets them, each with the answer this step was traced with
     branch_points: tuple[BranchPoint, ...] = ()
 
     @property
