@@ -636,6 +636,10 @@ def test_a_step_without_a_planner_for_other_branches_names_the_remedy():
                                                r"the step was traced for \(answers \(False,\), the example's \(True,\)\)"
                                                r".* call remat.optimize with this batch"):
         bare(ids, padded)
+    # a trace for another branch that meets other checks than the first is not planned
+    with pytest.raises(remat.TraceError, match=r"the step met 1 check\(s\) of the batch's values where it met 2: the "
+                                               r"model's code paths changed since optimize\(\)"):
+        step._replan((False, False), (ids, padded))
 
 
 def test_a_mask_computed_from_a_parameter_keeps_the_general_branch_and_is_warned():

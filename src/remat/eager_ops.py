@@ -464,8 +464,11 @@ class _BranchRecorder:
         elif self.batch is None:  # (a step traced on the meta device runs nowhere)
             answer = False
         else:
-            with untraced():
-                answer = bool(check(program(*(self.batch[i] for i in read)), *args, **kwargs))
+            try:
+                with untraced():
+                    answer = bool(check(program(*(self.batch[i] for i in read)), *args, **kwargs))
+            except Exception:  # noqa: BLE001 - (the copied ops cannot run outside the trace): the general branch stays
+                return None
         point = BranchPoint(check, program, tuple(read), tuple(args), dict(kwargs), answer)
         self.points.append(point)
         return point
@@ -531,9 +534,10 @@ def _eager_mask_check(original: Callable) -> Callable:
     batch carries) is answered for the example batch while tracing, and the check is recorded
     (``BranchPoint``): a step checks each batch as eager would and runs the program traced for
     its answers (``TrainingStep``). Where the mask cannot be computed from the batch alone (it
-    reads a parameter, a random draw, the meta device) the traced, general branch stays, with a
-    warning: eager skips the mask in every step whose batch masks no token, where the traced
-    step's gradients agree with eager's to rounding, not bit for bit."""
+    reads a parameter or a random draw) the traced, general branch stays, with a warning: eager
+    skips the mask in every step whose batch masks no token, where the traced step's gradients
+    agree with eager's to rounding, not bit for bit. A step traced on the meta device, which
+    runs nowhere, keeps the general branch without one."""
 
     def check(padding_mask: object = None, *args: object, **kwargs: object) -> object:
         value = constant_value(padding_mask) if isinstance(padding_mask, torch.Tensor) else None

@@ -155,11 +155,12 @@ class TrainingStep:
         program eager runs from the batch's values: transformers attends without the
         ``attention_mask`` when it masks no token (``is_causal=True`` in SDPA) and adds it to the
         scores otherwise, which rounds otherwise (and builds a packed-sequence mask from
-        ``position_ids`` only where a row holds several sequences). Such a step is traced for the example batch's
-        branch (``traced.branch_points``); a batch that takes another gets the step traced and
-        planned for that branch, with this step's method and budget, the first time one comes
-        (``InfeasibleBudgetError`` if that program cannot fit the budget), and kept. Call it with
-        a batch of each kind before training to plan every branch up front."""
+        ``position_ids`` only where a row holds several sequences). Such a step is traced for
+        the example batch's branch (``traced.branch_points``); a batch that takes another gets
+        the step traced and planned for that branch, with this step's method and budget, the
+        first time one comes (``InfeasibleBudgetError`` if that program cannot fit the budget),
+        and kept. Call it with a batch of each kind before training to plan every branch up
+        front."""
         batch = self._batch(batch)
         if not self.traced.branch_points:
             return self
@@ -535,6 +536,12 @@ def _branch_planner(model: torch.nn.Module, loss_fn: LossFn, budget: int, method
     def replan(answers: tuple[bool, ...], batch: tuple[torch.Tensor, ...]) -> TrainingStep:
         traced = trace(model, batch, loss_fn, cost_model=cost_model, allow_native_batch_norm=allow_native_batch_norm,
                        branches=answers)
+        if traced.branch_answers != answers:  # (the model's Python took another path this time)
+            raise TraceError(
+                f"traced again for this batch, the step met {len(traced.branch_answers)} check(s) of the batch's values "
+                f"where it met {len(answers)}: the model's code paths changed since optimize(); call remat.optimize "
+                f"again"
+            )
         try:
             return _planned(model, traced, budget, method, None, **solver_options)
         except InfeasibleBudgetError as exc:
