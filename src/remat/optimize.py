@@ -148,7 +148,7 @@ class TrainingStep:
                 "training step computes gradients; call it outside inference_mode"
             )
         batch = self._batch(batch)
-        return self.for_batch(*batch)._run(batch)
+        return self._step_for(batch)._run(batch)
 
     def for_batch(self, *batch: torch.Tensor | Sequence[torch.Tensor]) -> TrainingStep:
         """The planned step that runs ``batch`` as eager PyTorch does. Library code can pick the
@@ -161,7 +161,10 @@ class TrainingStep:
         first time one comes (``InfeasibleBudgetError`` if that program cannot fit the budget),
         and kept. Call it with a batch of each kind before training to plan every branch up
         front."""
-        batch = self._batch(batch)
+        return self._step_for(self._batch(batch))
+
+    def _step_for(self, batch: tuple[torch.Tensor, ...]) -> TrainingStep:
+        """``for_batch`` of a batch ``_batch`` has already checked."""
         if not self.traced.branch_points:
             return self
         answers = self.traced.answers_for(batch)
@@ -169,13 +172,12 @@ class TrainingStep:
         if step is None:
             if self._replan is None:
                 raise TraceError(
-                    f"this batch takes another branch at transformers' "
-                    f"{', '.join(dict.fromkeys(p.name for p in self.traced.branch_points))} than the step was traced "
-                    f"for (answers {answers}, the example's {self.traced.branch_answers}), and this step cannot plan "
-                    f"another: call remat.optimize with this batch"
+                    f"this batch takes another branch at transformers' {_checks(self.traced)} than the step was "
+                    f"traced for (answers {answers}, the example's {self.traced.branch_answers}), and this step "
+                    f"cannot plan another: call remat.optimize with this batch"
                 )
             log.info("planning the step for batches whose checks at %s answer %s (the example's: %s)",
-                     ", ".join(p.name for p in self.traced.branch_points), answers, self.traced.branch_answers)
+                     _checks(self.traced), answers, self.traced.branch_answers)
             step = self._replan(answers, batch)
             step._replan, step._branches = self._replan, self._branches
             self._branches[answers] = step
@@ -336,6 +338,11 @@ class TrainingStep:
         replan = _branch_planner(model, loss_fn, report.budget_bytes, report.method, cost_model=CostModel.PROFILE,
                                  allow_native_batch_norm=allow_native_batch_norm)
         return cls(model, traced, plan, planned, report, replan)
+
+
+def _checks(traced: TracedStep) -> str:
+    """The library checks at ``traced``'s branch points, each named once, for messages."""
+    return ", ".join(dict.fromkeys(p.name for p in traced.branch_points))
 
 
 def _saved_branches(path: str | os.PathLike, record: dict) -> tuple[bool, ...] | None:
@@ -549,7 +556,7 @@ def _branch_planner(model: torch.nn.Module, loss_fn: LossFn, budget: int, method
                 budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes, method=exc.method,
                 graph_name=exc.graph_name,
                 detail=f"the program eager runs for this batch, whose checks at "
-                       f"{', '.join(dict.fromkeys(p.name for p in traced.branch_points))} answer {answers}, unlike "
+                       f"{_checks(traced)} answer {answers}, unlike "
                        f"the example's: it needs more memory; call remat.optimize again with the larger budget",
             ) from exc
 

@@ -237,7 +237,7 @@ def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch
     True
     """
     batch = step._batch(batch)
-    step = step.for_batch(*batch)  # (the program eager runs for this batch: see ``TrainingStep.for_batch``)
+    step = step._step_for(batch)  # (the program eager runs for this batch: see ``TrainingStep.for_batch``)
     want = _eager_state(step.model, batch, loss_fn, seed=seed)  # (states only: no peak is read here)
     got = _planned_state(step.model, batch, step.traced, step.planned, seed=seed)
     agreement = _compare_modified(got, want, step.model, batch)
@@ -268,7 +268,7 @@ def check_counted_bytes(step: object, *batch: torch.Tensor, seed: int = 0) -> li
     []
     """
     batch = step._batch(batch)
-    step = step.for_batch(*batch)
+    step = step._step_for(batch)
     traced: TracedStep = step.traced
     model = copy.deepcopy(step.model)
     wrong: list[str] = []
