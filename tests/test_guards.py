@@ -268,3 +268,103 @@ def test_a_counter_outside_the_modules_that_the_step_changes_is_refused_and_put_
         remat.optimize(model, (torch.randn(4, 8), torch.randint(0, 4, (4,))), loss_fn, budget=1.0,
                        method="checkpoint_all", cost_model=None)
     assert _ScaleGrad.calls == 0
+
+
+class _PlainTensorAttributes(nn.Module):
+    """Tensors held as plain attributes (not buffers: not inputs of the step), whose values
+    ``forward`` reads into Python or computes with (a constant to the trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.temperature = torch.tensor(1.0)
+        self.enabled = torch.tensor(True)
+        self.weights = torch.tensor([1.0, math.nan, 0.5])  # (NaN is not equal to itself: still unchanged)
+        self.shift = torch.tensor(4.0)
+
+    def forward(self, x):
+        out = self.a(x) / float(self.temperature)
+        if self.enabled:
+            out = out * self.weights.tolist()[2]
+        return out - self.shift * 0.5 * torch.tensor(0.5)  # (constants: computed before the trace sees them)
+
+
+def test_a_tensor_outside_the_model_and_batch_whose_value_the_step_reads_is_guarded():
+    """``loss * scaler.get_scale()`` reads a GradScaler's scale with ``.item()``: the traced step
+    kept the scale it was traced with while the scaler backed off (gradients scaled twice as
+    much as the scaler unscaled, silently); ``x - self.shift * 0.5``, with ``self.shift`` a
+    tensor attribute, kept the traced value's product. Such tensors are guarded like
+    the Python values a step reads; unchanged, the step runs, and temporaries are not kept."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+    scaler.scale(torch.ones(()))  # (the scale tensor is made on first use)
+
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(x), y) * scaler.get_scale()
+
+    torch.manual_seed(0)
+    model, x, y = _PlainTensorAttributes(), torch.randn(32, 8), torch.randint(0, 4, (32,))
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    watched = [h.label.split(" (")[0] for h, _ in step.traced.module_state.held if "neither the model's" in h.label]
+    assert sorted(watched) == ["loss_fn's closure variable 'scaler'._scale", "model.enabled", "model.shift", "model.temperature",
+                               "model.weights"]
+    for _ in range(2):
+        step(x, y)
+    assert check_step(step, loss_fn, x, y).bitwise
+
+    def changed(what, change, undo):
+        change()
+        with pytest.raises(TraceError, match=what + r".*when the step was traced.*pass a value that changes "
+                                                    r"between steps in the batch, as a tensor"):
+            step(x, y)
+        undo()
+        step(x, y)  # changed back, it runs
+
+    changed(r"loss_fn's closure variable 'scaler'._scale \(shape \(\), neither the model's nor the batch's\), whose value "
+            r"item\(\) read at test_guards.py:\d+ `return F.cross_entropy\(m\(x\), y\) \* scaler.get_scale\(\)`, "
+            r"is now tensor\(5.3687e\+08\) but was tensor\(1.0737e\+09\)",
+            lambda: scaler._scale.fill_(2.0**29), lambda: scaler._scale.fill_(2.0**30))
+    changed(r"model.temperature .*whose value float\(tensor\) read at test_guards.py:\d+ "
+            r"`out = self.a\(x\) / float\(self.temperature\)`",
+            lambda: model.temperature.fill_(2.0), lambda: model.temperature.fill_(1.0))
+    changed(r"model.enabled .*whose value bool\(tensor\) read at test_guards.py:\d+ `if self.enabled:`",
+            lambda: model.enabled.fill_(False), lambda: model.enabled.fill_(True))
+    changed(r"model.weights .*whose value tolist\(\) read", lambda: model.weights[2].fill_(0.25),
+            lambda: model.weights[2].fill_(0.5))
+    changed(r"model.shift .*which the step computes with at test_guards.py:\d+ `return out - self.shift \* 0.5",
+            lambda: model.shift.fill_(9.0), lambda: model.shift.fill_(4.0))
+    assert check_step(step, loss_fn, x, y).bitwise
+
+
+def test_a_tensor_watch_sees_only_its_own_thread_and_its_trace():
+    import threading
+
+    from remat.guards import OutsideReads
+
+    outside, other = torch.tensor(2.0), torch.tensor(3.0)
+    ready, done = threading.Event(), threading.Event()
+
+    def elsewhere():
+        ready.wait()
+        other.item()  # (another thread, while the watch is on)
+        done.set()
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    with OutsideReads() as reads:
+        outside.item()
+        ready.set()
+        done.wait()
+    thread.join()
+    outside.item()
+    assert [t is outside for t, _, _ in reads.found.values()] == [True]
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
+def test_reads_of_tensor_values_are_watched_only_while_tracing_even_when_tracing_fails():
+    def loss_fn(m, x):
+        raise RuntimeError("broken loss")
+
+    with pytest.raises(TraceError, match="broken loss"):
+        remat.optimize(nn.Linear(2, 2), (torch.randn(3, 2),), loss_fn, budget=1.0, method="checkpoint_all",
+                       cost_model=None)
+    assert torch.overrides._get_current_function_mode_stack() == []

@@ -69,6 +69,55 @@ def test_ten_optimizer_steps_match_eager_exactly(name, batch_size, make_opt):
         assert torch.equal(b, c), k
 
 
+def test_loss_scaling_with_a_grad_scaler_matches_eager_exactly_through_overflows_and_growth():
+    """The README's recipe for float16 training: the scale goes in as a batch tensor, so the
+    step's backward starts from it as ``scaler.scale(loss).backward()`` does, whatever it is at
+    each step. Skipped steps (gradients overflowing float16) and growth included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+    x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
+
+    def loss_fn(m, x, y, scale):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+        return loss * scale
+
+    one = torch.ones(())
+    eager_model, planned_model = copy.deepcopy(model), copy.deepcopy(model)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=2) for _ in range(2)]
+    step = optimize(planned_model, (x, y, scalers[1].scale(one)), loss_fn, "80%", method=METHOD,
+                    cost_model=CostModel.ESTIMATE)
+    assert step.report.recomputed_nodes > 0
+
+    def eager_step(m, scaler):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+        scaled = scaler.scale(loss)
+        scaled.backward()
+        return scaled.detach()
+
+    runs = []
+    for m, scaler, call in [(eager_model, scalers[0], eager_step),
+                            (planned_model, scalers[1], lambda m, s: step(x, y, s.scale(one)))]:
+        opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        losses, scales = [], []
+        for _ in range(12):
+            opt.zero_grad()
+            losses.append(call(m, scaler))
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append((losses, scales))
+    (want, scales), (got, got_scales) = runs
+    assert got_scales == scales
+    assert min(scales) < 2.0**30 and any(b > a for a, b in zip(scales, scales[1:]))  # backed off, then grew
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (k, p), q in zip(eager_model.named_parameters(), planned_model.parameters()):
+        assert torch.equal(p, q), k
+
+
 def test_gradients_accumulate_like_backward_and_follow_the_layout_contract():
     w = workload("mlp", 256)
     eager_model, planned_model = copy.deepcopy(w.model), copy.deepcopy(w.model)
@@ -79,6 +128,34 @@ def test_gradients_accumulate_like_backward_and_follow_the_layout_contract():
     for p, q in zip(eager_model.parameters(), planned_model.parameters()):
         assert torch.equal(p.grad, q.grad)
         assert q.grad.stride() == q.stride()
+
+
+_LINEAR = torch.nn.Linear(16, 4)
+_LOSS = lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)  # noqa: E731
+_XY = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+
+
+@pytest.mark.parametrize("args, message", [
+    ((lambda x: _LINEAR(x), _XY, _LOSS), r"the model is a function, not a torch.nn.Module; pass the module itself .*in "
+                                         r"the order remat.optimize\(model, example_batch, loss_fn, budget=...\)"),
+    ((_LINEAR.state_dict(), _XY, _LOSS), r"the model is an OrderedDict, not a torch.nn.Module; .*a state_dict: load it "
+                                         r"into its module first"),
+    ((_LOSS, _XY, _LINEAR), r"the model is a function, not a torch.nn.Module \(model and loss_fn swapped\?\)"),
+    ((_LINEAR, _XY, "cross_entropy"), r"loss_fn is a str, not a function; pass a function loss_fn\(model, \*batch\)"),
+    ((_LINEAR, {"x": _XY[0], "y": _XY[1]}, _LOSS), r"the batch is a dict \(keys 'x', 'y'\), not a tensor or a tuple "
+                                                   r"of tensors; pass its tensors as a tuple in the order loss_fn "
+                                                   r"takes them"),
+    ((_LINEAR, None, _LOSS), r"the batch is None; pass one example batch: a tensor, or a tuple or list of tensors"),
+    ((torch.jit.script(torch.nn.Sequential(torch.nn.Linear(16, 4))), _XY, _LOSS),
+     r"the model is a TorchScript module \(RecursiveScriptModule, from torch.jit.script or torch.jit.trace\), whose "
+     r"Python forward remat cannot trace; pass the nn.Module it was made from"),
+], ids=["function", "state_dict", "swapped", "loss-not-callable", "dict-batch", "no-batch", "torchscript"])
+def test_arguments_of_the_wrong_kind_are_refused_naming_them(args, message, tmp_path):
+    with pytest.raises(TraceError, match=message):
+        optimize(*args, budget=1.0, method="checkpoint_all", cost_model=None)
+    if isinstance(args[1], tuple):  # (loading a plan checks the model and loss_fn first, the same way)
+        with pytest.raises(TraceError, match=message):
+            TrainingStep.load(tmp_path / "plan.json", args[0], args[1], args[2])
 
 
 def test_report_describes_the_plan():

@@ -4,6 +4,7 @@ ones as written, slow ones with --help)."""
 
 from __future__ import annotations
 
+import copy
 import re
 import shlex
 import shutil
@@ -56,7 +57,7 @@ def command_lines() -> list[str]:
 
 
 def test_the_readme_has_what_these_tests_check():
-    assert len(blocks("python")) == 4
+    assert len(blocks("python")) == 5
     assert "remat methods" in command_lines() and "make demo" in command_lines()
 
 
@@ -80,7 +81,8 @@ def stand_ins(tmp_path, monkeypatch):
 def test_python_snippets_run_as_written(stand_ins, capsys):
     from remat.backend import RematFallbackWarning
 
-    (line1, optimize_snippet), (line2, backend_snippet), (line3, graph_snippet), _ = blocks("python")
+    (line1, optimize_snippet), (line4, scaler_snippet), (line2, backend_snippet), (line3, graph_snippet), _ = \
+        blocks("python")
     namespace = stand_ins
     model = namespace["model"]
     before = [p.detach().clone() for p in model.parameters()]
@@ -92,6 +94,14 @@ def test_python_snippets_run_as_written(stand_ins, capsys):
     assert all(not p.equal(q) for p, q in zip(model.parameters(), before))  # it trained
 
     import torch
+
+    # the GradScaler recipe, on this machine's CPU (CPU autocast runs float16 too)
+    assert scaler_snippet.count('"cuda"') == 3
+    scaler_namespace = {**namespace, "model": copy.deepcopy(model)}
+    scaler_namespace["optimizer"] = torch.optim.SGD(scaler_namespace["model"].parameters(), lr=0.1)
+    exec(compile(scaler_snippet.replace('"cuda"', '"cpu"'), f"README.md:{line4}", "exec"), scaler_namespace)
+    assert scaler_namespace["step"].report.predicted_peak_bytes <= scaler_namespace["step"].report.budget_bytes
+    assert scaler_namespace["scaler"].get_scale() > 0 and scaler_namespace["scaled_loss"].item() > 0
 
     # a reader's process compiles from scratch: a test that compiled an nn.Sequential with
     # another batch size in this process made dynamo compile this one with symbolic shapes

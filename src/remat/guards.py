@@ -15,7 +15,11 @@ parameter, ``requires_grad``; per parameter and buffer, its shape, dtype, device
 gradients a rounding apart, and one of another shape failed deep in a kernel). Recorded beside
 them: ``held_values``, the scalars the step may read from outside module attributes (a config
 object's fields, a global schedule dict ``loss_fn`` names). Tensors' values are inputs of the
-step, not recorded here.
+step, not recorded here, with one exception: a tensor neither the model's nor the batch's
+whose value the step's Python reads (``loss * scaler.get_scale()``, which reads a GradScaler's
+scale with ``.item()``) left the number read built into the step (the scaler halved its scale
+after an overflow, the step went on scaling by the old one, silently). ``OutsideReads`` records
+such reads while the step is traced, and the tensor is checked like a held value.
 
 The step's own Python can change that state too, which a traced step never does: a forward
 counting its calls (``self.calls += 1``, a warm-up scale read from it) kept the value of the
@@ -32,15 +36,18 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import random
+import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from remat.errors import TraceError
 
@@ -58,6 +65,10 @@ def _recordable(value: object) -> bool:
 def _same(a: object, b: object) -> bool:
     if a is b:
         return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):  # (``OutsideReads``: NaN equals NaN)
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(
+            torch.eq(a, b).logical_or_(a.isnan().logical_and_(b.isnan()) if a.is_floating_point() or a.is_complex()
+                                       else torch.zeros_like(a, dtype=torch.bool)).all())
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b
@@ -227,8 +238,10 @@ def _where(name: str, module: torch.nn.Module | None) -> str:
     return f"module {name!r} ({kind})" if name else f"the model ({kind})"
 
 
-def module_state(model: torch.nn.Module, loss_fn: object = None) -> ModuleState:
-    """``model``'s (and ``loss_fn``'s) Python state as a traced step relies on it (see the module)."""
+def module_state(model: torch.nn.Module, loss_fn: object = None,
+                 reads: Sequence[tuple[HeldValue, object]] = ()) -> ModuleState:
+    """``model``'s (and ``loss_fn``'s) Python state as a traced step relies on it (see the module);
+    ``reads``: ``OutsideReads.held()`` of its trace."""
     attributes, hooks = [], []
     for name, module in model.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
@@ -240,7 +253,115 @@ def module_state(model: torch.nn.Module, loss_fn: object = None) -> ModuleState:
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
                     for key, t in named)
     return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state(),
-                       tuple(held_values(model, loss_fn)))
+                       tuple(held_values(model, loss_fn)) + tuple(reads))
+
+
+# ---------------------------------------------------------------------------- tensors read outside the trace
+#: the ``torch.Tensor`` methods that hand a tensor's values to Python
+_VALUE_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__index__", "__bool__", "__complex__")
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_REMAT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class OutsideReads(TorchFunctionMode):
+    """While in use (around tracing a step), records the plain tensors (not the trace's: neither
+    the model's parameters and buffers nor the batch) that the step's Python reads the values of
+    (``.item()``, ``float(t)``, ``.tolist()``, ``bool(t)``...), such as a ``GradScaler``'s scale
+    read by ``scaler.get_scale()``, and those it computes with (``x / (self.scale * 2)`` with
+    ``self.scale`` a tensor attribute, not a buffer: ``self.scale * 2`` is a constant to the trace). What the step
+    got from them is built into the traced step; ``held`` gives them as ``HeldValue`` entries
+    with their values now, so ``ModuleState.check`` refuses a step once they change. A tensor
+    computed with counts only when the model or ``loss_fn`` holds it (``outside_tensors``;
+    temporaries such as ``torch.tensor(2.0)`` in ``forward`` never change). Reads by remat's own
+    code (and torch's on its behalf) are not the step's and are left out. A torch function
+    mode: it sees every torch call of its thread, before dispatch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: dict[int, tuple[torch.Tensor, str, str]] = {}
+
+    def __torch_function__(self, func: Callable, types: object, args: Sequence[object] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
+        kwargs = kwargs or {}
+        how = getattr(func, "__name__", None)
+        how = how if how in _VALUE_READS else "used"
+        for arg in (*args, *kwargs.values()):
+            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if type(t) in (torch.Tensor, torch.nn.Parameter):
+                    self._saw(t, how, sys._getframe(1))
+        return func(*args, **kwargs)
+
+    def clear(self) -> None:
+        self.found.clear()
+
+    def _saw(self, t: torch.Tensor, how: str, frame: types.FrameType | None) -> None:
+        if id(t) not in self.found or (how != "used" and self.found[id(t)][1] == "used"):
+            where = _reader(frame)
+            if where is not None:
+                self.found[id(t)] = (t, how, where)
+
+    def held(self, model: torch.nn.Module, loss_fn: object = None) -> list[tuple[HeldValue, object]]:
+        """Each tensor recorded (those computed with only where ``outside_tensors`` finds them),
+        as a ``HeldValue`` (its values now: a tensor), with a copy of its values."""
+        named = outside_tensors(model, loss_fn)
+        out = []
+        for t, how, where in self.found.values():
+            if how == "used" and id(t) not in named:
+                continue
+            what = named.get(id(t), "the tensor") + f" (shape {tuple(t.shape)}, neither the model's nor the batch's)"
+            if how == "used":
+                label = f"{what}, which the step computes with at {where},"
+            else:
+                call = f"{how}()" if not how.startswith("__") else f"{how.strip('_')}(tensor)"
+                label = f"{what}, whose value {call} read at {where},"
+            out.append((HeldValue(label, lambda m, t=t: t.detach(), lambda m, v: None), t.detach().clone()))
+        return out
+
+
+def outside_tensors(model: torch.nn.Module, loss_fn: object = None) -> dict[int, str]:
+    """id -> description of the tensors the model and ``loss_fn`` hold outside the step's inputs:
+    modules' tensor attributes that are not parameters or buffers, and the tensors the globals
+    and closure variables of ``loss_fn`` and of the user's modules' ``forward`` name, directly or
+    as a field of an object, a dict or a namespace they name (private fields included: a
+    ``GradScaler``'s ``_scale``)."""
+    found: dict[int, str] = {}
+
+    def look(label: str, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), label)
+        elif isinstance(value, dict):
+            for k, v in list(value.items())[:256]:
+                if isinstance(v, torch.Tensor):
+                    found.setdefault(id(v), f"{label}[{k!r}]")
+        elif _is_holder(value) or isinstance(value, torch.nn.Module) and all(value is not m for m in model.modules()):
+            for k, v in list(vars(value).items())[:256]:
+                if isinstance(v, torch.Tensor):
+                    found.setdefault(id(v), f"{label}.{k}")
+
+    modules = list(model.named_modules())
+    for name, module in modules:
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                found.setdefault(id(value), f"model.{name}.{key}" if name else f"model.{key}")
+    functions = [("loss_fn", loss_fn)] if loss_fn is not None else []
+    functions += [(f"{cls.__qualname__}.forward", cls.forward)
+                  for cls in sorted({type(m) for _, m in modules}, key=lambda c: c.__qualname__) if _user_class(cls)]
+    for what, fn in functions:
+        for kind, name, value, _read, _write in function_names(fn):
+            look(f"{what}'s {kind} {name!r}", value)
+    return found
+
+
+def _reader(frame: types.FrameType | None) -> str | None:
+    """The line that read a tensor's values, as a message shows it: the innermost frame outside
+    torch; None where that is remat's own code."""
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR):
+        frame = frame.f_back
+    if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_REMAT_DIR):
+        return None
+    from remat.trace_errors import _line_shown
+
+    return _line_shown(frame.f_code.co_filename, frame.f_lineno)
 
 
 # ---------------------------------------------------------------------------- values held outside modules

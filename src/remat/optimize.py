@@ -52,7 +52,7 @@ from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
 from remat.solvers import SolveStatus
 from remat.solvers.base import relative_gap
-from remat.trace import LossFn, TracedStep, batch_index, trace
+from remat.trace import LossFn, TracedStep, batch_index, check_arguments, trace
 from remat.units import BudgetError, check_budget, format_bytes, parse_budget
 
 log = logging.getLogger("remat")
@@ -258,6 +258,7 @@ class TrainingStep:
         """Rebuild a saved step without solving. Raises ``StalePlanError`` if the model's
         traced graph (or the requested budget) differs from the file's, ``PlanFileError`` if
         the file is missing or malformed. ``allow_native_batch_norm``: as in ``optimize``."""
+        check_arguments(model, loss_fn)
         refuse_wrapped(model, "TrainingStep.load()")
         budget_bytes = _saved_budget(budget_bytes)
         record = _read_plan(path)
@@ -507,6 +508,7 @@ def optimize(
     native kernels (as ``torch.compile`` does), which round differently, and is refused unless
     this is True.
     """
+    check_arguments(model, loss_fn)
     budget = _budget_argument(budget, budget_bytes, solver_options)
     check_method(method, solver_options)  # (before tracing, which can take minutes)
     refuse_wrapped(model)

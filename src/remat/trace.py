@@ -31,7 +31,7 @@ import functools
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -58,7 +58,7 @@ from remat.errors import TraceError, a_type
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
-from remat.guards import ModelView, ModuleState, PythonState, module_state
+from remat.guards import ModelView, ModuleState, OutsideReads, PythonState, module_state
 from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RngWatch, RnnWatch, check_default_generator,
                                 _describe_module, check_dense, explain_trace_failure,
                                 warn_of_stored_trace_tensors)
@@ -218,9 +218,9 @@ class TracedStep:
         (detached, sharing storage, so buffer updates land in the model), the batch, the
         constants. ``view``: the model's tensors by name, when the caller has read them."""
         batch = _as_batch(batch)
-        check_batch(self.batch_spec, batch)
         view = view if view is not None else ModelView(model)
-        self.module_state.check(model, view)
+        self.module_state.check(model, view)  # (first: a model converted, model.double(), is named as such)
+        check_batch(self.batch_spec, batch)
         sources = (view.parameters, view.buffers, batch)
         constants = iter(self.constants)
         flat = [next(constants) if source is None else sources[source][key].detach() for source, key in self._input_sources]
@@ -370,6 +370,7 @@ def trace(
             "autograd, and a training step computes gradients; call remat.optimize (or trace) outside "
             "inference_mode"
         )
+    check_arguments(model, loss_fn)
     with older_objects_frozen(), torch.enable_grad():  # (tracing makes many short-lived objects too)
         return _trace(model, example_inputs, loss_fn, cost_model, name, replay_rng, scratch, allow_native_batch_norm,
                       branches)
@@ -406,7 +407,8 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     before = PythonState.of(model, loss_fn)
     real_batch = None if on_meta else tuple(t.detach() for t in batch)
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng, \
-            recording_branches(real_batch, len(params) + len(buffers), branches) as branch_points:
+            recording_branches(real_batch, len(params) + len(buffers), branches) as branch_points, \
+            OutsideReads() as reads:
         try:
             gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name,
                                    stashed)
@@ -418,6 +420,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
             kinds_by_name.clear()
             stashed.clear()
             branch_points.clear()
+            reads.clear()
             return _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes,
                                      kinds_by_name, stashed)
 
@@ -459,7 +462,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
         storage_owners=owners,
         random_nodes=random_nodes,
         batch_spec=tuple(TensorSpec.of(t) for t in batch),
-        module_state=module_state(model, loss_fn),
+        module_state=module_state(model, loss_fn, reads.held(model, loss_fn)),
         branch_points=branch_points,
     )
     if cost_model is not None:
@@ -491,7 +494,41 @@ def batch_index(key: str) -> int:
     return int(key[len("batch[") : -1])
 
 
+def check_arguments(model: object, loss_fn: object) -> None:
+    """Refuse (``TraceError``) a model that is not an ``nn.Module`` remat can trace, or a
+    ``loss_fn`` that is not callable, before anything else reads them."""
+    order = "remat.optimize(model, example_batch, loss_fn, budget=...)"
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TraceError(
+            f"the model is a TorchScript module ({type(model).__name__}, from torch.jit.script or torch.jit.trace), "
+            f"whose Python forward remat cannot trace; pass the nn.Module it was made from"
+        )
+    if not isinstance(model, torch.nn.Module):
+        swapped = " (model and loss_fn swapped?)" if isinstance(loss_fn, torch.nn.Module) else ""
+        raise TraceError(
+            f"the model is {a_type(model)}, not a torch.nn.Module{swapped}; pass the module itself (a state_dict: "
+            f"load it into its module first), in the order {order}"
+        )
+    if not callable(loss_fn):
+        raise TraceError(
+            f"loss_fn is {a_type(loss_fn)}, not a function; pass a function loss_fn(model, *batch) that returns the "
+            f"scalar loss, in the order {order}"
+        )
+
+
 def _as_batch(example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    if isinstance(example_inputs, Mapping):
+        keys = ", ".join(repr(k) for k in list(example_inputs)[:4])
+        raise TraceError(
+            f"the batch is {a_type(example_inputs)} (keys {keys}), not a tensor or a tuple of tensors; pass its "
+            f"tensors as a tuple in the order loss_fn takes them (batch = (b['input_ids'], b['labels']) with "
+            f"loss_fn(model, input_ids, labels)), and the same to step()"
+        )
+    if not isinstance(example_inputs, (torch.Tensor, tuple, list)):
+        raise TraceError(
+            f"the batch is {'None' if example_inputs is None else a_type(example_inputs)}; pass one example batch: a tensor, or a tuple or list of tensors "
+            f"(as a DataLoader yields them)"
+        )
     batch = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):
