@@ -225,6 +225,49 @@ UPSAMPLE_OPS = tuple(
     for overload in ("default", "vec")
 )
 
+#: Their backward ops, and the other ops whose kernels copy a non-contiguous operand first.
+CONTIGUOUS_OPS = tuple(
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name in ("upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward",
+                 "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d_backward",
+                 "_upsample_nearest_exact3d_backward", "upsample_linear1d_backward", "upsample_bilinear2d_backward",
+                 "upsample_bicubic2d_backward", "upsample_trilinear3d_backward", "_upsample_bilinear2d_aa_backward",
+                 "_upsample_bicubic2d_aa_backward", "col2im", "_fft_r2c", "_fft_c2r", "_fft_c2c")
+    for overload in ("default", "vec") if hasattr(getattr(torch.ops.aten, name), overload)
+)
+
+#: The elementwise losses whose kernels compute the unreduced loss before reducing it.
+REDUCED_LOSS_OPS = (torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
+                    torch.ops.aten.huber_loss.default)
+
+
+def _reduced_loss(args: list) -> int:
+    reduction = args[2] if len(args) > 2 else 1  # (0: none, 1: mean, 2: sum)
+    return 0 if reduction == 0 else _nbytes(args[0])
+
+
+def _multinomial(args: list, out: torch.Tensor) -> int:
+    probs, replacement = args[0], len(args) > 2 and bool(args[2])
+    rows = probs.shape[0] if probs.dim() > 1 else 1
+    return 64 * rows + 256 if replacement else _nbytes(probs) + _nbytes(out)
+
+
+def _promoted_copies(args: list, out: object) -> int:
+    """A pointwise op given operands of several dtypes (``x * mask`` with a bool mask, a float
+    compared with an int64 tensor) copies each operand whose dtype is not the promoted one into
+    that dtype first (``where``'s condition aside)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if len({t.dtype for t in tensors}) < 2:
+        return 0
+    if len(tensors) == 3 and tensors[0] is args[0] and tensors[0].dtype == torch.bool:  # where(condition, a, b)
+        tensors = tensors[1:]
+    if len(tensors) != 2:
+        return 0
+    common = torch.result_type(*tensors)  # (a 0-dim operand of the same kind promotes nothing)
+    size = torch.empty((), dtype=common, device="meta").element_size()
+    return sum(t.numel() * size for t in tensors if t.dtype != common)
+
+
 #: Scratch bytes of an op on CPU, from its argument and output fake tensors. Each rule is what
 #: torch 2.13's CPU kernel was measured to allocate (``measure``) on BERT, GPT-2, ConvNext,
 #: ResNet-50, MobileNet and small CNNs, exact to a few bytes unless noted:
@@ -247,12 +290,28 @@ UPSAMPLE_OPS = tuple(
 #: - upsampling (nearest, linear, cubic): the kernel may run on channels-last copies of its input
 #:   and output (small images: on ``(1, 512, 26, 38)`` it allocated both, 5x the input; on
 #:   ``(1, 512, 52, 76)`` nothing), so the rule is the cover, input and output; the backward
-#:   allocated nothing.
+#:   allocated nothing given a contiguous gradient (``CONTIGUOUS_OPS`` below).
 #: - ``embedding``: a contiguous copy of non-contiguous indices (an expanded ``token_type_ids``);
 #:   its backward sorts the indices as int64.
+#: - ``CONTIGUOUS_OPS`` (the upsampling backwards, ``col2im``, the FFTs): a contiguous copy of
+#:   a non-contiguous operand, such as the gradient of a transposed output (``F.unfold``
+#:   feeding a ``Linear``: 4.7 MB for ``col2im``) or of a sum (an expanded tensor); given
+#:   contiguous operands they allocated nothing. (The FFTs copied an expanded gradient but
+#:   read a transposed one in place: the rule counts both.)
+#: - ``im2col``: the size of its input (twice that for a non-contiguous one); the antialiased upsamplings: about half their input
+#:   plus their weights (the rule: the input).
+#: - ``mse_loss``, ``smooth_l1_loss``, ``huber_loss`` reduced: the unreduced loss, the size of
+#:   the input.
+#: - ``affine_grid_generator``: its base grid, 1.5 times its output.
+#: - ``multinomial``: without replacement, up to a copy of the probabilities (on 32-320
+#:   categories; on 32, 128 bytes in all; the rule: the probabilities and the output); with
+#:   it, up to 40 bytes per row and 256 (the rule: 64 per row and 256).
 #:
-#: Every other op: 0 (elementwise ops, matmuls, reductions and views measured nothing but the
-#: 8-16 bytes of a wrapped Python scalar).
+#: - pointwise ops given operands of several dtypes (``_promoted_copies``): a copy of each operand
+#:   not of the promoted dtype, in that dtype (``x * mask``, a bool mask: the mask as floats).
+#:
+#: Every other op: 0 (elementwise ops of one dtype, matmuls, reductions and views measured
+#: nothing but the 8-16 bytes of a wrapped Python scalar).
 SCRATCH_RULES: dict[object, Callable[[list, object], int]] = {
     torch.ops.aten.native_dropout.default: lambda a, out: _dropout(a),
     torch.ops.aten.native_dropout_backward.default: lambda a, out: _nbytes(a[0]),
@@ -270,6 +329,13 @@ SCRATCH_RULES: dict[object, Callable[[list, object], int]] = {
     torch.ops.aten.embedding.default: lambda a, out: _noncontiguous_bytes(a[1]),
     **{op: (lambda a, out: _nbytes(a[0]) + _nbytes(out)) for op in UPSAMPLE_OPS},
     torch.ops.aten.embedding_dense_backward.default: lambda a, out: _embedding_backward(a),
+    **{op: (lambda a, out: _noncontiguous_bytes(*a)) for op in CONTIGUOUS_OPS},
+    torch.ops.aten.im2col.default: lambda a, out: _nbytes(a[0]) + _noncontiguous_bytes(a[0]),
+    torch.ops.aten._upsample_bilinear2d_aa.default: lambda a, out: _nbytes(a[0]),
+    torch.ops.aten._upsample_bicubic2d_aa.default: lambda a, out: _nbytes(a[0]),
+    **{op: (lambda a, out: _reduced_loss(a)) for op in REDUCED_LOSS_OPS},
+    torch.ops.aten.affine_grid_generator.default: lambda a, out: 3 * _nbytes(out) // 2,
+    torch.ops.aten.multinomial.default: lambda a, out: _multinomial(a, out),
 }
 
 
@@ -289,6 +355,8 @@ def estimate(gm: fx.GraphModule, *, skip: Iterable[str] = ()) -> dict[str, int]:
         if n.op != "call_function":
             continue
         rule = SCRATCH_RULES.get(n.target)
+        if rule is None and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags:
+            rule = _promoted_copies
         out = n.meta.get("val")
         devices = {t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
         if n.name in skipped or rule is None or devices != {"cpu"}:
