@@ -171,3 +171,28 @@ def _nudged(result, name):
     state, memory = result
     state.grads[name] = torch.nextafter(state.grads[name], torch.full_like(state.grads[name], -math.inf))
     return state, memory
+
+
+def test_check_step_copies_a_model_holding_a_computed_weight_and_leaves_it_as_it_was():
+    """The legacy ``torch.nn.utils.weight_norm`` keeps the weight it computes before each forward
+    as a plain attribute with a ``grad_fn``, which ``copy.deepcopy`` refuses (PyTorch's raw
+    error came out of ``check_step``); the copies get it detached and recompute it."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    import remat
+    from remat.verify import check_step
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (deprecated in favour of parametrizations.weight_norm)
+        model = torch.nn.Sequential(torch.nn.utils.weight_norm(torch.nn.Linear(16, 32)), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 4))
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    weight = model[0].weight
+    result = check_step(step, loss_fn, x, y)
+    assert result.bitwise, result.mismatches
+    assert model[0].weight is weight and weight.grad_fn is not None

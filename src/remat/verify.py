@@ -89,12 +89,28 @@ def _eager_state(model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn:
 _Run = TypeVar("_Run")
 
 
+def copied_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(model)``, also of a model whose modules hold a tensor computed with
+    autograd as a plain attribute, which ``deepcopy`` refuses: the weight that the legacy
+    ``torch.nn.utils.weight_norm`` computes before each forward from its parameters (so the
+    copy's is recomputed too). Such attributes are copied detached."""
+    computed = [(module, key, value) for module in model.modules() for key, value in vars(module).items()
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+    try:
+        for module, key, value in computed:
+            module.__dict__[key] = value.detach()
+        return copy.deepcopy(model)
+    finally:
+        for module, key, value in computed:
+            module.__dict__[key] = value
+
+
 def _eager(model: torch.nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor], seed: int,
            run: Callable[[Callable[[], None], int], _Run]) -> tuple[StepState, _Run]:
     """One plain PyTorch step on a copy of ``model``, called through ``run(step, resident)``
     (``resident``: the bytes of the copy's parameters and buffers and of the batch), and
     ``run``'s result."""
-    model = copy.deepcopy(model)
+    model = copied_model(model)
     batch = _copied(batch)
     resident = resident_bytes_of(list(model.parameters()), list(model.buffers()), batch)
     versions = {k: p._version for k, p in model.named_parameters()}
@@ -138,7 +154,7 @@ def _planned(model: torch.nn.Module, batch: Sequence[torch.Tensor], traced: Trac
     """One planned step on a fresh copy of ``model`` and of ``batch``, called through
     ``run(step, flat_inputs)``, and ``run``'s result. The step's updates are applied as
     ``TrainingStep`` applies them (to buffers, parameters and batch tensors)."""
-    model = copy.deepcopy(model)
+    model = copied_model(model)
     batch = _copied(batch)
     flat = traced.flat_inputs(model, batch)
     targets = traced.update_targets(model, batch)
@@ -270,7 +286,7 @@ def check_counted_bytes(step: object, *batch: torch.Tensor, seed: int = 0) -> li
     batch = step._batch(batch)
     step = step._step_for(batch)
     traced: TracedStep = step.traced
-    model = copy.deepcopy(step.model)
+    model = copied_model(step.model)
     wrong: list[str] = []
 
     def observe(node: int, out: object) -> None:
