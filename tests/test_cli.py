@@ -264,6 +264,15 @@ def test_a_model_spec_that_is_not_a_factory_is_bad_usage(capsys):
     assert "Traceback" not in err
 
 
+def test_a_model_factory_that_fails_is_named_with_the_line_that_raised(capsys, tmp_path, monkeypatch):
+    (tmp_path / "failing_factory.py").write_text("def make(batch_size):\n    raise RuntimeError('no data here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run(capsys, "solve", "--model", "failing_factory:make", "--budget", "50%", "--costs", "estimate")
+    assert code == 2 and ("--model 'failing_factory:make': calling it with the batch size failed at "
+                          "failing_factory.py:2 (RuntimeError: no data here)") in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 def test_out_and_plot_paths_are_checked_before_any_work(capsys, tmp_path):
     code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path / "r.png"))
     assert code == 2 and "must end in .json" in err and not (tmp_path / "r.png").exists()

@@ -84,8 +84,22 @@ def _workload(args: argparse.Namespace, *, meta: bool = False):
     except Exception as exc:  # noqa: BLE001 - a user's factory failed: say which and how it should look
         if ":" not in args.model:
             raise
-        raise UsageError(f"--model {args.model!r}: calling it with the batch size failed ({type(exc).__name__}: "
+        where = _user_line(exc)
+        raise UsageError(f"--model {args.model!r}: calling it with the batch size failed{where} ({type(exc).__name__}: "
                          f"{exc}); a model spec names `def make(batch_size: int) -> remat.models.Workload`") from None
+
+
+def _user_line(exc: BaseException) -> str:
+    """`` at file.py:12`` of the innermost frame of ``exc``'s traceback outside remat and the
+    libraries installed beside it (the user's code), or ``""``."""
+    import os
+    import sysconfig
+    import traceback
+
+    skip = (os.path.dirname(os.path.abspath(__file__)), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"])
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<frozen") and not os.path.abspath(f.filename).startswith(skip)]
+    return f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
 
 
 def _on_meta(args: argparse.Namespace) -> bool:
