@@ -2,8 +2,8 @@
 
 The training loop is ordinary PyTorch: ``loss.backward()`` and ``torch.optim.AdamW``. The only
 change is the backend: ``torch.compile(model, backend=remat.backend(budget=0.6))`` plans the
-forward and backward graphs to fit 60% of the step's unoptimized peak memory, recomputing what
-it cannot keep (dropout masks included: recomputations replay the same random numbers).
+forward and backward graphs to fit 60% of the step's eager peak memory, recomputing what it
+cannot keep (dropout masks included: recomputations replay the same random numbers).
 
     python examples/train_loop.py                    # GPT-2, 2 layers, remat at 60%
     python examples/train_loop.py --model mlp --method milp --budget 0.9
@@ -88,16 +88,19 @@ def sequence_length(text: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     # (remat's parser: a usage error is one line and exit code 2)
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2")
+    parser.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2", help="the model (default: gpt2)")
     parser.add_argument("--budget", type=arg_type(budget), default="0.6",
-                        help="bytes (1500000, 2GiB), a fraction (0.6) or a percentage (60%%) of the eager peak")
+                        help="bytes (1500000, 2GiB), a fraction (0.6) or a percentage (60%%) of the eager peak "
+                             "(default: 0.6)")
     parser.add_argument("--method", type=arg_type(method), default="chen_greedy",
-                        help="remat method: milp (small graphs), chen_greedy, ... (see `remat methods`)")
-    parser.add_argument("--steps", type=arg_type(positive_int), default=5)
-    parser.add_argument("--batch", type=arg_type(positive_int), default=4)
-    parser.add_argument("--seq", type=arg_type(sequence_length), default=64)
+                        help="remat method (default: chen_greedy, quick; milp plans best, in seconds here; see "
+                             "`remat methods`)")
+    parser.add_argument("--steps", type=arg_type(positive_int), default=5, help="training steps (default: 5)")
+    parser.add_argument("--batch", type=arg_type(positive_int), default=4, help="batch size (default: 4)")
+    parser.add_argument("--seq", type=arg_type(sequence_length), default=64,
+                        help="sequence length of the GPT-2's batches (default: 64)")
     parser.add_argument("--threads", type=arg_type(positive_int), default=1,
-                        help="intra-op threads (1: steady on a busy machine)")
+                        help="intra-op threads (default: 1, steady on a busy machine)")
     parser.add_argument("--check", action="store_true", help="compare the first step's gradients with eager PyTorch")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")

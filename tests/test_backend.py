@@ -230,10 +230,14 @@ def test_a_fallback_for_a_graph_that_modifies_an_input_recomputes_nothing():
         return {k: p.grad for k, p in model.named_parameters()}
 
     want = grads(None)
-    with pytest.warns(rb.RematFallbackWarning, match="default partitioner, which recomputes nothing"):
-        got = grads(make_backend(10))  # (no plan fits 10 bytes)
+    be = make_backend(10)  # (no plan fits 10 bytes)
+    with pytest.warns(rb.RematFallbackWarning, match="default partitioner, which recomputes nothing") as caught:
+        got = grads(be)
     for k, g in want.items():
         assert torch.equal(got[k], g), k
+    # the report says which partitioner, as the warning does, and the warning points at the user's line
+    assert str(be.reports[0]).startswith("graph0: PyTorch's default partitioner (no recomputation) (budget")
+    assert {w.filename for w in caught if issubclass(w.category, rb.RematFallbackWarning)} == {__file__}
 
 
 def test_loss_outside_the_compiled_region():
@@ -462,6 +466,27 @@ def test_a_corrupt_cache_file_is_solved_again(tmp_path, caplog):
         run_step(w.model, w.batch, w.loss_fn, again)
     assert not again.reports[0].from_cache
     assert "does not replay" in caplog.text
+
+
+def test_a_cache_folder_that_cannot_be_one_plans_and_says_so_once_leaving_no_files(tmp_path, caplog):
+    """A cache folder under a file: the plan is made and used; the only message is that the
+    cache could not be written (not that a cached plan was discarded), and no temporary file is
+    left behind where a write failed."""
+    w = get_workload("mlp", 64)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    be = make_backend(1.0, method="chen_greedy", cache_dir=blocker / "plans")
+    with caplog.at_level(logging.WARNING, logger="remat.backend"):
+        run_step(w.model, w.batch, w.loss_fn, be)
+    no_fallback(be)
+    assert "could not write the plan cache under" in caplog.text and "discarding" not in caplog.text
+    target = tmp_path / "plans"
+    target.mkdir()
+    key = "0" * 64
+    (target / f"{key}.json").mkdir()  # (the rename onto it fails)
+    with caplog.at_level(logging.WARNING, logger="remat.backend"):
+        backend_cache.store(key, {"method": "chen_greedy"}, target)
+    assert sorted(p.name for p in target.iterdir()) == [f"{key}.json"]
 
 
 @pytest.mark.parametrize(

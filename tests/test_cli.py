@@ -264,6 +264,11 @@ def test_a_model_spec_that_is_not_a_factory_is_bad_usage(capsys):
     assert "Traceback" not in err
 
 
+def test_an_out_path_that_is_a_folder_is_told_to_name_a_file_in_it(capsys, tmp_path):
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path))
+    assert code == 2 and f"e.g. --out {tmp_path / 'results.json'}" in err, err
+
+
 def test_a_model_factory_that_fails_is_named_with_the_line_that_raised(capsys, tmp_path, monkeypatch):
     (tmp_path / "failing_factory.py").write_text("def make(batch_size):\n    raise RuntimeError('no data here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -302,6 +302,16 @@ def test_saved_plan_reloads_without_solving(saved, monkeypatch):
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(eager.parameters(), model.parameters()))
 
 
+def test_saving_to_a_folder_or_into_a_missing_one_is_refused_and_leaves_nothing(saved, tmp_path):
+    _, step, _ = saved
+    with pytest.raises(PlanFileError, match=r"cannot save the plan to .*: it is a folder, not a file; pass a file path "
+                                            r"such as .*plan.json"):
+        step.save(tmp_path)
+    with pytest.raises(PlanFileError, match=r"folder .*missing' does not exist; create it"):
+        step.save(tmp_path / "missing" / "plan.json")
+    assert list(tmp_path.iterdir()) == [] and list(tmp_path.parent.glob(f".{tmp_path.name}.*.tmp")) == []
+
+
 def test_stale_plan_is_refused(saved):
     w, step, path = saved
     other = get_workload("mlp", 4)

@@ -77,6 +77,16 @@ from remat.units import EAGER, BudgetError, check_budget, format_bytes, format_b
 
 log = logging.getLogger("remat.backend")
 
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` (for a warning raised by the caller) of the innermost frame outside
+    remat and torch: the user's line that ran the compiled model, not torch's compiler."""
+    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules["remat"]))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
 CUDA_FREE = "cuda-free"
 #: How many times a plan whose replayed random ops' generator states do not fit beside it is
 #: planned again with that much less budget (each time the states of the new plan are counted).
@@ -234,12 +244,16 @@ class PartitionReport:
     #: when ``fallback`` is an infeasible budget: the smallest budget in bytes the method meets
     #: (ask for it, as ``budget=`` bytes, and the graph is planned), if known
     min_budget_bytes: int | None = None
+    #: when ``fallback`` is set: PyTorch's partitioner that split the graph instead ("min-cut", or
+    #: "default" for a graph that modifies an input in place)
+    partitioner: str = "min-cut"
 
     def __str__(self) -> str:
         if not self.captured:
             return f"{self.graph_name}: not captured by dynamo, ran eagerly ({self.fallback})"
         if self.fallback is not None:
-            return f"{self.graph_name}: PyTorch's min-cut partitioner ({self.fallback})"
+            which = "min-cut partitioner" if self.partitioner == "min-cut" else "default partitioner (no recomputation)"
+            return f"{self.graph_name}: PyTorch's {which} ({self.fallback})"
         source = "cached plan" if self.from_cache else f"solved in {self.solve_s:.2f} s ({self.status})"
         if self.note:
             source += f" [{self.note}]"
@@ -360,10 +374,11 @@ class RematBackend:
             warnings.warn(
                 f"remat.backend: not planning {name} ({reason}); using PyTorch's {instead} for it instead",
                 RematFallbackWarning,
-                stacklevel=2,
+                stacklevel=_user_stacklevel(),
             )
             self.reports.append(PartitionReport(name, self.method, fallback=reason,
-                                                min_budget_bytes=getattr(exc, "min_budget_bytes", None)))
+                                                min_budget_bytes=getattr(exc, "min_budget_bytes", None),
+                                                partitioner="default" if mutating else "min-cut"))
             partition = default_partition if mutating else min_cut_rematerialization_partition
             return partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         self.reports.append(report)

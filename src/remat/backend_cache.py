@@ -18,6 +18,7 @@ import math
 import os
 from pathlib import Path
 
+from remat.files import write_atomically
 from remat.graph import Graph
 from remat.schedule import Plan, plan_from_order
 from remat.simulate import simulate
@@ -105,7 +106,7 @@ def load(key: str, directory: Path | None) -> dict | None:
     try:
         with open(path) as f:
             record = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (none cached; a folder that cannot be one: store says so)
         return None
     except (OSError, ValueError) as exc:
         log.warning("discarding the cached plan %s: unreadable (%s); planning the graph again", path, exc)
@@ -126,10 +127,7 @@ def store(key: str, record: dict, directory: Path | None) -> None:
         return
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f"{key}.json.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(record, f, separators=(",", ":"))
-        os.replace(tmp, directory / f"{key}.json")
+        write_atomically(directory / f"{key}.json", json.dumps(record, separators=(",", ":")))
     except OSError as exc:
         log.warning("could not write the plan cache under %s: %s", directory, exc)
 

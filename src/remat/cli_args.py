@@ -384,8 +384,9 @@ def check_methods(names: Sequence[str]) -> None:
 def json_path(text: str) -> Path:
     path = Path(text)
     if path.suffix.lower() != ".json":
+        example = path / "results.json" if path.is_dir() else path.with_suffix(".json")  # (a folder: a file in it)
         raise UsageError(f"--out {text!r}: the results are JSON, so the file must end in .json (the plot is written "
-                         f"next to it with .png, or where --plot says); e.g. --out {path.with_suffix('.json')}")
+                         f"next to it with .png, or where --plot says); e.g. --out {example}")
     return path
 
 

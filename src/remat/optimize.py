@@ -45,6 +45,7 @@ from remat.cost import CostModel
 from remat.distributed import refuse_wrapped
 from remat.errors import InfeasibleBudgetError, ScheduleError, TraceError, a_type
 from remat.execute import PlanFacts, PlannedStep, build_module, grad_through_hooks
+from remat.files import write_atomically
 from remat.graph import Graph
 from remat.guards import ModelView
 from remat.planning import check_method, plan_graph
@@ -239,10 +240,15 @@ class TrainingStep:
             **self.traced.measurements(),
             "report": self.report.to_json(),
         }
-        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(record, f, separators=(",", ":"))
-        os.replace(tmp, path)
+        target = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(target))
+        if not target or os.path.isdir(target):
+            raise PlanFileError(f"cannot save the plan to {target!r}: it is a folder, not a file; pass a file path such "
+                                f"as {os.path.join(target or '.', 'plan.json')!r}")
+        if not os.path.isdir(folder):
+            raise PlanFileError(f"cannot save the plan to {target!r}: folder {folder!r} does not exist; create it "
+                                f"(os.makedirs) or save elsewhere")
+        write_atomically(target, json.dumps(record, separators=(",", ":")))
 
     @classmethod
     def load(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from remat.errors import InfeasibleBudgetError, UnsupportedGraphError, a_type
+from remat.files import write_atomically
 from remat.graph import Graph
 from remat.solvers import solve
 
@@ -190,10 +191,7 @@ def save_json(value: object, path: Path) -> None:
     long benchmark can be interrupted at any time and resume from what it wrote."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # one temporary name per process: two runs writing the same file never share a half-written one
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
-    tmp.replace(path)
+    write_atomically(path, json.dumps(value, indent=1, sort_keys=True))
 
 
 # ---------------------------------------------------------------------------- keyed results
