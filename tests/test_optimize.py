@@ -352,6 +352,8 @@ def test_missing_plan_file(tmp_path):
     w = workload("mlp", 256)
     with pytest.raises(PlanFileError, match="no saved plan at"):
         TrainingStep.load(tmp_path / "nope.json", w.model, w.batch, w.loss_fn)
+    with pytest.raises(PlanFileError, match="is a folder, not a saved plan; pass the file step.save\\(\\) wrote"):
+        TrainingStep.load(tmp_path, w.model, w.batch, w.loss_fn)
 
 
 # ---------------------------------------------------------------------------- workloads

@@ -336,7 +336,8 @@ class TrainingStep:
                                 solve_s=float(stated["solve_s"]), note=str(stated.get("note", "")),
                                 lower_bound_us=_stated_bound(stated.get("lower_bound_us")), **dataclasses.asdict(facts))
         except (TypeError, ValueError, KeyError) as exc:
-            raise PlanFileError(f"saved plan {os.fspath(path)!r}: unreadable report ({exc})") from exc
+            raise PlanFileError(f"saved plan {os.fspath(path)!r}: unreadable report ({exc}); the file is corrupt: "
+                                f"delete it and run optimize() again") from exc
         if report.lower_bound_us is not None and report.lower_bound_us > report.cost_us * (1 + 1e-9):
             raise PlanFileError(
                 f"saved plan {os.fspath(path)!r}: its lower bound ({report.lower_bound_us!r}) is above the cost its "
@@ -442,6 +443,9 @@ def _read_plan(path: str | os.PathLike) -> dict:
             record = json.load(f)
     except FileNotFoundError as exc:
         raise PlanFileError(f"no saved plan at {where!r}; run optimize() and step.save() first") from exc
+    except IsADirectoryError as exc:
+        raise PlanFileError(f"{where!r} is a folder, not a saved plan; pass the file step.save() wrote "
+                            f"(such as {os.path.join(where, 'plan.json')!r})") from exc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PlanFileError(
             f"saved plan {where!r} is not readable JSON ({exc}); the file is corrupt: delete it "
