@@ -35,7 +35,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -131,7 +131,7 @@ class TrainingStep:
 
     def __init__(
         self, model: torch.nn.Module, traced: TracedStep, plan: Plan, planned: PlannedStep, report: StepReport,
-        replan: Replan | None = None,
+        replan: Replan | None = None, batch_keys: tuple[str, ...] | None = None,
     ) -> None:
         self.model = model
         self.traced = traced
@@ -139,6 +139,8 @@ class TrainingStep:
         self.planned = planned
         self.report = report
         self._replan = replan
+        #: a batch given as a dict of tensors: its keys, in the order the step takes its tensors
+        self.batch_keys = batch_keys
         #: the steps planned for each branch met so far, this one's included (shared between them)
         self._branches: dict[tuple[bool, ...], TrainingStep] = {traced.branch_answers: self}
 
@@ -180,7 +182,7 @@ class TrainingStep:
             log.info("planning the step for batches whose checks at %s answer %s (the example's: %s)",
                      _checks(self.traced), answers, self.traced.branch_answers)
             step = self._replan(answers, batch)
-            step._replan, step._branches = self._replan, self._branches
+            step._replan, step._branches, step.batch_keys = self._replan, self._branches, self.batch_keys
             self._branches[answers] = step
         return step
 
@@ -208,7 +210,20 @@ class TrainingStep:
         return outputs.loss
 
     def _batch(self, args: tuple[object, ...]) -> tuple[torch.Tensor, ...]:
-        """``step(x, y)``, ``step((x, y))`` and ``step([x, y])`` are one batch ``(x, y)``."""
+        """``step(x, y)``, ``step((x, y))`` and ``step([x, y])`` are one batch ``(x, y)``; a step
+        traced with a dict batch takes dicts with its keys (in any order)."""
+        if self.batch_keys is not None:
+            if len(args) != 1 or not isinstance(args[0], Mapping):
+                raise TraceError(
+                    f"step() got {_describe(args)}, but this step was traced with a dict batch (keys "
+                    f"{_keys_shown(self.batch_keys)}); pass one such dict, as the DataLoader yields it"
+                )
+            return _tensors_of(args[0], self.batch_keys)
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            raise TraceError(
+                f"step() got a dict (keys {_keys_shown(tuple(args[0]))}), but this step was traced with a batch of "
+                f"{len(self.traced.batch_spec)} tensor(s), not a dict; pass the tensors as optimize's example was"
+            )
         if len(args) == 1 and isinstance(args[0], (tuple, list)):
             args = tuple(args[0])
         want = len(self.traced.batch_spec)
@@ -220,6 +235,11 @@ class TrainingStep:
             f"step() got {_describe(args)}, but this step was traced with a batch of {want} tensor(s) of shapes "
             f"{shapes} (the example_inputs given to optimize); call {call} with tensors of those shapes"
         )
+
+    def positional(self, loss_fn: LossFn) -> LossFn:
+        """``loss_fn`` as the traced step calls it: with the batch's tensors as arguments (for a
+        dict batch, gathered back into a dict with this step's keys)."""
+        return loss_fn if self.batch_keys is None else _KeywordBatch(loss_fn, self.batch_keys)
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> None:
@@ -236,6 +256,7 @@ class TrainingStep:
             "structure_fingerprint": _structure_fingerprint(self.traced.graph),
             "batch_requires_grad": [s.requires_grad for s in self.traced.batch_spec],
             "branch_answers": list(self.traced.branch_answers),
+            "batch_keys": None if self.batch_keys is None else list(self.batch_keys),
             "compute_order": list(self.plan.compute_order),
             **self.traced.measurements(),
             "report": self.report.to_json(),
@@ -269,6 +290,16 @@ class TrainingStep:
         budget_bytes = _saved_budget(budget_bytes)
         record = _read_plan(path)
         branches = _saved_branches(path, record)
+        saved_keys = _saved_keys(path, record)
+        example_inputs, loss_fn, keys = _keyword_batch(example_inputs, loss_fn, saved_keys)
+        if keys != saved_keys:
+            def shown(k: tuple[str, ...] | None) -> str:
+                return "a tuple of tensors" if k is None else f"a dict with keys {_keys_shown(k)}"
+
+            raise StalePlanError(
+                f"saved plan {os.fspath(path)!r} was made for a batch given as {shown(saved_keys)}, and this "
+                f"example batch is {shown(keys)}; pass the batch as it was saved, or run optimize() again"
+            )
         traced = trace(model, example_inputs, loss_fn, cost_model=None, allow_native_batch_norm=allow_native_batch_norm,
                        branches=branches)
         if branches is not None and traced.branch_answers != branches:
@@ -345,7 +376,66 @@ class TrainingStep:
             )
         replan = _branch_planner(model, loss_fn, report.budget_bytes, report.method, cost_model=CostModel.PROFILE,
                                  allow_native_batch_norm=allow_native_batch_norm)
-        return cls(model, traced, plan, planned, report, replan)
+        return cls(model, traced, plan, planned, report, replan, keys)
+
+
+class _KeywordBatch:
+    """``loss_fn`` of a batch that is a dict of tensors (as a Hugging Face ``DataLoader`` yields
+    it), called as the traced step calls it: with the tensors in the order of ``keys``, which it
+    gathers back into a dict. ``__wrapped__``: the user's function, whose globals and closure
+    variables the guards read (``guards.function_names``)."""
+
+    def __init__(self, loss_fn: LossFn, keys: tuple[str, ...]) -> None:
+        self.__wrapped__ = loss_fn
+        self.keys = keys
+
+    def __call__(self, model: torch.nn.Module, *tensors: torch.Tensor) -> torch.Tensor:
+        return self.__wrapped__(model, dict(zip(self.keys, tensors, strict=True)))
+
+
+def _keyword_batch(example: object, loss_fn: LossFn, keys: tuple[str, ...] | None = None
+                   ) -> tuple[object, LossFn, tuple[str, ...] | None]:
+    """(batch, loss_fn, keys): a dict batch as its tensors (in ``keys``' order, by default its
+    own), ``loss_fn`` taking them (``_KeywordBatch``), and its keys; anything else as it is."""
+    if not isinstance(example, Mapping):
+        return example, loss_fn, None
+    own = tuple(example)
+    if keys is None or set(keys) != set(own):
+        keys = own
+    return _tensors_of(example, keys), _KeywordBatch(loss_fn, keys), keys
+
+
+def _tensors_of(batch: Mapping, keys: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors of a dict batch in the order of ``keys``, or ``TraceError`` naming what differs."""
+    if set(batch) != set(keys):
+        missing, extra = [k for k in keys if k not in batch], [k for k in batch if k not in keys]
+        raise TraceError(
+            f"the batch has keys {_keys_shown(tuple(batch))}, but the step was traced with keys {_keys_shown(keys)}"
+            f"{f' (missing {_keys_shown(tuple(missing))})' if missing else ''}"
+            f"{f' (not traced: {_keys_shown(tuple(extra))})' if extra else ''}; pass batches with the example's keys"
+        )
+    for key in keys:
+        if not isinstance(key, str) or not isinstance(batch[key], torch.Tensor):
+            what = f"key {key!r}" if not isinstance(key, str) else f"batch[{key!r}] is {a_type(batch[key])}"
+            raise TraceError(
+                f"a dict batch holds tensors under string keys, and {what}; drop the other fields from the batch "
+                f"(such as raw text) or pass them to loss_fn another way (functools.partial)"
+            )
+    return tuple(batch[key] for key in keys)
+
+
+def _keys_shown(keys: tuple[object, ...]) -> str:
+    return ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
+def _saved_keys(path: str | os.PathLike, record: dict) -> tuple[str, ...] | None:
+    keys = record.get("batch_keys")  # (absent from files saved before dict batches)
+    if keys is None:
+        return None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
+        raise PlanFileError(f"saved plan {os.fspath(path)!r}: field 'batch_keys' is not a list of distinct strings; "
+                            f"the file is corrupt: delete it and run optimize() again")
+    return tuple(keys)
 
 
 def _checks(traced: TracedStep) -> str:
@@ -522,13 +612,16 @@ def optimize(
     budget = _budget_argument(budget, budget_bytes, solver_options)
     check_method(method, solver_options)  # (before tracing, which can take minutes)
     refuse_wrapped(model)
+    example_inputs, loss_fn, keys = _keyword_batch(example_inputs, loss_fn)
     traced = trace(model, example_inputs, loss_fn, cost_model=cost_model, allow_native_batch_norm=allow_native_batch_norm)
     graph = traced.graph
     baseline = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
     budget = parse_budget(budget, reference_bytes=baseline.peak_bytes)
     replan = _branch_planner(model, loss_fn, budget, method, cost_model=cost_model,
                              allow_native_batch_norm=allow_native_batch_norm, **solver_options)
-    return _planned(model, traced, budget, method, replan, **solver_options)
+    step = _planned(model, traced, budget, method, replan, **solver_options)
+    step.batch_keys = keys
+    return step
 
 
 #: ``replan(answers, batch)``: the step traced with ``answers`` at its branch points and planned

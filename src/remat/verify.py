@@ -253,6 +253,7 @@ def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch
     True
     """
     batch = step._batch(batch)
+    loss_fn = step.positional(loss_fn)  # (a dict batch: gathered back into a dict for eager's loss_fn)
     step = step._step_for(batch)  # (the program eager runs for this batch: see ``TrainingStep.for_batch``)
     want = _eager_state(step.model, batch, loss_fn, seed=seed)  # (states only: no peak is read here)
     got = _planned_state(step.model, batch, step.traced, step.planned, seed=seed)
