@@ -368,3 +368,40 @@ def test_reads_of_tensor_values_are_watched_only_while_tracing_even_when_tracing
         remat.optimize(nn.Linear(2, 2), (torch.randn(3, 2),), loss_fn, budget=1.0, method="checkpoint_all",
                        cost_model=None)
     assert torch.overrides._get_current_function_mode_stack() == []
+
+
+def test_a_hook_replaced_by_another_or_reading_a_changed_value_is_refused():
+    """Hooks were counted, not identified: a forward hook removed and another registered ran the
+    old one (loss 1.379 against eager's 1.392), and a backward hook reading a global scale
+    changed after tracing kept the old scale, both silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    handle = model[2].register_forward_hook(lambda mod, i, o: o * 0.5)
+    model[1].register_full_backward_hook(_scaled_gradient)
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    step(x, y)
+    handle.remove()
+    other = model[2].register_forward_hook(lambda mod, i, o: o * 3.0)
+    with pytest.raises(TraceError, match=r"module '2' \(Linear\) has a forward/backward hook \(.*<lambda> at "
+                                         r"test_guards.py:\d+\) that is not one it had when the step was traced"):
+        step(x, y)
+    other.remove()
+    model[2].register_forward_hook(lambda mod, i, o: o * 0.5)
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    HOOK_SCALE["s"] = 4.0
+    try:
+        with pytest.raises(TraceError, match=r"a hook of module '1' \(GELU\)'s global 'HOOK_SCALE'\['s'\] is now 4.0 "
+                                             r"but was 0.5"):
+            step(x, y)
+    finally:
+        HOOK_SCALE["s"] = 0.5
+    assert check_step(step, loss_fn, x, y).bitwise
+
+
+HOOK_SCALE = {"s": 0.5}
+
+
+def _scaled_gradient(module, grad_input, grad_output):
+    return (grad_input[0] * HOOK_SCALE["s"],)

@@ -9,7 +9,8 @@ values when the step is traced and ``ModuleState.check`` refuses a step whose mo
 has them, naming the module, the attribute and both values.
 
 Recorded per module: every public attribute holding a number, string, bool or None (or a tuple
-of them), ``training``, and the number of forward, backward and state-dict hooks; per
+of them), ``training``, and its forward and backward hooks (the functions: one replaced by
+another ran the old one); per
 parameter, ``requires_grad``; per parameter and buffer, its shape, dtype, device and strides
 (the step's kernels were chosen for them: a weight stored transposed after tracing gave
 gradients a rounding apart, and one of another shape failed deep in a kernel). Recorded beside
@@ -77,12 +78,15 @@ def _same(a: object, b: object) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _hook_count(module: torch.nn.Module) -> int:
+def _hooks_of(module: torch.nn.Module) -> tuple[object, ...]:
+    """The forward and backward hooks registered on ``module`` (the functions themselves)."""
     state = module.__dict__  # (where nn.Module keeps them: no getattr, read every step)
-    count = 0
+    found: tuple[object, ...] = ()
     for name in _HOOKS:
-        count += len(state.get(name, ()))
-    return count
+        table = state.get(name)
+        if table:
+            found += tuple(table.values())
+    return found
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,8 @@ class ModuleState:
 
     #: (module name, attribute, value when traced)
     attributes: tuple[tuple[str, str, object], ...]
-    #: (module name, number of forward and backward hooks when traced)
-    hooks: tuple[tuple[str, int], ...]
+    #: (module name, its forward and backward hooks when traced: the functions, compared by identity)
+    hooks: tuple[tuple[str, tuple[object, ...]], ...]
     #: (parameter name, requires_grad when traced)
     requires_grad: tuple[tuple[str, bool], ...]
     #: ("parameter" or "buffer", name, shape, dtype, device, strides) when traced: the step's
@@ -132,14 +136,21 @@ class ModuleState:
             if not _same(now, value):
                 raise _changed(held.label, now, value, ", or pass a value that changes between steps in the "
                                                        "batch, as a tensor")
-        for name, count in self.hooks:
+        for name, recorded in self.hooks:
             module = modules.get(name)
-            now = _hook_count(module) if module is not None else 0
-            if now != count:
+            now = _hooks_of(module) if module is not None else ()
+            if len(now) != len(recorded):
                 raise TraceError(
-                    f"{_where(name, module)} has {now} forward/backward hook(s) but had {count} when the step "
-                    f"was traced; the traced step runs the hooks it was traced with: trace again "
+                    f"{_where(name, module)} has {len(now)} forward/backward hook(s) but had {len(recorded)} when the "
+                    f"step was traced; the traced step runs the hooks it was traced with: trace again "
                     f"(remat.optimize) after adding or removing hooks"
+                )
+            changed = next((h for h, r in zip(now, recorded) if h is not r), None)
+            if changed is not None:
+                raise TraceError(
+                    f"{_where(name, module)} has a forward/backward hook ({_hook_name(changed)}) that is not one it "
+                    f"had when the step was traced (the same number of hooks, another function); the traced step "
+                    f"runs the hooks it was traced with: trace again (remat.optimize) after replacing hooks"
                 )
         now = _autocast_state()
         if now != self.autocast:
@@ -222,6 +233,14 @@ class ModelView:
         return dict(self.model.named_buffers())
 
 
+def _hook_name(hook: object) -> str:
+    code = getattr(getattr(hook, "__code__", None) or getattr(getattr(hook, "__func__", None), "__code__", None),
+                   "co_filename", None)
+    name = getattr(hook, "__qualname__", None) or type(hook).__name__
+    line = getattr(getattr(hook, "__code__", None), "co_firstlineno", None)
+    return f"{name} at {os.path.basename(code)}:{line}" if code and line else name
+
+
 def _changed(what: str, now: object, value: object, remedy: str = "") -> TraceError:
     shown = "is no longer set" if now is _MISSING else f"is now {now!r}"
     return TraceError(f"{what} {shown} but was {value!r} when the step was traced, and the traced step computes "
@@ -250,7 +269,7 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
         for key, value in vars(module).items():
             if (key == "training" or not key.startswith("_")) and _recordable(value):
                 attributes.append((name, key, value))
-        hooks.append((name, _hook_count(module)))
+        hooks.append((name, _hooks_of(module)))
     requires_grad = tuple((key, p.requires_grad) for key, p in model.named_parameters())
     layouts = tuple((kind, key, tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
@@ -425,7 +444,12 @@ def _put(holder: object, key: object, value: object) -> None:
 
 
 def _user_class(cls: type) -> bool:
-    return (cls.__module__ or "").split(".")[0] not in ("torch", "builtins", "transformers", "typing", "abc")
+    return _user_module(cls.__module__)
+
+
+def _user_module(name: str | None) -> bool:
+    """Is a class or function of this module the user's (not torch's, transformers' or Python's)?"""
+    return (name or "").split(".")[0] not in ("torch", "builtins", "transformers", "typing", "abc")
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -512,6 +536,11 @@ def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[He
             named_by(f"{cls.__qualname__}.forward", cls.forward)
     if loss_fn is not None:
         named_by("loss_fn", loss_fn)
+    for name, module in modules:  # (the user's hooks are the step's code too: a scale a hook's closure reads)
+        for hook in _hooks_of(module):
+            fn = _function_of(hook)
+            if fn is not None and _user_module(fn.__module__):
+                named_by(f"a hook of {_where(name, module)}", hook)
     return found
 
 
