@@ -410,12 +410,20 @@ def select_models(text: str | None, defaults: Mapping[str, int], batch: int | No
     if not chosen:
         raise ValueError("--models lists no model")
     known = names()
-    for m in chosen:
+    selected: dict[str, int] = {}
+    for entry in chosen:
+        m, _, size = entry.partition(":")  # (model:batch, as the defaults are shown)
         if m not in known:
-            raise ValueError(f"unknown model {m!r}; choose from {', '.join(known)}")
-        if batch is None and m not in defaults:
-            raise ValueError(f"model {m!r} has no default batch size here; give --batch")
-    return {m: batch if batch is not None else defaults[m] for m in chosen}
+            raise ValueError(f"unknown model {m!r}; choose from {', '.join(known)} (optionally as model:batch)")
+        if size:
+            if not size.isdigit() or int(size) < 1:
+                raise ValueError(f"{entry!r}: the batch size after ':' must be a positive integer")
+            selected[m] = int(size)
+        elif batch is not None or m in defaults:
+            selected[m] = batch if batch is not None else defaults[m]
+        else:
+            raise ValueError(f"model {m!r} has no default batch size here; give it as {m}:BATCH or give --batch")
+    return selected
 
 
 def check_methods(text: str) -> list[str]:
@@ -435,8 +443,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
     p = Parser(prog=prog or "budget_sweep.py", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=None,
-                   help=f"comma-separated workloads (default: {','.join(f'{m}:{b}' for m, b in MODELS.items())} as model:batch)")
-    p.add_argument("--batch", type=int, default=None, help="one batch size for every model (smoke runs)")
+                   help=f"comma-separated workloads, each model or model:batch (default: "
+                        f"{','.join(f'{m}:{b}' for m, b in MODELS.items())})")
+    p.add_argument("--batch", type=int, default=None,
+                   help="one batch size for every model not given as model:batch (smoke runs)")
     p.add_argument("--budgets", default=",".join(f"{f:.0%}" for f in FRACTIONS),
                    help="comma-separated fractions of each model's checkpoint-all peak (0.6 or 60%%), or "
                         "LOW:HIGH:COUNT evenly spaced (30%%:100%%:8)")

@@ -208,6 +208,12 @@ def test_sweep_check_flags_a_milp_worse_than_a_baseline():
     assert "m 50%: 1.23%" in text and "grouped MILP" not in text
 
 
+def test_sweep_models_take_a_batch_each_as_the_help_shows_them():
+    assert sweep_mod.select_models("mlp:4,cnn", {"cnn": 8}, None) == {"mlp": 4, "cnn": 8}
+    assert sweep_mod.select_models("mlp:4,cnn", {"cnn": 8}, 2) == {"mlp": 4, "cnn": 2}
+    assert sweep_mod.select_models(None, {"cnn": 8}, None) == {"cnn": 8}
+
+
 @pytest.mark.parametrize("text, want", [("1.0,0.6", [1.0, 0.6]), ("100%, 50%", [1.0, 0.5])])
 def test_sweep_budget_parsing(text, want):
     assert sweep_mod.parse_fractions(text) == want
@@ -383,7 +389,8 @@ def run_cli(capsys, *argv):
         (["bench"], "say which benchmark to run"),
         (["bench", "nope"], "invalid choice: 'nope'"),
         (["bench", "sweep", "--models", "nosuch"], "unknown model 'nosuch'"),
-        (["bench", "sweep", "--models", "mlp"], "no default batch size here; give --batch"),
+        (["bench", "sweep", "--models", "mlp"], "no default batch size here; give it as mlp:BATCH or give --batch"),
+        (["bench", "sweep", "--models", "mlp:0"], "'mlp:0': the batch size after ':' must be a positive integer"),
         (["bench", "sweep", "--budgets", "0"], "budget '0' must be positive"),
         (["bench", "sweep", "--methods", "magic"], "unknown method 'magic'"),
         (["bench", "sweep", "--options", "{bad"], "--options is not JSON"),
