@@ -468,6 +468,56 @@ def test_fsdp2_with_remat_trains_like_fsdp2_bitwise_on_every_rank(tmp_path):
     assert_ranks_agree([res["per_block"] for res in results])
 
 
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.c2(F.relu(self.c1(x)))).mean((2, 3)))
+
+
+def measured_scratch_worker(rank: int, store: str, out_dir: str) -> None:
+    """Ranks planning together with measured scratch (the default under profiled costs)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from remat.scratch import ScratchModel
+
+    _init(rank, store)
+    torch.manual_seed(0)
+    base = _ConvNet()
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    results = {}
+    for label, budget in (("100%", "100%"),):
+        states = []
+        for be in (None, make_backend(budget, scratch=ScratchModel.MEASURE)):
+            torch._dynamo.reset()
+            model = DDP(copy.deepcopy(base))
+            run = model if be is None else torch.compile(model, backend=be)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                F.cross_entropy(run(x), y).backward()
+            states.append([p.grad.clone() for p in model.parameters()])
+        results[label] = {"reports": report_json(be), "grads_equal": all(
+            torch.equal(a, b) for a, b in zip(*states, strict=True)),
+            "fallbacks": [str(w.message) for w in caught if issubclass(w.category, rb.RematFallbackWarning)]}
+    _finish(rank, out_dir, results)
+
+
+def test_ranks_plan_with_measured_scratch_at_its_largest_over_the_ranks(tmp_path):
+    """Ranks planning together estimated kernel scratch (measured scratch differs by a few KiB
+    between ranks, and the ranks agree on a plan only for one graph); the estimate's cover of
+    convolutions put a small CNN's smallest budget at 121% of its eager peak, so "100%" and every
+    fraction below fell back. They now take each node's measured scratch at its largest over the
+    ranks: the same graph everywhere, planned."""
+    results = spawn(measured_scratch_worker, tmp_path)
+    for label in ("100%",):
+        reports = [r[label]["reports"] for r in results]
+        assert all(r[label]["fallbacks"] == [] and r[label]["grads_equal"] for r in results), (label, results)
+        assert all(rep["fallback"] is None and rep["agreed_ranks"] == WORLD for rank in reports for rep in rank)
+        assert len({rep["fingerprint"] for rank in reports for rep in rank}) == 1  # one graph on every rank
+
+
 def test_ranks_agree_on_budget_and_plan_and_fail_together(tmp_path):
     results = spawn(agreement_worker, tmp_path)
     r0, r1 = results

@@ -387,10 +387,13 @@ class RematBackend:
 
     def _plan(self, joint: fx.GraphModule, num_fwd_outputs: int, name: str):
         group = distributed.planning_group(self.process_group)
+        agreed_scratch = False  # (ranks planning together exchange their scratch once per graph)
         try:
             step = backend_joint.prepare(joint, num_fwd_outputs, name=name)
             inputs = self._example_inputs(step)
-            step = replace(step, graph=with_scratch(step.graph, step.node_names, self._scratch(step, inputs, group)))
+            scratch = self._scratch(step, inputs, group)
+            agreed_scratch = True
+            step = replace(step, graph=with_scratch(step.graph, step.node_names, scratch))
             graph = step.graph
             unoptimized = checkpoint_all_peak(graph)
             eager = self._eager_peak
@@ -401,6 +404,8 @@ class RematBackend:
             most_held = backend_joint.most_replay_state_bytes(step)
         except Exception as exc:
             if group is not None:  # tell the other ranks (re-raises here)
+                if not agreed_scratch:
+                    distributed.agree_on_scratch(group, {})
                 distributed.plan_together(group, None, None, exc, None)
             raise
 
@@ -482,19 +487,25 @@ class RematBackend:
 
     def _scratch(self, step: JointStep, inputs: list[torch.Tensor] | None, group: object) -> dict[str, int]:
         """Kernel scratch bytes by node name, as ``self.scratch`` says (estimated if measuring
-        fails). Ranks planning together estimate it: measured scratch differs by a few KiB from
-        rank to rank, and ranks agree on a plan only for the same graph."""
+        fails). Ranks planning together take each node's at its largest over the ranks
+        (``distributed.agree_on_scratch``): measured scratch differs by a few KiB from rank to
+        rank, and ranks agree on a plan only for the same graph. (They used to estimate it, and
+        the estimate's cover of convolutions put a small CNN's smallest budget at 121% of its
+        eager peak, so no fraction of it could be planned.)"""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         skip = frozenset(nm for i, nm in enumerate(step.node_names) if step.is_alias(i))
+        scratch = None
         with unset_fake_temporarily():
-            if self.scratch is ScratchModel.MEASURE and inputs is not None and group is None:
+            if self.scratch is ScratchModel.MEASURE and inputs is not None:
                 try:
-                    return node_scratch(step.module, inputs, ScratchModel.MEASURE, skip=skip)
+                    scratch = node_scratch(step.module, inputs, ScratchModel.MEASURE, skip=skip)
                 except Exception as exc:  # synthetic inputs can break data-dependent ops
                     log.warning("remat.backend: measuring scratch memory failed (%s); estimating it instead", _reason(exc))
-            model = ScratchModel.NONE if self.scratch is ScratchModel.NONE else ScratchModel.ESTIMATE
-            return node_scratch(step.module, [], model, skip=skip)
+            if scratch is None:
+                model = ScratchModel.NONE if self.scratch is ScratchModel.NONE else ScratchModel.ESTIMATE
+                scratch = node_scratch(step.module, [], model, skip=skip)
+        return scratch if group is None else distributed.agree_on_scratch(group, scratch)
 
     def _load_or_solve(self, step: JointStep, inputs: list[torch.Tensor] | None, key: str, budget_bytes: int,
                        unoptimized: int) -> tuple[dict, Plan]:

@@ -151,6 +151,32 @@ def plan_together(group: object, fingerprint: str | None, budget_bytes: int | No
                     source_rank=source, ranks=len(ranks), rank=me, record=decision["record"])
 
 
+_SCRATCH_SEQUENCE: dict[object, int] = {}
+SCRATCH_KEY_PREFIX = "remat/scratch"
+
+
+def agree_on_scratch(group: object, scratch: dict[str, int]) -> dict[str, int]:
+    """Each node's kernel scratch at its largest over the ranks of ``group``: measured scratch
+    differs by a few KiB from rank to rank, and ranks agree on a plan only for the same graph,
+    so every rank plans with the same, measured, scratch (never below its own). Every rank of
+    ``group`` calls this once per graph, in the same order, before ``plan_together`` (a rank
+    that failed before measuring passes ``{}``). Through the group's store, as ``plan_together``."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_process_group_store(group)
+    seq = _SCRATCH_SEQUENCE[group] = _SCRATCH_SEQUENCE.get(group, -1) + 1
+    me = dist.get_rank()
+    key = f"{SCRATCH_KEY_PREFIX}/{seq}"
+    store.set(f"{key}/rank{me}", json.dumps(scratch))
+    agreed = dict(scratch)
+    for rank in dist.get_process_group_ranks(group):
+        if rank != me:
+            for name, value in json.loads(store.get(f"{key}/rank{rank}")).items():
+                if name in agreed:  # (other names: another graph, which plan_together tells apart)
+                    agreed[name] = max(agreed[name], int(value))
+    return agreed
+
+
 def _decide(proposals: list[dict], plan: Callable[[int], dict] | None) -> tuple[dict, Exception | None]:
     """The source rank's decision (JSON data) from every rank's proposal, and the exception its
     own solve raised, if any."""
