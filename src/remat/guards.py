@@ -96,7 +96,7 @@ class ModuleState:
 
     #: (module name, attribute, value when traced)
     attributes: tuple[tuple[str, str, object], ...]
-    #: (module name, its forward and backward hooks when traced: the functions, compared by identity)
+    #: (module name, its forward and backward hooks when traced: compared by ``_hook_key``)
     hooks: tuple[tuple[str, tuple[object, ...]], ...]
     #: (parameter name, requires_grad when traced)
     requires_grad: tuple[tuple[str, bool], ...]
@@ -145,7 +145,7 @@ class ModuleState:
                     f"step was traced; the traced step runs the hooks it was traced with: trace again "
                     f"(remat.optimize) after adding or removing hooks"
                 )
-            changed = next((h for h, r in zip(now, recorded) if h is not r), None)
+            changed = next((h for h, r in zip(now, recorded) if _hook_key(h) != _hook_key(r)), None)
             if changed is not None:
                 raise TraceError(
                     f"{_where(name, module)} has a forward/backward hook ({_hook_name(changed)}) that is not one it "
@@ -231,6 +231,19 @@ class ModelView:
     @functools.cached_property
     def buffers(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_buffers())
+
+
+def _hook_key(hook: object) -> object:
+    """What tells one hook from another, the same in a copy of the model (``copy.deepcopy``
+    keeps functions and copies the rest): a function itself, a bound method's function, a
+    partial's function, or another callable object's class."""
+    if isinstance(hook, types.FunctionType):
+        return hook
+    if isinstance(hook, types.MethodType):
+        return ("method", hook.__func__)
+    if isinstance(hook, functools.partial):
+        return ("partial", _hook_key(hook.func))
+    return ("object", type(hook))
 
 
 def _hook_name(hook: object) -> str:
