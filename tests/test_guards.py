@@ -4,6 +4,7 @@ changed (eager PyTorch would compute something else), naming what changed; uncha
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -333,6 +334,61 @@ def test_a_tensor_outside_the_model_and_batch_whose_value_the_step_reads_is_guar
     changed(r"model.shift .*which the step computes with at test_guards.py:\d+ `return out - self.shift \* 0.5",
             lambda: model.shift.fill_(9.0), lambda: model.shift.fill_(4.0))
     assert check_step(step, loss_fn, x, y).bitwise
+
+
+class _NestedTensors(nn.Module):
+    """Tensors whose values ``forward`` reads, held in a list, a dict of dicts and a config
+    object, and named by a global through a dict and a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.scales = [torch.tensor(2.0)]
+        self.table = {"outer": {"inner": torch.tensor(1.0)}}
+        self.config = _Config()
+
+    def forward(self, x):
+        out = self.a(x) * self.scales[0].item() + float(self.table["outer"]["inner"])
+        if bool(self.config.flags[1]):
+            out = out * _SCHEDULE["weights"][0].item()
+        return out
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.flags = (torch.tensor(False), torch.tensor(True))
+
+
+_SCHEDULE = {"weights": [torch.tensor(0.5)]}
+
+
+@pytest.mark.parametrize("where, change", [
+    ("model.scales[0]", lambda m: m.scales.__setitem__(0, torch.tensor(3.0))),
+    ("model.table['outer']['inner']", lambda m: m.table["outer"].__setitem__("inner", torch.tensor(-1.0))),
+    ("model.config.flags[1]", lambda m: setattr(m.config, "flags", (torch.tensor(False), torch.tensor(False)))),
+    ("_NestedTensors.forward's global '_SCHEDULE'['weights'][0]",
+     lambda m: _SCHEDULE["weights"].__setitem__(0, torch.tensor(0.25))),
+    ("model.scales[0]", lambda m: m.scales.clear()),
+])
+def test_a_tensor_put_in_the_place_of_one_the_step_read_is_refused_wherever_it_is_held(where, change):
+    """A tensor the step read, held in nested lists, dicts or objects of the model or of a
+    global, replaced by another (not changed in place): the guard followed the tensor traced,
+    which had not changed, and the step ran with the old value, silently (1.29 against eager's
+    2.58). It now reads the place again at each call; a tensor of equal value put there runs."""
+    torch.manual_seed(0)
+    model, x = _NestedTensors(), torch.randn(4, 8)
+    loss_fn = lambda m, x: m(x).sum()  # noqa: E731
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    model.scales[0] = torch.tensor(2.0)  # (another tensor, the same value)
+    assert check_step(step, loss_fn, x).bitwise
+    saved = _SCHEDULE["weights"][0]
+    try:
+        change(model)
+        with pytest.raises(TraceError, match=re.escape(where) + r" \(shape \(\), neither the model's nor the batch's\), "
+                                             r"whose value .* read at test_guards.py:\d+ .* when the step was traced"):
+            step(x)
+    finally:
+        _SCHEDULE["weights"][0] = saved
 
 
 def test_a_tensor_watch_sees_only_its_own_thread_and_its_trace():

@@ -338,54 +338,102 @@ class OutsideReads(TorchFunctionMode):
 
     def held(self, model: torch.nn.Module, loss_fn: object = None) -> list[tuple[HeldValue, object]]:
         """Each tensor recorded (those computed with only where ``outside_tensors`` finds them),
-        as a ``HeldValue`` (its values now: a tensor), with a copy of its values."""
+        as a ``HeldValue`` (its values now: a tensor), with a copy of its values. A tensor found
+        where the model or ``loss_fn`` holds it is read there at each check, so one put in its
+        place (``model.scale = torch.tensor(3.0)``) is compared too, not only the one traced."""
         named = outside_tensors(model, loss_fn)
         out = []
         for t, how, where in self.found.values():
             if how == "used" and id(t) not in named:
                 continue
-            what = named.get(id(t), "the tensor") + f" (shape {tuple(t.shape)}, neither the model's nor the batch's)"
+            label, locate = named.get(id(t), ("the tensor", None))
+            what = label + f" (shape {tuple(t.shape)}, neither the model's nor the batch's)"
             if how == "used":
                 label = f"{what}, which the step computes with at {where},"
             else:
                 call = f"{how}()" if not how.startswith("__") else f"{how.strip('_')}(tensor)"
                 label = f"{what}, whose value {call} read at {where},"
-            out.append((HeldValue(label, lambda m, t=t: t.detach(), lambda m, v: None), t.detach().clone()))
+            if locate is None:
+                read = lambda m, t=t: t.detach()  # noqa: E731  (held nowhere we can name: the tensor itself)
+            else:
+                def read(m, locate=locate):
+                    now = locate(m)
+                    return now.detach() if isinstance(now, torch.Tensor) else now
+            out.append((HeldValue(label, read, lambda m, v: None), t.detach().clone()))
         return out
 
 
-def outside_tensors(model: torch.nn.Module, loss_fn: object = None) -> dict[int, str]:
-    """id -> description of the tensors the model and ``loss_fn`` hold outside the step's inputs:
-    modules' tensor attributes that are not parameters or buffers, and the tensors the globals
-    and closure variables of ``loss_fn`` and of the user's modules' ``forward`` name, directly or
-    as a field of an object, a dict or a namespace they name (private fields included: a
-    ``GradScaler``'s ``_scale``)."""
-    found: dict[int, str] = {}
+#: how deep ``outside_tensors`` looks into containers and objects, how many entries of each, and
+#: how many containers in all (a model holding a tokenizer or a dataset stays cheap to trace)
+OUTSIDE_DEPTH = 4
+OUTSIDE_ENTRIES = 256
+OUTSIDE_CONTAINERS = 20_000
+#: ``nn.Module``'s own attributes (parameters, buffers, submodules, hooks): not the user's tensors
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
-    def look(label: str, value: object) -> None:
+
+def outside_tensors(model: torch.nn.Module, loss_fn: object = None
+                    ) -> dict[int, tuple[str, Callable[[torch.nn.Module], object]]]:
+    """id -> (description, locate) of the tensors the model and ``loss_fn`` hold outside the step's
+    inputs: modules' attributes that are not parameters or buffers, and the globals and closure
+    variables of ``loss_fn``, of the user's modules' ``forward`` and of the user's hooks, directly
+    or inside the lists, tuples, dicts, namespaces and objects they hold, up to ``OUTSIDE_DEPTH``
+    levels (private fields included: a ``GradScaler``'s ``_scale``). ``locate(model)`` follows the
+    same path again (from ``model``, which may be a copy, for a module's attribute) and gives the
+    value there now, ``_MISSING`` where the path is gone."""
+    found: dict[int, tuple[str, Callable[[torch.nn.Module], object]]] = {}
+    seen: set[int] = set()
+    in_model = {id(m) for m in model.modules()}
+
+    def look(label: str, value: object, locate: Callable[[torch.nn.Module], object], depth: int) -> None:
         if isinstance(value, torch.Tensor):
-            found.setdefault(id(value), label)
-        elif isinstance(value, dict):
-            for k, v in list(value.items())[:256]:
-                if isinstance(v, torch.Tensor):
-                    found.setdefault(id(v), f"{label}[{k!r}]")
-        elif _is_holder(value) or isinstance(value, torch.nn.Module) and all(value is not m for m in model.modules()):
-            for k, v in list(vars(value).items())[:256]:
-                if isinstance(v, torch.Tensor):
-                    found.setdefault(id(v), f"{label}.{k}")
+            if not isinstance(value, torch.nn.Parameter):
+                found.setdefault(id(value), (label, locate))
+            return
+        if depth >= OUTSIDE_DEPTH or id(value) in seen or id(value) in in_model or len(seen) >= OUTSIDE_CONTAINERS:
+            return
+        if isinstance(value, dict):
+            entries = [(k, f"{label}[{k!r}]") for k in list(value)[:OUTSIDE_ENTRIES]]
+        elif isinstance(value, (list, tuple)):
+            entries = [(i, f"{label}[{i}]") for i in range(min(len(value), OUTSIDE_ENTRIES))]
+        elif _is_holder(value) or isinstance(value, torch.nn.Module):
+            entries = [(k, f"{label}.{k}") for k in list(vars(value))[:OUTSIDE_ENTRIES]
+                       if not (isinstance(value, torch.nn.Module) and k in _MODULE_INTERNALS)]
+        else:
+            return
+        seen.add(id(value))
+        for key, shown in entries:
+            def step(m, key=key):
+                holder = locate(m)
+                return _MISSING if holder is _MISSING else _entry(holder, key)
+            look(shown, _entry(value, key), step, depth + 1)
 
     modules = list(model.named_modules())
     for name, module in modules:
         for key, value in vars(module).items():
-            if isinstance(value, torch.Tensor):
-                found.setdefault(id(value), f"model.{name}.{key}" if name else f"model.{key}")
+            if key not in _MODULE_INTERNALS:
+                look(f"model.{name}.{key}" if name else f"model.{key}", value,
+                     lambda m, n=name, k=key: _entry(_submodule(m, n), k), 1)
     functions = [("loss_fn", loss_fn)] if loss_fn is not None else []
     functions += [(f"{cls.__qualname__}.forward", cls.forward)
                   for cls in sorted({type(m) for _, m in modules}, key=lambda c: c.__qualname__) if _user_class(cls)]
+    functions += [(f"a hook of {_where(name, module)}", hook) for name, module in modules
+                  for hook in _hooks_of(module) if _user_module(getattr(_function_of(hook), "__module__", "torch"))]
     for what, fn in functions:
-        for kind, name, value, _read, _write in function_names(fn):
-            look(f"{what}'s {kind} {name!r}", value)
+        for kind, name, value, read, _write in function_names(fn):
+            look(f"{what}'s {kind} {name!r}", value, lambda m, r=read: r(), 1)
     return found
+
+
+def _entry(holder: object, key: object) -> object:
+    """``holder[key]`` of a dict, list or tuple, or its attribute ``key``; ``_MISSING`` where gone."""
+    if holder is _MISSING:
+        return _MISSING
+    if isinstance(holder, (list, tuple)):
+        return holder[key] if isinstance(key, int) and -len(holder) <= key < len(holder) else _MISSING
+    if isinstance(holder, dict):
+        return holder.get(key, _MISSING)
+    return vars(holder).get(key, _MISSING) if hasattr(holder, "__dict__") else _MISSING
 
 
 def _reader(frame: types.FrameType | None) -> str | None:
