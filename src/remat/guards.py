@@ -8,14 +8,17 @@ after tracing, gave gradients exactly twice eager's, silently. So ``module_state
 values when the step is traced and ``ModuleState.check`` refuses a step whose model no longer
 has them, naming the module, the attribute and both values.
 
-Recorded per module: every public attribute holding a number, string, bool or None (or a tuple
-of them), ``training``, and its forward and backward hooks (the functions: one replaced by
-another ran the old one); per
+Recorded per module: its name and class and a ``forward`` set on the instance (a submodule
+swapped for another class, a layer appended to a ``ModuleList``, a patched ``forward``: each
+ran the traced code), every public attribute holding a number, string, bool or None (or a tuple
+of them) or a function (``self.act_fn = F.gelu``), ``training``, and its forward and backward
+hooks (the functions: one replaced by another ran the old one); per
 parameter, ``requires_grad``; per parameter and buffer, its shape, dtype, device and strides
 (the step's kernels were chosen for them: a weight stored transposed after tracing gave
 gradients a rounding apart, and one of another shape failed deep in a kernel). Recorded beside
-them: ``held_values``, the scalars the step may read from outside module attributes (a config
-object's fields, a global schedule dict ``loss_fn`` names). Tensors' values are inputs of the
+them: ``held_values``, the scalars and functions the step may read from outside module
+attributes (a config object's fields, a global schedule dict ``loss_fn`` names, a helper
+function it calls). Tensors' values are inputs of the
 step, not recorded here, with one exception: a tensor neither the model's nor the batch's
 whose value the step's Python reads (``loss * scaler.get_scale()``, which reads a GradScaler's
 scale with ``.item()``) left the number read built into the step (the scaler halved its scale
@@ -63,9 +66,23 @@ def _recordable(value: object) -> bool:
     return isinstance(value, tuple) and len(value) <= 16 and all(isinstance(v, _SCALARS) for v in value)
 
 
+#: the functions a step's code may call through a module attribute, a dict or a global
+#: (``self.act_fn = F.gelu``, ``self.acts["tanh"]``, a helper ``loss_fn`` calls): compared as
+#: functions (``_callable_key``), so one put in the place of another is refused
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+
+
+def _guarded(value: object) -> bool:
+    """Is ``value`` compared by the guards: a number, string, bool or None (or a short tuple of
+    them), or a function?"""
+    return _recordable(value) or isinstance(value, _FUNCTIONS)
+
+
 def _same(a: object, b: object) -> bool:
     if a is b:
         return True
+    if isinstance(a, _FUNCTIONS) and isinstance(b, _FUNCTIONS):
+        return _callable_key(a) == _callable_key(b)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):  # (``OutsideReads``: NaN equals NaN)
         if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
             return False
@@ -96,7 +113,7 @@ class ModuleState:
 
     #: (module name, attribute, value when traced)
     attributes: tuple[tuple[str, str, object], ...]
-    #: (module name, its forward and backward hooks when traced: compared by ``_hook_key``)
+    #: (module name, its forward and backward hooks when traced: compared by ``_callable_key``)
     hooks: tuple[tuple[str, tuple[object, ...]], ...]
     #: (parameter name, requires_grad when traced)
     requires_grad: tuple[tuple[str, bool], ...]
@@ -107,12 +124,19 @@ class ModuleState:
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
     #: values read from outside module attributes (``HeldValue``) with their values when traced
     held: tuple[tuple[HeldValue, object], ...] = ()
+    #: (module name, its class, ``_callable_key`` of a ``forward`` set on the instance or None)
+    #: of every module when traced: a module swapped for one of another class (``model.act =
+    #: nn.ReLU()``), one added to a ``ModuleList`` that ``forward`` loops over, or a ``forward``
+    #: patched on the instance runs code the trace never saw
+    modules: tuple[tuple[str, type, object], ...] = ()
 
     def check(self, model: torch.nn.Module, view: ModelView | None = None) -> None:
         """Raise ``TraceError`` naming the first value that differs from when the step was traced.
         ``view``: the model's modules, parameters and buffers, when the caller has read them."""
         view = view if view is not None else ModelView(model)
         modules = view.modules
+        if self.modules:
+            self._check_modules(modules)
         for name, recorded in self._attributes_by_module:
             module = modules.get(name)
             if module is None:
@@ -145,7 +169,7 @@ class ModuleState:
                     f"step was traced; the traced step runs the hooks it was traced with: trace again "
                     f"(remat.optimize) after adding or removing hooks"
                 )
-            changed = next((h for h, r in zip(now, recorded) if _hook_key(h) != _hook_key(r)), None)
+            changed = next((h for h, r in zip(now, recorded) if _callable_key(h) != _callable_key(r)), None)
             if changed is not None:
                 raise TraceError(
                     f"{_where(name, module)} has a forward/backward hook ({_hook_name(changed)}) that is not one it "
@@ -187,6 +211,36 @@ class ModuleState:
                     f"eager PyTorch now would{'' if p.requires_grad else ' not'}; trace again (remat.optimize) "
                     f"after freezing or unfreezing parameters"
                 )
+
+    def _check_modules(self, modules: dict[str, torch.nn.Module]) -> None:
+        if len(modules) == len(self.modules) and all(
+                (m := modules.get(name)) is not None and type(m) is cls and _forward_key(m) == forward
+                for name, cls, forward in self.modules):
+            return
+        traced = {name: (cls, forward) for name, cls, forward in self.modules}
+        for name, cls, forward in self.modules:
+            module = modules.get(name)
+            if module is None:
+                raise TraceError(f"module {name!r} is gone from the model since the step was traced; trace again")
+            if type(module) is not cls:
+                raise TraceError(
+                    f"{f'module {name!r}' if name else 'the model'} is now {type(module).__qualname__} but was "
+                    f"{cls.__qualname__} when the "
+                    f"step was traced; the traced step runs the modules it was traced with: trace again "
+                    f"(remat.optimize) after replacing modules"
+                )
+            if _forward_key(module) != forward:
+                raise TraceError(
+                    f"{_where(name, module)} has its forward {'replaced' if forward is not None else 'set'} on the "
+                    f"instance since the step was traced; the traced step runs the forward it was traced with: "
+                    f"trace again (remat.optimize) after patching forward"
+                )
+        added = [name for name in modules if name not in traced]
+        raise TraceError(
+            f"the model has module(s) {', '.join(repr(n) for n in added[:4])} that it did not have when the step was "
+            f"traced (added to a ModuleList or as an attribute); the traced step runs the modules it was traced with: "
+            f"trace again (remat.optimize) after adding modules"
+        )
 
     @functools.cached_property
     def _placements(self) -> tuple[tuple[bool, bool, int] | None, ...]:
@@ -233,17 +287,23 @@ class ModelView:
         return dict(self.model.named_buffers())
 
 
-def _hook_key(hook: object) -> object:
-    """What tells one hook from another, the same in a copy of the model (``copy.deepcopy``
-    keeps functions and copies the rest): a function itself, a bound method's function, a
-    partial's function, or another callable object's class."""
-    if isinstance(hook, types.FunctionType):
-        return hook
-    if isinstance(hook, types.MethodType):
-        return ("method", hook.__func__)
-    if isinstance(hook, functools.partial):
-        return ("partial", _hook_key(hook.func))
-    return ("object", type(hook))
+def _callable_key(fn: object) -> object:
+    """What tells one function or hook from another, the same in a copy of the model
+    (``copy.deepcopy`` keeps functions and copies the rest): a function or builtin itself, a
+    bound method's function, a partial's function, or another callable object's class."""
+    if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)):
+        return fn
+    if isinstance(fn, types.MethodType):
+        return ("method", fn.__func__)
+    if isinstance(fn, functools.partial):
+        return ("partial", _callable_key(fn.func))
+    return ("object", type(fn))
+
+
+def _forward_key(module: torch.nn.Module) -> object:
+    """``_callable_key`` of a ``forward`` set on the module instance (not its class's), or None."""
+    forward = module.__dict__.get("forward")
+    return None if forward is None else _callable_key(forward)
 
 
 def _hook_name(hook: object) -> str:
@@ -255,9 +315,15 @@ def _hook_name(hook: object) -> str:
 
 
 def _changed(what: str, now: object, value: object, remedy: str = "") -> TraceError:
-    shown = "is no longer set" if now is _MISSING else f"is now {now!r}"
-    return TraceError(f"{what} {shown} but was {value!r} when the step was traced, and the traced step computes "
-                      f"with that value; trace again (remat.optimize) after changing it{remedy}")
+    shown = "is no longer set" if now is _MISSING else f"is now {_value_shown(now)}"
+    return TraceError(f"{what} {shown} but was {_value_shown(value)} when the step was traced, and the traced step "
+                      f"computes with that value; trace again (remat.optimize) after changing it{remedy}")
+
+
+def _value_shown(value: object) -> str:
+    if isinstance(value, types.BuiltinFunctionType) and getattr(value, "__module__", None):
+        return f"the function {value.__module__}.{value.__name__}"
+    return f"the function {_hook_name(value)}" if isinstance(value, _FUNCTIONS) else repr(value)
 
 
 def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
@@ -280,15 +346,17 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
     attributes, hooks = [], []
     for name, module in model.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
-            if (key == "training" or not key.startswith("_")) and _recordable(value):
+            if (key == "training" or not key.startswith("_")) and _guarded(value):
                 attributes.append((name, key, value))
         hooks.append((name, _hooks_of(module)))
     requires_grad = tuple((key, p.requires_grad) for key, p in model.named_parameters())
     layouts = tuple((kind, key, tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
                     for key, t in named)
+    modules = tuple((name, type(module), _forward_key(module))
+                    for name, module in model.named_modules(remove_duplicate=False))
     return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state(),
-                       tuple(held_values(model, loss_fn)) + tuple(reads))
+                       tuple(held_values(model, loss_fn)) + tuple(reads), modules)
 
 
 # ---------------------------------------------------------------------------- tensors read outside the trace
@@ -487,9 +555,9 @@ def _holds_values(value: object, model: torch.nn.Module) -> bool:
 def _fields(holder: object) -> list[tuple[object, str]]:
     """(key, shown) of the public scalar fields of ``holder`` (at most 256)."""
     if isinstance(holder, dict):
-        items = [(k, f"[{k!r}]") for k, v in holder.items() if isinstance(k, (str, int)) and _recordable(v)]
+        items = [(k, f"[{k!r}]") for k, v in holder.items() if isinstance(k, (str, int)) and _guarded(v)]
     else:  # an object's or a class's own attributes
-        items = [(k, f".{k}") for k, v in vars(holder).items() if not k.startswith("_") and _recordable(v)]
+        items = [(k, f".{k}") for k, v in vars(holder).items() if not k.startswith("_") and _guarded(v)]
     return items[:256]
 
 
@@ -577,7 +645,7 @@ def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[He
     def named_by(what: str, fn: object) -> None:
         for kind, name, value, read, write in function_names(fn):
             label = f"{what}'s {kind} {name!r}"
-            if _recordable(value) and not (kind == "global" and name.startswith("__")):
+            if _guarded(value) and not (kind == "global" and name.startswith("__")):
                 found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, w=write: w(v)), value))
             elif _holds_values(value, model):
                 holder_fields(label, value, lambda m, v=value: v)
