@@ -333,6 +333,41 @@ def test_a_checkpoint_that_does_not_preserve_the_random_state_around_dropout_is_
     assert torch.isfinite(step(*batch))
 
 
+class _CheckpointedNorm(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.stem = nn.Linear(16, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.body, self.stem(x), use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_whose_function_updates_buffers_is_refused_naming_the_module(reentrant):
+    """A batch norm in training mode inside torch.utils.checkpoint: eager's backward runs the
+    block again and updates the running statistics a second time (``num_batches_tracked`` 2
+    after one step); traced as a plain call, the step updated them once (running_var 0.08 from
+    eager's), silently. In eval mode the norm updates nothing and the step traces and runs as
+    eager does."""
+    torch.manual_seed(0)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    batch = (torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    with pytest.raises(TraceError, match=r"torch.utils.checkpoint\(Sequential\) modifies buffer 'num_batches_tracked' "
+                                         r"of module 'body.1' \(BatchNorm1d\) in place \(and 2 more\): eager PyTorch's "
+                                         r"backward runs the checkpointed function again .*take the module out of the "
+                                         r"checkpointed function"):
+        remat.optimize(_CheckpointedNorm(reentrant), batch, loss_fn, budget=1.0, method="checkpoint_all",
+                       cost_model=None)
+    model = _CheckpointedNorm(reentrant)
+    model.body[1].eval()
+    step = remat.optimize(model, batch, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert verify.check_step(step, loss_fn, *batch).bitwise
+
+
 class _Reseeding(nn.Module):
     def __init__(self, how):
         super().__init__()

@@ -164,6 +164,7 @@ class _PlainReentrantCheckpoint:
             _reentrant_blocks.append(ReentrantBlock(_name_of(function), _traced_names(inner), grads))
         if not preserve_rng_state:
             _refuse_random_since(start, function)
+        _record_writes_since(start, function)
         return result
 
 
@@ -250,6 +251,44 @@ def _plain_checkpoint_generator(fn: Callable, preserve_rng_state: bool = True, *
     yield
     if not preserve_rng_state:
         _refuse_random_since(start, fn)
+    _record_writes_since(start, fn)
+
+
+#: (checkpointed function's name, names of the step's inputs it modified in place) of each
+#: checkpoint call of the trace being recorded (``recording_checkpoint_writes``)
+_checkpoint_writes: list[tuple[str, tuple[str, ...]]] | None = None
+
+
+@contextlib.contextmanager
+def recording_checkpoint_writes() -> Iterator[list[tuple[str, tuple[str, ...]]]]:
+    """While in use, each checkpoint call traced that modifies an input of the step in place (a
+    batch norm's running statistics, a counter buffer) is appended to the list it yields, as
+    (the function's name, the placeholders it modified). Eager PyTorch's backward runs such a
+    block again and modifies them a second time (a batch norm's ``num_batches_tracked`` counts
+    2 per step, its running statistics take the batch's twice), which a plain call does not."""
+    global _checkpoint_writes
+    saved, _checkpoint_writes = _checkpoint_writes, []
+    try:
+        yield _checkpoint_writes
+    finally:
+        _checkpoint_writes = saved
+
+
+def _record_writes_since(start: int, function: Callable) -> None:
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None or _checkpoint_writes is None:
+        return
+    written: list[str] = []
+    for node in list(mode.tracer.graph.nodes)[start:]:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            if (arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node)
+                    and value.op == "placeholder" and value.name not in written):
+                written.append(value.name)
+    if written:
+        _checkpoint_writes.append((_name_of(function), tuple(written)))
 
 
 def _traced_count() -> int:

@@ -49,6 +49,7 @@ from remat.eager_ops import (
     autocast_cache,
     fake_kernel,
     recording_branches,
+    recording_checkpoint_writes,
     recording_reentrant_blocks,
     refuse_leaves_shared_across_reentrant_blocks,
     tracing_as_eager,
@@ -58,7 +59,7 @@ from remat.errors import TraceError, a_type
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
-from remat.guards import ModelView, ModuleState, OutsideReads, PythonState, module_state
+from remat.guards import ModelView, ModuleState, OutsideReads, PythonState, _where, module_state
 from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RngWatch, RnnWatch, check_default_generator,
                                 _describe_module, check_dense, explain_trace_failure,
                                 warn_of_stored_trace_tensors)
@@ -648,6 +649,33 @@ def _check_loss(loss: object) -> None:
         )
 
 
+def _refuse_checkpoint_writes(model: torch.nn.Module, writes: list[tuple[str, tuple[str, ...]]],
+                              what: dict[str, tuple[str, str]]) -> None:
+    """Refuse a ``torch.utils.checkpoint`` whose function modifies a buffer, a parameter or a
+    batch tensor in place (``eager_ops.recording_checkpoint_writes``): eager PyTorch's backward
+    runs the function again and modifies it a second time (a batch norm in training mode inside
+    a checkpoint: ``num_batches_tracked`` 2 after one step, the running statistics updated
+    twice), which the traced step, where the checkpoint is a plain call, would not, silently."""
+    for function, placeholders in writes:
+        shown = [what.get(p, ("tensor", p)) for p in placeholders]
+        kind, key = shown[0]
+        owner, _, attribute = key.rpartition(".")
+        try:
+            module = model.get_submodule(owner) if kind in ("parameter", "buffer") else None
+        except AttributeError:
+            module = None
+        where = (f"{kind} {attribute!r} of {_where(owner, module)}" if module is not None
+                 else f"the batch tensor {key}" if kind == "batch" else f"{kind} {key!r}")
+        raise TraceError(
+            f"torch.utils.checkpoint({function}) modifies {where} in place"
+            f"{f' (and {len(shown) - 1} more)' if len(shown) > 1 else ''}: eager PyTorch's backward runs the "
+            f"checkpointed function again and modifies it a second time (a batch norm in training mode updates its "
+            f"running statistics twice), which remat's step, which runs the function once, does not reproduce; take "
+            f"the module out of the checkpointed function (remat decides what to recompute itself, and updates "
+            f"it once, as a model without checkpointing does), or call it in eval mode"
+        )
+
+
 def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_inputs, flat, kinds_by_name, stashed=None):
     wrapper = _Wrapper(model, loss_fn)
     n_train, n_frozen, n_buf = len(trainable), len(frozen), len(buffer_keys)
@@ -687,10 +715,14 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
     try:
         with enable_python_dispatcher(), tracing_as_eager(), _module_attributes_kept(model, stashed):
             # detached aliases per pass: pass 1 marks its inputs requires_grad
-            with recording_reentrant_blocks() as blocks:
+            with recording_reentrant_blocks() as blocks, recording_checkpoint_writes() as writes:
                 first = proxy_tensor.make_fx(step, tracing_mode="fake")(*(t.detach() for t in flat))
             phase_of = _phases(first, marks)
             placeholders = [n.name for n in first.graph.nodes if n.op == "placeholder"]
+            kinds = ["parameter"] * (n_train + n_frozen) + ["buffer"] * n_buf
+            _refuse_checkpoint_writes(model, writes, dict(zip(placeholders, [
+                *zip(kinds, (k.removeprefix("model.") for k in names)),
+                *(("batch", f"batch[{i}]") for i in range(len(placeholders) - len(names)))])))
             leaves = {placeholders[i]: f"parameter {trainable[i]!r}" for i in range(n_train)}
             leaves.update({placeholders[n_train + n_frozen + n_buf + i]: f"batch input {i}" for i in grad_inputs})
             refuse_leaves_shared_across_reentrant_blocks(
