@@ -298,6 +298,13 @@ def test_a_batch_tensor_modified_in_place_that_shares_memory_with_another_input_
     halves = torch.randn(256) + 3  # two halves of one storage overlap nowhere: not refused
     want = loss_fn(eager, halves[:128].clone().view(16, 8), halves[128:].view(16, 8))
     assert torch.equal(step(halves[:128].view(16, 8), halves[128:].view(16, 8)), want)
+    # such an example batch is refused by optimize itself, before planning, and left as it was
+    kept = example.clone()
+    with pytest.raises(TraceError, match=r"batch\[0\] and batch\[1\] share memory, and the step modifies "
+                                         r"batch\[0\] in place"):
+        remat.optimize(_CentringAutoencoder(), (example, example), loss_fn, budget=1.0, method="checkpoint_all",
+                       cost_model=None)
+    assert torch.equal(example, kept)
 
 
 class _CheckpointedDropout(nn.Module):

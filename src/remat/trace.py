@@ -466,6 +466,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
         module_state=module_state(model, loss_fn, reads.held(model, loss_fn)),
         branch_points=branch_points,
     )
+    traced.flat_inputs(model, batch)  # (the example as a step would take it: a batch (x, x) that it modifies is refused)
     if cost_model is not None:
         # (meta models are only estimated, from the fake tensors' metadata)
         zero = frozenset(name for i, name in enumerate(node_names) if traced.is_alias(i))
