@@ -375,6 +375,33 @@ def test_a_checkpoint_whose_function_updates_buffers_is_refused_naming_the_modul
     assert verify.check_step(step, loss_fn, *batch).bitwise
 
 
+class _AllCheckpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.body, x, use_reentrant=self.reentrant)
+
+
+def test_a_reentrant_checkpoint_of_the_whole_model_on_a_batch_not_requiring_grad_is_refused_with_its_remedy():
+    """As in eager PyTorch, nothing inside a reentrant checkpoint none of whose inputs requires
+    grad gets a gradient; when that is the whole model the loss has none, and the message said
+    only to check that loss_fn does not detach its output. It names the checkpoint and the
+    remedy, which traces."""
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    x = torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"), pytest.raises(
+            TraceError, match=r"no grad_fn\); torch.utils.checkpoint\(Sequential, use_reentrant=True\) got no input "
+                              r"that requires grad.*pass use_reentrant=False"):
+        remat.optimize(_AllCheckpointed(True), x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    step = remat.optimize(_AllCheckpointed(False), x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert verify.check_step(step, loss_fn, x).bitwise
+
+
 class _Reseeding(nn.Module):
     def __init__(self, how):
         super().__init__()

@@ -183,6 +183,11 @@ class ReentrantBlock:
 _reentrant_blocks: list[ReentrantBlock] | None = None
 
 
+def traced_reentrant_blocks() -> list[ReentrantBlock]:
+    """The reentrant checkpoint calls recorded so far (none outside ``recording_reentrant_blocks``)."""
+    return list(_reentrant_blocks or ())
+
+
 @contextlib.contextmanager
 def recording_reentrant_blocks() -> Iterator[list[ReentrantBlock]]:
     """While in use, each reentrant checkpoint call traced is appended to the list it yields."""

@@ -52,6 +52,7 @@ from remat.eager_ops import (
     recording_checkpoint_writes,
     recording_reentrant_blocks,
     refuse_leaves_shared_across_reentrant_blocks,
+    traced_reentrant_blocks,
     tracing_as_eager,
     untraced,
 )
@@ -644,9 +645,13 @@ def _check_loss(loss: object) -> None:
     if not loss.dtype.is_floating_point:
         raise TraceError(f"loss_fn returned a {loss.dtype} tensor; the loss must be floating point")
     if not loss.requires_grad:
+        blocks = [b.name for b in traced_reentrant_blocks() if not b.grads]
         raise TraceError(
-            "the loss does not depend on any trainable parameter (it has no grad_fn); check that "
-            "loss_fn calls the model it is given and does not detach its output"
+            "the loss does not depend on any trainable parameter (it has no grad_fn); " + (
+                f"torch.utils.checkpoint({blocks[0]}, use_reentrant=True) got no input that requires grad, so, as in "
+                f"eager PyTorch, nothing computed inside it gets a gradient: pass use_reentrant=False, which "
+                f"computes the gradients of the parameters inside" if blocks else
+                "check that loss_fn calls the model it is given and does not detach its output")
         )
 
 
