@@ -150,9 +150,20 @@ _XY = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
 def test_arguments_of_the_wrong_kind_are_refused_naming_them(args, message, tmp_path):
     with pytest.raises(TraceError, match=message):
         optimize(*args, budget=1.0, method="checkpoint_all", cost_model=None)
-    if isinstance(args[1], tuple):  # (loading a plan checks the model and loss_fn first, the same way)
+    if isinstance(args[1], tuple):  # (loading a plan checks the model and loss_fn first, the same way, in its order)
+        message = message.replace(r"remat.optimize\(model, example_batch, loss_fn, budget=...\)",
+                                  r"remat.TrainingStep.load\(path, model, example_batch, loss_fn\)")
         with pytest.raises(TraceError, match=message):
             TrainingStep.load(tmp_path / "plan.json", args[0], args[1], args[2])
+
+
+def test_load_with_the_model_first_is_refused_giving_loads_own_order(tmp_path):
+    order = r"in the order remat.TrainingStep.load\(path, model, example_batch, loss_fn\)"
+    with pytest.raises(TraceError, match=r"the path is a Linear, not a file path \(path and model swapped\?\); pass the "
+                                         r"file step.save\(\) wrote, " + order):
+        TrainingStep.load(_LINEAR, tmp_path / "plan.json", _XY, _LOSS)
+    with pytest.raises(TraceError, match=r"loss_fn is a tuple, not a function; .*" + order):
+        TrainingStep.load(tmp_path / "plan.json", _LINEAR, _LOSS, _XY)
 
 
 def test_report_describes_the_plan():
@@ -163,6 +174,17 @@ def test_report_describes_the_plan():
     assert r.predicted_peak_bytes <= r.budget_bytes == int(0.9 * r.checkpoint_all_peak_bytes)
     assert r.fixed_bytes < r.predicted_peak_bytes and r.overhead >= 1.0 and r.n_nodes == step.traced.graph.n
     assert "chen_greedy" in str(r) and "overhead" in str(r)
+
+
+def test_a_method_that_refuses_the_graph_says_which_graph_it_counted():
+    """griewank counts the nodes of the graph it plans (views folded), the report the traced
+    graph's: the message names both, so the two numbers do not contradict each other."""
+    w = workload("mlp", 4)
+    step = optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, 1.0, method="checkpoint_all", cost_model=None)
+    with pytest.raises(remat.UnsupportedGraphError, match=r"it has (\d+) nodes, .* \(nodes counted after folding "
+                                                          rf"zero-byte views into the values they alias: \1, of the "
+                                                          rf"graph's {step.report.n_nodes}\)$"):
+        optimize(copy.deepcopy(w.model), w.batch, w.loss_fn, 1.0, method="griewank", cost_model=None)
 
 
 @pytest.mark.skipif("milp" not in remat.methods(), reason="MILP solver not built yet")
@@ -509,6 +531,41 @@ def test_a_dict_batch_that_does_not_match_is_refused_naming_the_keys(call, messa
     with pytest.raises(TraceError, match=r"step\(\) got a dict \(keys 'x'\), but this step was traced with a batch of "
                                          r"1 tensor\(s\), not a dict"):
         plain({"x": torch.randn(2, 16)})
+
+
+def test_a_dict_batch_tensor_is_named_by_its_key_at_step_time_and_at_optimize_time():
+    """The step takes a dict's tensors as a tuple in its keys' order; a message names them as the
+    user wrote the batch, ``batch['labels']``, not ``batch[2]``, remedies included."""
+    step = optimize(_KeywordModel(), _keyword_batch(), _keyword_loss, 1.0, method="checkpoint_all", cost_model=None)
+    b = _keyword_batch(1)
+    with pytest.raises(TraceError, match=r"^batch\['labels'\] has shape \(4, 16\), torch.float32 .* pass "
+                                         r"batch\['labels'\].to\(torch.int64\) or trace"):
+        step({**b, "labels": b["labels"].float()})
+    with pytest.raises(TraceError, match=r"^batch\['input_ids'\] has shape \(2, 16\), torch.int64 on cpu but the step "
+                                         r"was traced with shape \(4, 16\)"):
+        step({**b, "input_ids": b["input_ids"][:2]})
+    with pytest.raises(TraceError, match=r"^batch\['labels'\] has shape .* pass batch\['labels'\].to\(torch.int64\)"):
+        check_step(step, _keyword_loss, {**b, "labels": b["labels"].float()})  # (before eager runs it)
+
+    class InPlace(torch.nn.Linear):
+        def forward(self, a, b):
+            return super().forward(a.mul_(2) + b).sum()
+
+    x = torch.randn(2, 4)
+    with pytest.raises(TraceError, match=r"^batch\['a'\] and batch\['b'\] share memory, and the step modifies "
+                                         r"batch\['a'\] in place.*\(batch\['b'\].clone\(\), which keeps its values\)"):
+        optimize(InPlace(4, 4), {"a": x, "b": x}, lambda m, batch: m(**batch), 1.0, method="checkpoint_all", cost_model=None)
+
+
+def test_a_dict_in_a_tuple_of_one_is_told_to_be_passed_itself():
+    with pytest.raises(TraceError, match=r"the batch is a tuple holding one dict \(keys 'input_ids', 'attention_mask', "
+                                         r"'labels'\), and a dict batch is taken as it is: pass the dict itself, "
+                                         r"remat.optimize\(model, batch, loss_fn, ...\)"):
+        optimize(_KeywordModel(), (_keyword_batch(),), _keyword_loss, 1.0, method="checkpoint_all", cost_model=None)
+    step = optimize(_KeywordModel(), _keyword_batch(), _keyword_loss, 1.0, method="checkpoint_all", cost_model=None)
+    with pytest.raises(TraceError, match=r"step\(\) got a list holding one dict \(keys 'input_ids', 'attention_mask', "
+                                         r"'labels'\); pass the dict itself, step\(batch\)"):
+        step([_keyword_batch(1)])
 
 
 def test_a_dict_batch_step_saves_and_loads_and_keeps_the_guards_of_its_loss(tmp_path):

@@ -30,12 +30,14 @@ budget, one that does not parse, or one whose report the plan contradicts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -151,7 +153,8 @@ class TrainingStep:
                 "training step computes gradients; call it outside inference_mode"
             )
         batch = self._batch(batch)
-        return self._step_for(batch)._run(batch)
+        with self._errors_by_key():
+            return self._step_for(batch)._run(batch)
 
     def for_batch(self, *batch: torch.Tensor | Sequence[torch.Tensor]) -> TrainingStep:
         """The planned step that runs ``batch`` as eager PyTorch does. Library code can pick the
@@ -164,7 +167,9 @@ class TrainingStep:
         first time one comes (``InfeasibleBudgetError`` if that program cannot fit the budget),
         and kept. Call it with a batch of each kind before training to plan every branch up
         front."""
-        return self._step_for(self._batch(batch))
+        batch = self._batch(batch)
+        with self._errors_by_key():
+            return self._step_for(batch)
 
     def _step_for(self, batch: tuple[torch.Tensor, ...]) -> TrainingStep:
         """``for_batch`` of a batch ``_batch`` has already checked."""
@@ -213,6 +218,11 @@ class TrainingStep:
         """``step(x, y)``, ``step((x, y))`` and ``step([x, y])`` are one batch ``(x, y)``; a step
         traced with a dict batch takes dicts with its keys (in any order)."""
         if self.batch_keys is not None:
+            if len(args) == 1 and _wrapped_dict(args[0]):
+                raise TraceError(
+                    f"step() got {a_type(args[0])} holding one dict (keys {_keys_shown(tuple(args[0][0]))}); pass "
+                    f"the dict itself, step(batch), as the DataLoader yields it"
+                )
             if len(args) != 1 or not isinstance(args[0], Mapping):
                 raise TraceError(
                     f"step() got {_describe(args)}, but this step was traced with a dict batch (keys "
@@ -235,6 +245,11 @@ class TrainingStep:
             f"step() got {_describe(args)}, but this step was traced with a batch of {want} tensor(s) of shapes "
             f"{shapes} (the example_inputs given to optimize); call {call} with tensors of those shapes"
         )
+
+    def _errors_by_key(self) -> contextlib.AbstractContextManager[None]:
+        """Errors raised inside that name a batch tensor by position (``batch[1]``) name it by key
+        (``batch['labels']``) for a step traced with a dict batch."""
+        return _named_by_key(self.batch_keys)
 
     def positional(self, loss_fn: LossFn) -> LossFn:
         """``loss_fn`` as the traced step calls it: with the batch's tensors as arguments (for a
@@ -285,7 +300,7 @@ class TrainingStep:
         """Rebuild a saved step without solving. Raises ``StalePlanError`` if the model's
         traced graph (or the requested budget) differs from the file's, ``PlanFileError`` if
         the file is missing or malformed. ``allow_native_batch_norm``: as in ``optimize``."""
-        check_arguments(model, loss_fn)
+        _check_load_arguments(path, model, loss_fn)
         refuse_wrapped(model, "TrainingStep.load()")
         budget_bytes = _saved_budget(budget_bytes)
         record = _read_plan(path)
@@ -300,15 +315,17 @@ class TrainingStep:
                 f"saved plan {os.fspath(path)!r} was made for a batch given as {shown(saved_keys)}, and this "
                 f"example batch is {shown(keys)}; pass the batch as it was saved, or run optimize() again"
             )
-        traced = trace(model, example_inputs, loss_fn, cost_model=None, allow_native_batch_norm=allow_native_batch_norm,
-                       branches=branches)
+        with _named_by_key(keys):
+            traced = trace(model, example_inputs, loss_fn, cost_model=None,
+                           allow_native_batch_norm=allow_native_batch_norm, branches=branches)
         if branches is not None and traced.branch_answers != branches:
             raise StalePlanError(
                 f"saved plan {os.fspath(path)!r} was made for a step that meets {len(branches)} check(s) of the batch's "
                 f"values (transformers' attention-mask and packed-sequence checks); this model and loss meet "
                 f"{len(traced.branch_answers)}: run optimize() again and save the new plan"
             )
-        _check_requires_grad(path, record, traced)
+        with _named_by_key(keys):
+            _check_requires_grad(path, record, traced)
         # the step's structure without what the file measured: a file saved for this step whose
         # measured scratch was edited is corrupt, not stale (files from before the field was
         # saved are told apart by the fingerprint alone)
@@ -397,12 +414,43 @@ def _keyword_batch(example: object, loss_fn: LossFn, keys: tuple[str, ...] | Non
                    ) -> tuple[object, LossFn, tuple[str, ...] | None]:
     """(batch, loss_fn, keys): a dict batch as its tensors (in ``keys``' order, by default its
     own), ``loss_fn`` taking them (``_KeywordBatch``), and its keys; anything else as it is."""
+    if _wrapped_dict(example):
+        raise TraceError(
+            f"the batch is {a_type(example)} holding one dict (keys {_keys_shown(tuple(example[0]))}), and a dict "
+            f"batch is taken as it is: pass the dict itself, remat.optimize(model, batch, loss_fn, ...), with "
+            f"loss_fn(model, batch) reading the dict"
+        )
     if not isinstance(example, Mapping):
         return example, loss_fn, None
     own = tuple(example)
     if keys is None or set(keys) != set(own):
         keys = own
     return _tensors_of(example, keys), _KeywordBatch(loss_fn, keys), keys
+
+
+def _wrapped_dict(batch: object) -> bool:
+    """Is ``batch`` a dict in a tuple or list of one (``(batch,)``), where the dict itself was meant?"""
+    return isinstance(batch, (tuple, list)) and len(batch) == 1 and isinstance(batch[0], Mapping)
+
+
+#: a batch tensor named by position in a message: ``batch[1]``
+_BATCH_POSITION = re.compile(r"\bbatch\[(\d+)\]")
+
+
+@contextlib.contextmanager
+def _named_by_key(keys: tuple[str, ...] | None) -> Iterator[None]:
+    """Re-raise a ``TraceError`` or ``PlanFileError`` that names a dict batch's tensor by its
+    position in the step's tuple (``batch[1]``, remedy ``pass batch[1].to(torch.int64)``) naming
+    it by key (``batch['labels']``), as the user wrote the batch; the same type, and cause."""
+    try:
+        yield
+    except (TraceError, PlanFileError) as exc:
+        text = str(exc)
+        keyed = text if keys is None else _BATCH_POSITION.sub(
+            lambda m: f"batch[{keys[int(m[1])]!r}]" if int(m[1]) < len(keys) else m[0], text)
+        if keyed == text:
+            raise
+        raise type(exc)(keyed) from exc.__cause__
 
 
 def _tensors_of(batch: Mapping, keys: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
@@ -526,6 +574,25 @@ def _check_requires_grad(path: str | os.PathLike, record: dict, traced: TracedSt
             )
 
 
+#: ``TrainingStep.load``'s arguments, in order, for messages
+_LOAD_ORDER = "remat.TrainingStep.load(path, model, example_batch, loss_fn)"
+
+
+def _check_load_arguments(path: object, model: object, loss_fn: object) -> None:
+    """``check_arguments`` for ``TrainingStep.load``, whose messages give load's order of
+    arguments, and a ``path`` that is a file path (the model first: path and model swapped)."""
+    if not isinstance(path, (str, os.PathLike)):
+        swapped = " (path and model swapped?)" if isinstance(path, torch.nn.Module) else ""
+        raise TraceError(
+            f"the path is {a_type(path)}, not a file path{swapped}; pass the file step.save() wrote, in the order "
+            f"{_LOAD_ORDER}"
+        )
+    try:
+        check_arguments(model, loss_fn)
+    except TraceError as exc:
+        raise TraceError(re.sub(r"remat\.optimize\(model, [^)]*\)", _LOAD_ORDER, str(exc))) from None
+
+
 def _read_plan(path: str | os.PathLike) -> dict:
     where = os.fspath(path)
     try:
@@ -613,7 +680,9 @@ def optimize(
     check_method(method, solver_options)  # (before tracing, which can take minutes)
     refuse_wrapped(model)
     example_inputs, loss_fn, keys = _keyword_batch(example_inputs, loss_fn)
-    traced = trace(model, example_inputs, loss_fn, cost_model=cost_model, allow_native_batch_norm=allow_native_batch_norm)
+    with _named_by_key(keys):
+        traced = trace(model, example_inputs, loss_fn, cost_model=cost_model,
+                       allow_native_batch_norm=allow_native_batch_norm)
     graph = traced.graph
     baseline = simulate(graph, Schedule.from_compute(graph, np.eye(graph.n, dtype=bool)).lower(graph))
     budget = parse_budget(budget, reference_bytes=baseline.peak_bytes)
