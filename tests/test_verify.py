@@ -196,3 +196,26 @@ def test_check_step_copies_a_model_holding_a_computed_weight_and_leaves_it_as_it
     result = check_step(step, loss_fn, x, y)
     assert result.bitwise, result.mismatches
     assert model[0].weight is weight and weight.grad_fn is not None
+
+
+def test_check_step_and_check_counted_bytes_refuse_arguments_in_the_wrong_order():
+    import pytest
+
+    import remat
+    from remat.errors import TraceError
+    from remat.verify import check_counted_bytes, check_step
+
+    model, x, y = torch.nn.Linear(4, 2), torch.randn(3, 4), torch.randn(3, 2)
+    loss_fn = lambda m, x, y: (m(x) - y).square().mean()  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    with pytest.raises(TraceError, match=r"check_step's first argument is a function, not the TrainingStep "
+                                         r"remat.optimize returns \(step and loss_fn swapped\?\); call "
+                                         r"check_step\(step, loss_fn, \*batch\)"):
+        check_step(loss_fn, step, x, y)
+    with pytest.raises(TraceError, match=r"check_step's loss_fn is a tensor of shape \(3, 4\), not a callable \(loss_fn "
+                                         r"left out\?\); call check_step\(step, loss_fn, \*batch\)"):
+        check_step(step, x, y)
+    with pytest.raises(TraceError, match=r"check_counted_bytes takes the batch only, not loss_fn, and its first batch "
+                                         r"argument is a function; call check_counted_bytes\(step, \*batch\)"):
+        check_counted_bytes(step, loss_fn, x, y)
+    assert check_step(step, loss_fn, x, y).bitwise and check_counted_bytes(step, x, y) == []

@@ -12,9 +12,11 @@ from typing import TypeVar
 
 import torch
 
+from remat.errors import TraceError, a_type
 from remat.execute import PlannedStep, grad_through_hooks
 from remat.memory import MemoryReport, measure_peak, resident_bytes_of
-from remat.trace import InputRole, TracedStep, batch_index
+from remat.optimize import TrainingStep
+from remat.trace import InputRole, TracedStep, batch_index, check_batch
 
 
 @dataclass(frozen=True, eq=False)
@@ -252,11 +254,20 @@ def check_step(step: object, loss_fn: Callable[..., torch.Tensor], *batch: torch
     >>> check_step(step, loss_fn, x).bitwise
     True
     """
+    order = "check_step(step, loss_fn, *batch)"
+    swapped = " (step and loss_fn swapped?)" if isinstance(loss_fn, TrainingStep) else ""
+    _check_step_argument(step, "check_step", order, swapped)
+    if not callable(loss_fn):
+        shown = f"a tensor of shape {tuple(loss_fn.shape)}" if isinstance(loss_fn, torch.Tensor) else a_type(loss_fn)
+        raise TraceError(f"check_step's loss_fn is {shown}, not a callable (loss_fn left out?); call {order}, with "
+                         f"the loss_fn given to remat.optimize")
     batch = step._batch(batch)
     loss_fn = step.positional(loss_fn)  # (a dict batch: gathered back into a dict for eager's loss_fn)
-    step = step._step_for(batch)  # (the program eager runs for this batch: see ``TrainingStep.for_batch``)
-    want = _eager_state(step.model, batch, loss_fn, seed=seed)  # (states only: no peak is read here)
-    got = _planned_state(step.model, batch, step.traced, step.planned, seed=seed)
+    with step._errors_by_key():
+        step = step._step_for(batch)  # (the program eager runs for this batch: see ``TrainingStep.for_batch``)
+        check_batch(step.traced.batch_spec, batch)  # (before eager runs it: a batch the step refuses is named)
+        want = _eager_state(step.model, batch, loss_fn, seed=seed)  # (states only: no peak is read here)
+        got = _planned_state(step.model, batch, step.traced, step.planned, seed=seed)
     agreement = _compare_modified(got, want, step.model, batch)
     if agreement.bitwise:
         return agreement
@@ -284,8 +295,14 @@ def check_counted_bytes(step: object, *batch: torch.Tensor, seed: int = 0) -> li
     >>> check_counted_bytes(step, x)
     []
     """
+    order = "check_counted_bytes(step, *batch)"
+    _check_step_argument(step, "check_counted_bytes", order)
+    if batch and callable(batch[0]):
+        raise TraceError(f"check_counted_bytes takes the batch only, not loss_fn, and its first batch argument is "
+                         f"{a_type(batch[0])}; call {order}")
     batch = step._batch(batch)
-    step = step._step_for(batch)
+    with step._errors_by_key():
+        step = step._step_for(batch)
     traced: TracedStep = step.traced
     model = copied_model(step.model)
     wrong: list[str] = []
@@ -304,5 +321,15 @@ def check_counted_bytes(step: object, *batch: torch.Tensor, seed: int = 0) -> li
                              f"{have} B; counted {fake.dtype}, {want} B")
 
     torch.manual_seed(seed)
-    step.planned.run(traced.flat_inputs(model, batch), observe=observe)
+    with step._errors_by_key():
+        flat = traced.flat_inputs(model, batch)
+    step.planned.run(flat, observe=observe)
     return list(dict.fromkeys(wrong))  # a recomputed node reports once
+
+
+def _check_step_argument(step: object, function: str, order: str, swapped: str = "") -> None:
+    """Refuse (``TraceError``, as ``optimize`` refuses its arguments) a first argument of
+    ``function`` that is not a ``TrainingStep``."""
+    if not isinstance(step, TrainingStep):
+        raise TraceError(f"{function}'s first argument is {a_type(step)}, not the TrainingStep remat.optimize "
+                         f"returns{swapped}; call {order}")
