@@ -164,6 +164,16 @@ def test_infeasible_budget_reports_exact_minimum() -> None:
     assert again.value.min_budget_bytes == low
 
 
+def test_a_budget_below_what_every_plan_holds_says_so_in_plain_words() -> None:
+    graph = chain_graph(6, bytes_per_node=1)
+    with pytest.raises(InfeasibleBudgetError, match=r"raise the budget to at least that \(this budget is below the "
+                                                    r"3 B that every plan holds at once when it computes node 7 "
+                                                    r"\('grad_f5'\): the fixed bytes, that node's inputs, output and "
+                                                    r"scratch, the outputs computed so far and the values read later "
+                                                    r"that cannot be recomputed\)"):
+        solve(graph, 2, method="milp")
+
+
 def test_fixed_bytes_over_budget_is_infeasible() -> None:
     graph = chain_graph(2, bytes_per_node=1, fixed_bytes=100)
     with pytest.raises(InfeasibleBudgetError) as info:

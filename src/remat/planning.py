@@ -137,7 +137,7 @@ def _plan_graph(graph: Graph, budget_bytes: int, method: str, reduce: bool, max_
     coarse = folded if folded is None or max_nodes is None else group_folded(folded, max_nodes)
     target = coarse.coarse if coarse is not None else graph
     if coarse is None or coarse.exact:
-        result = solve(target, budget_bytes, method=method, **options)
+        result = _solved(graph, coarse, budget_bytes, method, options)
         checked = _checked(graph, coarse, result, method, budget_bytes)
         source = result.stats.plan_from
         if method in FALLS_BACK and source not in (None, method):  # (lp_round: no rounding fit, or was cheaper)
@@ -148,7 +148,7 @@ def _plan_graph(graph: Graph, budget_bytes: int, method: str, reduce: bool, max_
     infeasible: InfeasibleBudgetError | None = None
     failure: SolverError | None = None
     try:
-        grouped = _checked(graph, coarse, solve(target, budget_bytes, method=method, **options), method, budget_bytes)
+        grouped = _checked(graph, coarse, _solved(graph, coarse, budget_bytes, method, options), method, budget_bytes)
     except InfeasibleBudgetError as exc:
         infeasible = exc
     except SolverError as exc:  # e.g. a time limit with no plan found on the grouped graph
@@ -186,6 +186,22 @@ def _plan_graph(graph: Graph, budget_bytes: int, method: str, reduce: bool, max_
     result = dataclasses.replace(chosen.result, method=method, status=status, lower_bound=lower, gap=gap,
                                  solve_s=time.perf_counter() - started)
     return dataclasses.replace(chosen, result=result, note=note)
+
+
+def _solved(graph: Graph, coarse: Coarsening | None, budget_bytes: int, method: str,
+            options: dict[str, object]) -> SolveResult:
+    """``solve`` on the graph ``coarse`` reduces ``graph`` to. A method's ``UnsupportedGraphError``
+    counts and numbers that graph's nodes, not ``graph``'s (which ``step.report`` counts): it
+    says which graph it counted."""
+    target = coarse.coarse if coarse is not None else graph
+    try:
+        return solve(target, budget_bytes, method=method, **options)
+    except UnsupportedGraphError as exc:
+        if target.n == graph.n:
+            raise
+        how = ("after folding zero-byte views into the values they alias" if coarse.exact
+               else "after grouping neighbouring ops (max_nodes)")
+        raise UnsupportedGraphError(f"{exc} (nodes counted {how}: {target.n}, of the graph's {graph.n})") from None
 
 
 def _full_graph_bound(graph: Graph, budget_bytes: int) -> float:

@@ -155,8 +155,8 @@ def _retention_rounding(graph: Graph, budget_bytes: int, thresholds: Sequence[fl
     structure = prep.retention
     bound = prep.bounds.cost_bound(budget_bytes, time_limit_s=min(10.0, 0.15 * time_limit_s))
     if not bound.feasible:
-        raise _infeasible(graph, budget_bytes, f"at {graph.describe(bound.instant)} the values no plan can drop "
-                          f"already exceed it")
+        raise _infeasible(graph, budget_bytes, f"at {graph.describe(bound.instant)} the values every plan holds "
+                          f"there already take more than this budget")
     rows = sorted(prep.retention_rows | ({bound.instant} if bound.instant is not None else set()))
     relaxed = relax_retention(structure, budget_bytes, rows, deadline=started + time_limit_s)
     if relaxed.infeasible and not fallback:

@@ -70,6 +70,7 @@ from remat.solvers.prepared import PreparedGraph, least_peak_plan, prepared, rem
 from remat.solvers.repair import Descent, lower_peak, prune, reshuffle
 from remat.solvers.restart import restart_instants, restart_plan
 from remat.solvers.retention import MODEL_GAP, RetentionSolution, solve_retention
+from remat.units import format_bytes_exactly
 
 log = logging.getLogger("remat.solve")
 T = TypeVar("T")
@@ -241,8 +242,12 @@ def milp(
     prep = prepared(graph)
     settings = SolverSettings(time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads)
     if budget_bytes < prep.bounds.min_budget_bytes:
-        raise _infeasible(graph, budget_bytes, settings, backend, "below what the values no plan can drop need",
-                          exact_max_nodes=exact_max_nodes)
+        crowded = int(np.argmax(prep.bounds.forced_bytes))
+        raise _infeasible(graph, budget_bytes, settings, backend,
+                          f"this budget is below the {format_bytes_exactly(prep.bounds.min_budget_bytes)} that every "
+                          f"plan holds at once when it computes {graph.describe(crowded)}: the fixed bytes, that "
+                          f"node's inputs, output and scratch, the outputs computed so far and the values read later "
+                          f"that cannot be recomputed", exact_max_nodes=exact_max_nodes)
     if early_proof:  # computing every node once is the least any plan costs: nothing to search
         everything = baseline_candidates(graph, budget_bytes, methods=("checkpoint_all",))
         if everything and everything[0].peak_bytes <= budget_bytes:
@@ -257,7 +262,7 @@ def milp(
         go_on_until=started + BOUND_MORE_SHARE * time_limit_s)
     if not bound.feasible:
         raise _infeasible(graph, budget_bytes, settings, backend, f"at {graph.describe(bound.instant)} the values "
-                          f"no plan can drop already exceed it", exact_max_nodes=exact_max_nodes)
+                          f"every plan holds there already take more than this budget", exact_max_nodes=exact_max_nodes)
     target = bound.value * (1 + mip_gap)
     if best is not None and early_proof and best.cost <= target:
         return _finish(graph, budget_bytes, best, None, bound.value, SolveStatus.OPTIMAL, started,
