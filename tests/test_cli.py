@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,7 @@ def test_infeasible_budget_exits_1_and_names_the_minimum(capsys):
         (["sweep", "--graph", "chain:4", "--budgets", ","], "lists no budget"),
         (["sweep", "--graph", "chain:4", "--budgets", "10%:20%"], "a range is LOW:HIGH:COUNT, e.g. 30%:100%:8"),
         (["sweep", "--graph", "chain:4", "--methods", "checkpoint_all,nope"], "unknown method 'nope'"),
+        (["sweep"], "say what to plan: --graph chain:32 (or unet:4, random:60:7)\n"),  # (sweep has no --model)
     ],
 )
 def test_usage_errors_exit_2(capsys, argv, message):
@@ -220,6 +222,19 @@ def test_every_help_works(capsys):
         out = capsys.readouterr().out
         assert code == 0, path
         assert out.startswith("usage: remat") and "--help" in out, path
+
+
+@pytest.mark.parametrize("command", [["solve"], ["sweep"], ["demo"], ["bench", "sweep"], ["bench", "max-batch"]])
+def test_every_option_that_takes_a_value_states_its_default(capsys, command):
+    code, out, _ = run(capsys, *command, "--help")
+    assert code == 0
+    entries = [" ".join(entry.split()) for entry in re.split(r"\n(?=  -)", out.split("\noptions:\n", 1)[1])]
+    valued = [entry for entry in entries if re.match(r"(-\w, )?--[\w-]+ [A-Z{]", entry)]
+    assert len(valued) >= 5, out
+    for entry in valued:
+        assert "default" in entry, entry
+    if command == ["demo"]:
+        assert "--time-limit TIME_LIMIT MILP / LP time limit in seconds (positive; default 20)" in entries
 
 
 @pytest.mark.parametrize(
@@ -552,6 +567,8 @@ def test_infeasible_solve_and_run_with_json_prints_a_json_status(capsys):
     [
         (["--bogus"], "remat: error: unrecognized arguments: --bogus"),
         (["--bogus", "solve"], "unrecognized arguments: --bogus"),
+        (["solve", "--bogus"], "remat solve: error: unrecognized arguments: --bogus (see `remat solve --help`)"),
+        (["solve", "--graph", "chain:4", "--bogus", "x"], "remat solve: error: unrecognized arguments: --bogus x"),
         (["solve", "--graph", "chain:32", "--budget", "-10%"], "budget '-10%' must be positive"),
         (["sweep", "--graph", "chain:32", "--budgets", "-10%,50%"], "budget '-10%' must be positive"),
         (["solve", "--graph", "chain:32", "--budget", "40%", "--time-limit", "-1e3"], "time limit -1e3 s must be"),

@@ -62,7 +62,8 @@ def _load_graph(args: argparse.Namespace) -> Graph:
             raise UsageError("give --graph or --model, not both")
         return _traced(args).graph
     if not args.graph:
-        raise UsageError("say what to plan: --graph chain:32 (or unet:4, random:60:7) or --model gpt2-tiny")
+        raise UsageError("say what to plan: --graph chain:32 (or unet:4, random:60:7)"
+                         + (" or --model gpt2-tiny" if hasattr(args, "model") else ""))
     try:
         return graph_from_spec(args.graph)
     except GraphError as exc:

@@ -43,13 +43,33 @@ class UsageError(Exception):
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit code 2), not the usage block."""
 
+    _parsing: Sequence[str] = ()  # the line being parsed (values that start with '-' joined to their option)
+
     def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):
+            # (argparse checks them before it hands back what it did not know: `--bogus` was
+            # reported as "required: --budget")
+            unknown = self._unknown_options()
+            if unknown:
+                message = f"unrecognized arguments: {' '.join(unknown)}"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         # (subcommands' parsers are this class too, and parse their share of the line here)
         args = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(self._values_with_dashes(args), namespace)
+        self._parsing = self._values_with_dashes(args)
+        return super().parse_known_args(self._parsing, namespace)
+
+    def _unknown_options(self) -> list[str]:
+        """What this parser does not know of the line it is parsing, its required options aside."""
+        required = [action for action in self._actions if action.required]
+        try:
+            for action in required:
+                action.required = False
+            return super().parse_known_args(list(self._parsing), argparse.Namespace())[1]
+        finally:
+            for action in required:
+                action.required = True
 
     def _values_with_dashes(self, args: list[str]) -> list[str]:
         """``--budget -10%`` as ``--budget=-10%``: argparse takes a value that starts with '-'
@@ -198,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_target(p)
     p.add_argument("--budget", required=True, type=arg_type(budget_text),
                    help="bytes (1500000, 2GiB, 512MB), a fraction (0.6) or a percentage (60%%) of the "
-                        "checkpoint-all peak")
-    p.add_argument("--method", default="milp", help="planning method (see `remat methods`; default milp)")
+                        "checkpoint-all peak (required: no default)")
+    p.add_argument("--method", default="milp", help="planning method (see `remat methods`; default %(default)s)")
     add_solver_options(p)
     p.add_argument("--run", action="store_true",
                    help="with --model: run the plan once on real tensors, measure its peak and check gradients "
@@ -215,24 +235,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help="comma-separated methods (default: every method `remat methods` lists)")
     p.add_argument("--budgets", default="30%:100%:8",
-                   help="comma-separated budgets, or LOW:HIGH:COUNT evenly spaced (default 30%%:100%%:8)")
+                   help="comma-separated budgets, or LOW:HIGH:COUNT evenly spaced (default %(default)s)")
     add_solver_options(p)
-    p.add_argument("--out", default="sweep.json", help="the JSON results, kept between runs (default sweep.json)")
+    p.add_argument("--out", default="sweep.json", help="the JSON results, kept between runs (default %(default)s)")
     p.add_argument("--plot", default=None,
                    help="where to draw the plot (.png, .pdf, .svg; default: --out with .png)")
 
     p = sub.add_parser("demo", help="optimize a real model with every method; table, JSON and plot",
                        description="Trace a real model, plan it with several methods at several budgets, run "
                                    "every plan and check its gradients against eager PyTorch.")
-    p.add_argument("--model", default="gpt2-tiny", help="built-in model or package.module:function")
-    p.add_argument("--batch", type=arg_type(positive_int), default=DEMO_BATCH, help=f"batch size (default {DEMO_BATCH})")
-    p.add_argument("--budgets", default=DEMO_BUDGETS, help="comma-separated budgets (bytes, fractions or %%)")
-    p.add_argument("--methods", default=DEMO_METHODS, help="comma-separated methods")
+    p.add_argument("--model", default="gpt2-tiny",
+                   help="built-in model or package.module:function (default %(default)s)")
+    p.add_argument("--batch", type=arg_type(positive_int), default=DEMO_BATCH, help="batch size (default %(default)s)")
+    p.add_argument("--budgets", default=DEMO_BUDGETS,
+                   help="comma-separated budgets (bytes, fractions or %%; default %(default)s)")
+    p.add_argument("--methods", default=DEMO_METHODS,
+                   help=f"comma-separated methods (default {DEMO_METHODS.replace(',', ', ')})")
     p.add_argument("--costs", choices=("profile", "estimate"), default="profile",
-                   help="node costs: timed on this machine (profile) or from FLOPs and bytes (estimate)")
-    add_solver_options(p)
-    p.add_argument("--out", default="out/demo.json", help="where to write the JSON (the plot goes next to it, .png)")
-    p.set_defaults(time_limit=DEMO_TIME_LIMIT_S)
+                   help="node costs: timed on this machine (profile) or from FLOPs and bytes (estimate; "
+                        "default %(default)s)")
+    add_solver_options(p, time_limit_s=DEMO_TIME_LIMIT_S)
+    p.add_argument("--out", default="out/demo.json",
+                   help="where to write the JSON (the plot goes next to it, .png; default %(default)s)")
 
     sub.add_parser("methods", help="list the planning methods", description="List the planning methods.")
 
@@ -257,10 +281,11 @@ def default_sweep_methods() -> str:
 
 
 def add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
-    p.add_argument("--graph", help="a built-in graph: chain:N, unet:D, random:N:SEED")
+    p.add_argument("--graph", help="a built-in graph: chain:N, unet:D, random:N:SEED (no default: "
+                                   + ("give --graph or --model)" if models else "required)"))
     if models:
         p.add_argument("--model", help="a built-in model (mlp, cnn, gpt2-tiny, the paper's vgg16 ... segnet, "
-                       "gpt2-small, gpt2-medium) or package.module:function")
+                       "gpt2-small, gpt2-medium) or package.module:function (no default: give --graph or --model)")
         p.add_argument("--batch", type=arg_type(positive_int), default=None, help="batch size for --model (default 8)")
         p.add_argument("--costs", choices=("profile", "estimate"), default=None,
                        help="node costs for --model: timed on this machine (profile, the default), or estimated from "
@@ -282,9 +307,11 @@ def resolve_target(args: argparse.Namespace) -> None:
         args.costs = "profile" if args.costs is None else args.costs
 
 
-def add_solver_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--time-limit", type=arg_type(time_limit), default=None,
-                   help="MILP / LP time limit in seconds (positive)")
+def add_solver_options(p: argparse.ArgumentParser, *, time_limit_s: float | None = None) -> None:
+    """--time-limit (default ``time_limit_s``; None: each method's own) and --backend."""
+    p.add_argument("--time-limit", type=arg_type(time_limit), default=time_limit_s,
+                   help="MILP / LP time limit in seconds (positive; default "
+                        + ("%(default)g)" if time_limit_s is not None else "each method's own, 60 for milp and lp_round)"))
     p.add_argument("--backend", default=None, choices=[b.value for b in MilpBackend],
                    help="MILP backend (default highs)")
 
