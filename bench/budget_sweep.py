@@ -440,7 +440,7 @@ def check_methods(text: str) -> list[str]:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, add_bench_options  # (a usage error is one line, exit code 2)
     p = Parser(prog=prog or "budget_sweep.py", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=None,
                    help=f"comma-separated workloads, each model or model:batch (default: "
@@ -451,17 +451,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--budgets", default=",".join(f"{f:.0%}" for f in FRACTIONS),
                    help="comma-separated fractions of each model's checkpoint-all peak (0.6 or 60%%), or "
                         "LOW:HIGH:COUNT evenly spaced (30%%:100%%:8); default %(default)s")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated methods (see `remat methods`; default {', '.join(METHODS)})")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
-                   help="seconds per lp_round / milp solve (default %(default)g)")
-    p.add_argument("--options", default=None,
-                   help="extra solver options as JSON: {method: {option: value}} (default: none)")
-    p.add_argument("--out", type=Path, default=RESULTS,
-                   help=f"the JSON results (default {RESULTS.relative_to(ROOT)})")
+    add_bench_options(p, methods=METHODS, time_limit_s=DEFAULT_TIME_LIMIT_S, out=RESULTS,
+                      out_shown=str(RESULTS.relative_to(ROOT)))
     p.add_argument("--plots", type=Path, default=None, help="folder for the plots (default bench/plots)")
     p.add_argument("--plot-only", action="store_true", help="redraw the plots from the JSON")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads while tracing (default %(default)s)")
     return p
 
 

@@ -434,23 +434,16 @@ def parse_bytes(text: str) -> int:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, add_bench_options  # (a usage error is one line, exit code 2)
     p = Parser(prog=prog or "max_batch.py", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS),
                    help=f"comma-separated workloads (default {', '.join(MODELS)})")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated methods (see `remat methods`; default {', '.join(METHODS)})")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
-                   help="seconds per lp_round / milp solve (default %(default)g)")
+    add_bench_options(p, methods=METHODS, time_limit_s=DEFAULT_TIME_LIMIT_S, out=RESULTS,
+                      out_shown=str(RESULTS.relative_to(HERE.parent)))
     p.add_argument("--memory", default=str(MEMORY_BYTES),
                    help="device memory: bytes or a size (16GB, 2GiB); default %(default)s")
     p.add_argument("--max-batch", type=int, default=MAX_BATCH,
                    help="largest batch the search tries (default %(default)s)")
-    p.add_argument("--options", default=None,
-                   help="extra solver options as JSON: {method: {option: value}} (default: none)")
-    p.add_argument("--out", type=Path, default=RESULTS,
-                   help=f"the JSON results (default {RESULTS.relative_to(HERE.parent)})")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads while tracing (default %(default)s)")
     return p
 
 

@@ -316,6 +316,20 @@ def add_solver_options(p: argparse.ArgumentParser, *, time_limit_s: float | None
                    help="MILP backend (default highs)")
 
 
+def add_bench_options(p: argparse.ArgumentParser, *, methods: Sequence[str], time_limit_s: float, out: Path,
+                      out_shown: str) -> None:
+    """The options the benchmark searches share: methods, time limit, extra solver options, where
+    the JSON goes and torch's threads while tracing."""
+    p.add_argument("--methods", default=",".join(methods),
+                   help=f"comma-separated methods (see `remat methods`; default {', '.join(methods)})")
+    p.add_argument("--time-limit", type=float, default=time_limit_s,
+                   help="seconds per lp_round / milp solve (default %(default)g)")
+    p.add_argument("--options", default=None,
+                   help="extra solver options as JSON: {method: {option: value}} (default: none)")
+    p.add_argument("--out", type=Path, default=out, help=f"the JSON results (default {out_shown})")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads while tracing (default %(default)s)")
+
+
 def solver_options(method: str, args: argparse.Namespace) -> dict[str, object]:
     opts: dict[str, object] = {}
     if method in ("milp", "lp_round") and args.time_limit is not None:
