@@ -343,20 +343,19 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
                  reads: Sequence[tuple[HeldValue, object]] = ()) -> ModuleState:
     """``model``'s (and ``loss_fn``'s) Python state as a traced step relies on it (see the module);
     ``reads``: ``OutsideReads.held()`` of its trace."""
-    attributes, hooks = [], []
+    attributes, hooks, modules = [], [], []
     for name, module in model.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
             if (key == "training" or not key.startswith("_")) and _guarded(value):
                 attributes.append((name, key, value))
         hooks.append((name, _hooks_of(module)))
+        modules.append((name, type(module), _forward_key(module)))
     requires_grad = tuple((key, p.requires_grad) for key, p in model.named_parameters())
     layouts = tuple((kind, key, tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
                     for key, t in named)
-    modules = tuple((name, type(module), _forward_key(module))
-                    for name, module in model.named_modules(remove_duplicate=False))
     return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state(),
-                       tuple(held_values(model, loss_fn)) + tuple(reads), modules)
+                       tuple(held_values(model, loss_fn)) + tuple(reads), tuple(modules))
 
 
 # ---------------------------------------------------------------------------- tensors read outside the trace
@@ -451,7 +450,8 @@ def outside_tensors(model: torch.nn.Module, loss_fn: object = None
     value there now, ``_MISSING`` where the path is gone."""
     found: dict[int, tuple[str, Callable[[torch.nn.Module], object]]] = {}
     seen: set[int] = set()
-    in_model = {id(m) for m in model.modules()}
+    modules = list(model.named_modules())
+    in_model = {id(m) for _, m in modules}
 
     def look(label: str, value: object, locate: Callable[[torch.nn.Module], object], depth: int) -> None:
         if isinstance(value, torch.Tensor):
@@ -471,17 +471,13 @@ def outside_tensors(model: torch.nn.Module, loss_fn: object = None
             return
         seen.add(id(value))
         for key, shown in entries:
-            def step(m, key=key):
-                holder = locate(m)
-                return _MISSING if holder is _MISSING else _entry(holder, key)
-            look(shown, _entry(value, key), step, depth + 1)
+            look(shown, _get(value, key), lambda m, key=key: _get(locate(m), key), depth + 1)
 
-    modules = list(model.named_modules())
     for name, module in modules:
         for key, value in vars(module).items():
             if key not in _MODULE_INTERNALS:
                 look(f"model.{name}.{key}" if name else f"model.{key}", value,
-                     lambda m, n=name, k=key: _entry(_submodule(m, n), k), 1)
+                     lambda m, n=name, k=key: _get(_submodule(m, n), k), 1)
     functions = [("loss_fn", loss_fn)] if loss_fn is not None else []
     functions += [(f"{cls.__qualname__}.forward", cls.forward)
                   for cls in sorted({type(m) for _, m in modules}, key=lambda c: c.__qualname__) if _user_class(cls)]
@@ -491,17 +487,6 @@ def outside_tensors(model: torch.nn.Module, loss_fn: object = None
         for kind, name, value, read, _write in function_names(fn):
             look(f"{what}'s {kind} {name!r}", value, lambda m, r=read: r(), 1)
     return found
-
-
-def _entry(holder: object, key: object) -> object:
-    """``holder[key]`` of a dict, list or tuple, or its attribute ``key``; ``_MISSING`` where gone."""
-    if holder is _MISSING:
-        return _MISSING
-    if isinstance(holder, (list, tuple)):
-        return holder[key] if isinstance(key, int) and -len(holder) <= key < len(holder) else _MISSING
-    if isinstance(holder, dict):
-        return holder.get(key, _MISSING)
-    return vars(holder).get(key, _MISSING) if hasattr(holder, "__dict__") else _MISSING
 
 
 def _reader(frame: types.FrameType | None) -> str | None:
@@ -562,7 +547,15 @@ def _fields(holder: object) -> list[tuple[object, str]]:
 
 
 def _get(holder: object, key: object) -> object:
-    return holder.get(key, _MISSING) if isinstance(holder, dict) else getattr(holder, key, _MISSING)
+    """``holder[key]`` of a dict, list or tuple, or its attribute ``key``; ``_MISSING`` where gone
+    (the holder included)."""
+    if holder is _MISSING:
+        return _MISSING
+    if isinstance(holder, dict):
+        return holder.get(key, _MISSING)
+    if isinstance(holder, (list, tuple)):
+        return holder[key] if isinstance(key, int) and -len(holder) <= key < len(holder) else _MISSING
+    return getattr(holder, key, _MISSING)
 
 
 def _put(holder: object, key: object, value: object) -> None:
@@ -633,8 +626,7 @@ def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[He
         seen.add(id(holder))
         for key, shown in _fields(holder):
             def read(m, key=key):
-                h = locate(m)
-                return _MISSING if h is _MISSING else _get(h, key)
+                return _get(locate(m), key)
 
             def write(m, value, key=key):
                 h = locate(m)

@@ -587,10 +587,7 @@ def _check_load_arguments(path: object, model: object, loss_fn: object) -> None:
             f"the path is {a_type(path)}, not a file path{swapped}; pass the file step.save() wrote, in the order "
             f"{_LOAD_ORDER}"
         )
-    try:
-        check_arguments(model, loss_fn)
-    except TraceError as exc:
-        raise TraceError(re.sub(r"remat\.optimize\(model, [^)]*\)", _LOAD_ORDER, str(exc))) from None
+    check_arguments(model, loss_fn, order=_LOAD_ORDER)
 
 
 def _read_plan(path: str | os.PathLike) -> dict:

@@ -497,10 +497,11 @@ def batch_index(key: str) -> int:
     return int(key[len("batch[") : -1])
 
 
-def check_arguments(model: object, loss_fn: object) -> None:
+def check_arguments(model: object, loss_fn: object,
+                    order: str = "remat.optimize(model, example_batch, loss_fn, budget=...)") -> None:
     """Refuse (``TraceError``) a model that is not an ``nn.Module`` remat can trace, or a
-    ``loss_fn`` that is not callable, before anything else reads them."""
-    order = "remat.optimize(model, example_batch, loss_fn, budget=...)"
+    ``loss_fn`` that is not callable, before anything else reads them; ``order``: the call whose
+    order of arguments the message gives."""
     if isinstance(model, torch.jit.ScriptModule):
         raise TraceError(
             f"the model is a TorchScript module ({type(model).__name__}, from torch.jit.script or torch.jit.trace), "
