@@ -306,19 +306,23 @@ ENGINE_TEXT = {
                     "activations at once: 60% is below what it can meet here, so 80% and 70%); embeddings, head and "
                     "loss run eagerly.",
 }
-#: What the tables alone do not say (from the run of 2026-11-24; check again after a rerun).
+#: What the tables alone do not say (from the run of 2026-11-29; check again after a rerun).
 FINDINGS: list[str] = [
-    "Measured peaks equal remat's predictions to within 0.02 MiB in every planned step of `ddp` and `fsdp2` "
-    "(one graph per step), each within its budget; both ranks ran the same plan, and every gradient equals the "
-    "engine's without remat, bitwise.",
+    "Measured peaks equal remat's predictions to the byte in every planned step of `ddp` and `fsdp2` (one graph "
+    "per step), each within its budget; "
+    "both ranks ran the same plan, and every gradient equals the engine's without remat, bitwise.",
     "`fsdp2-blocks`: a block's eager peak (32.5 MiB, what its budget is a fraction of) is above what its graph "
-    "holds computing every node once (27.7 MiB), so 80% saves 2 MiB per block at 1.02x; 70% (22.8 MiB) costs "
-    "1.11x, and 60% is below the least a block's graph can hold (21.3 MiB). At 70% the step's peak is 0.73 of "
-    "the engine's without remat, against 0.48-0.50 when one plan covers the whole step at 50% (`ddp`, "
-    "`fsdp2`): with one graph per block, remat cannot trade one block's activations against another's.",
+    "holds computing every node once (27.6 MiB), so 80% saves 2 MiB per block at 1.03x; 70% (22.8 MiB) costs "
+    "1.09x. At 70% the step's peak is 0.74 of the engine's without remat, against 0.48-0.50 when one plan "
+    "covers the whole step at 50% (`ddp`, `fsdp2`): with one graph per block, remat cannot trade one block's "
+    "activations against another's.",
+    "The overhead column is each plan's cost under the costs profiled in that run, with two ranks sharing two "
+    "cores, so it moves from run to run with the profile: the run of 2026-11-24 predicted 1.05x at 50% and this "
+    "one 1.18x, for plans of 85 recomputations both, while the measured step ratios were 1.22x and 1.09x. It "
+    "is not the planner: on the same graph under the estimate cost model with its machine rates pinned, the "
+    "planner of 2026-11-24 and today's plan 50% at 1.132x and 1.131x.",
     "Step times are one run's medians on a 2-core machine, two ranks of one thread each; differences of a few "
-    "percent (remat at 70% under `fsdp2` measured 5% faster than without it) are noise. Peaks are "
-    "deterministic.",
+    "percent (remat at 80% per block measured 9% faster than without it) are noise. Peaks are deterministic.",
 ]
 
 
