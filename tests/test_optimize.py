@@ -559,13 +559,54 @@ def test_a_dict_batch_tensor_is_named_by_its_key_at_step_time_and_at_optimize_ti
 
 def test_a_dict_in_a_tuple_of_one_is_told_to_be_passed_itself():
     with pytest.raises(TraceError, match=r"the batch is a tuple holding one dict \(keys 'input_ids', 'attention_mask', "
-                                         r"'labels'\), and a dict batch is taken as it is: pass the dict itself, "
-                                         r"remat.optimize\(model, batch, loss_fn, ...\)"):
+                                         r"'labels'\), and a dict batch is taken as it is: pass the dict itself "
+                                         r"\(remat.optimize\(model, batch, loss_fn, ...\), remat.trace\(model, batch, "
+                                         r"loss_fn\)\), with loss_fn\(model, batch\) reading the dict"):
         optimize(_KeywordModel(), (_keyword_batch(),), _keyword_loss, 1.0, method="checkpoint_all", cost_model=None)
     step = optimize(_KeywordModel(), _keyword_batch(), _keyword_loss, 1.0, method="checkpoint_all", cost_model=None)
     with pytest.raises(TraceError, match=r"step\(\) got a list holding one dict \(keys 'input_ids', 'attention_mask', "
                                          r"'labels'\); pass the dict itself, step\(batch\)"):
         step([_keyword_batch(1)])
+
+
+def test_remat_trace_takes_a_dict_batch_and_its_step_takes_dicts():
+    """The low-level API: ``remat.trace`` takes a dict batch whole as ``optimize`` does, and the
+    traced step's ``flat_inputs`` takes dicts with its keys in any order (a planned step run on
+    them gives eager's loss and gradients, bitwise); a batch of the other kind, or with other
+    keys or dtypes, is refused naming it by key."""
+    from remat.execute import build_module
+    from remat.planning import plan_graph
+
+    torch.manual_seed(0)
+    model = _KeywordModel()
+    traced = remat.trace(model, _keyword_batch(), _keyword_loss, cost_model=CostModel.ESTIMATE)
+    assert traced.batch_keys == ("input_ids", "attention_mask", "labels")
+    planned = build_module(traced, plan_graph(traced.graph, 2**40, "checkpoint_all").plan)
+    batch = dict(reversed(list(_keyword_batch(1).items())))
+    eager = copy.deepcopy(model)
+    torch.manual_seed(1)
+    outputs = planned(*traced.flat_inputs(model, batch))
+    torch.manual_seed(1)
+    loss = _keyword_loss(eager, _keyword_batch(1))
+    loss.backward()
+    assert torch.equal(outputs[0], loss.detach())
+    grads = {slot.key: out for slot, out in zip(traced.outputs, outputs) if slot.key != "loss"}
+    assert grads and all(torch.equal(grads[k], p.grad) for k, p in eager.named_parameters() if k in grads)
+    with pytest.raises(TraceError, match=r"the batch is a tuple, but this step was traced with a dict batch \(keys "
+                                         r"'input_ids', 'attention_mask', 'labels'\); pass one such dict"):
+        traced.flat_inputs(model, tuple(_keyword_batch(1).values()))
+    with pytest.raises(TraceError, match=r"the batch has keys 'input_ids', 'labels', but the step was traced with keys "
+                                         r"'input_ids', 'attention_mask', 'labels' \(missing 'attention_mask'\)"):
+        traced.flat_inputs(model, {k: v for k, v in _keyword_batch(1).items() if k != "attention_mask"})
+    with pytest.raises(TraceError, match=r"pass batch\['attention_mask'\].to\(torch.float32\)"):
+        traced.flat_inputs(model, {**_keyword_batch(1), "attention_mask": torch.ones(4, 16, dtype=torch.float64)})
+    tupled = remat.trace(model, tuple(_keyword_batch().values()),
+                         lambda m, ids, mask, labels: m(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                         cost_model=None)
+    assert tupled.batch_keys is None
+    with pytest.raises(TraceError, match=r"the batch is a dict \(keys 'input_ids', 'attention_mask', 'labels'\), but "
+                                         r"this step was traced with a tuple of tensors"):
+        tupled.flat_inputs(model, _keyword_batch(1))
 
 
 def test_a_dict_batch_step_saves_and_loads_and_keeps_the_guards_of_its_loss(tmp_path):

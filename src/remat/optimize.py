@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -55,7 +54,8 @@ from remat.schedule import Plan, Schedule, plan_from_order
 from remat.simulate import simulate
 from remat.solvers import SolveStatus
 from remat.solvers.base import relative_gap
-from remat.trace import LossFn, TracedStep, batch_index, check_arguments, trace
+from remat.trace import (KeywordBatch, LossFn, TracedStep, batch_index, check_arguments, keys_shown, keyword_batch,
+                         named_by_key, tensors_of, trace, wrapped_dict)
 from remat.units import BudgetError, check_budget, format_bytes, parse_budget
 
 log = logging.getLogger("remat")
@@ -218,20 +218,20 @@ class TrainingStep:
         """``step(x, y)``, ``step((x, y))`` and ``step([x, y])`` are one batch ``(x, y)``; a step
         traced with a dict batch takes dicts with its keys (in any order)."""
         if self.batch_keys is not None:
-            if len(args) == 1 and _wrapped_dict(args[0]):
+            if len(args) == 1 and wrapped_dict(args[0]):
                 raise TraceError(
-                    f"step() got {a_type(args[0])} holding one dict (keys {_keys_shown(tuple(args[0][0]))}); pass "
+                    f"step() got {a_type(args[0])} holding one dict (keys {keys_shown(tuple(args[0][0]))}); pass "
                     f"the dict itself, step(batch), as the DataLoader yields it"
                 )
             if len(args) != 1 or not isinstance(args[0], Mapping):
                 raise TraceError(
                     f"step() got {_describe(args)}, but this step was traced with a dict batch (keys "
-                    f"{_keys_shown(self.batch_keys)}); pass one such dict, as the DataLoader yields it"
+                    f"{keys_shown(self.batch_keys)}); pass one such dict, as the DataLoader yields it"
                 )
-            return _tensors_of(args[0], self.batch_keys)
+            return tensors_of(args[0], self.batch_keys)
         if len(args) == 1 and isinstance(args[0], Mapping):
             raise TraceError(
-                f"step() got a dict (keys {_keys_shown(tuple(args[0]))}), but this step was traced with a batch of "
+                f"step() got a dict (keys {keys_shown(tuple(args[0]))}), but this step was traced with a batch of "
                 f"{len(self.traced.batch_spec)} tensor(s), not a dict; pass the tensors as optimize's example was"
             )
         if len(args) == 1 and isinstance(args[0], (tuple, list)):
@@ -249,12 +249,12 @@ class TrainingStep:
     def _errors_by_key(self) -> contextlib.AbstractContextManager[None]:
         """Errors raised inside that name a batch tensor by position (``batch[1]``) name it by key
         (``batch['labels']``) for a step traced with a dict batch."""
-        return _named_by_key(self.batch_keys)
+        return named_by_key(self.batch_keys, (TraceError, PlanFileError))
 
     def positional(self, loss_fn: LossFn) -> LossFn:
         """``loss_fn`` as the traced step calls it: with the batch's tensors as arguments (for a
         dict batch, gathered back into a dict with this step's keys)."""
-        return loss_fn if self.batch_keys is None else _KeywordBatch(loss_fn, self.batch_keys)
+        return loss_fn if self.batch_keys is None else KeywordBatch(loss_fn, self.batch_keys)
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> None:
@@ -306,16 +306,16 @@ class TrainingStep:
         record = _read_plan(path)
         branches = _saved_branches(path, record)
         saved_keys = _saved_keys(path, record)
-        example_inputs, loss_fn, keys = _keyword_batch(example_inputs, loss_fn, saved_keys)
+        example_inputs, loss_fn, keys = keyword_batch(example_inputs, loss_fn, saved_keys)
         if keys != saved_keys:
             def shown(k: tuple[str, ...] | None) -> str:
-                return "a tuple of tensors" if k is None else f"a dict with keys {_keys_shown(k)}"
+                return "a tuple of tensors" if k is None else f"a dict with keys {keys_shown(k)}"
 
             raise StalePlanError(
                 f"saved plan {os.fspath(path)!r} was made for a batch given as {shown(saved_keys)}, and this "
                 f"example batch is {shown(keys)}; pass the batch as it was saved, or run optimize() again"
             )
-        with _named_by_key(keys):
+        with named_by_key(keys, (TraceError, PlanFileError)):
             traced = trace(model, example_inputs, loss_fn, cost_model=None,
                            allow_native_batch_norm=allow_native_batch_norm, branches=branches)
         if branches is not None and traced.branch_answers != branches:
@@ -324,7 +324,7 @@ class TrainingStep:
                 f"values (transformers' attention-mask and packed-sequence checks); this model and loss meet "
                 f"{len(traced.branch_answers)}: run optimize() again and save the new plan"
             )
-        with _named_by_key(keys):
+        with named_by_key(keys, (TraceError, PlanFileError)):
             _check_requires_grad(path, record, traced)
         # the step's structure without what the file measured: a file saved for this step whose
         # measured scratch was edited is corrupt, not stale (files from before the field was
@@ -394,86 +394,6 @@ class TrainingStep:
         replan = _branch_planner(model, loss_fn, report.budget_bytes, report.method, cost_model=CostModel.PROFILE,
                                  allow_native_batch_norm=allow_native_batch_norm)
         return cls(model, traced, plan, planned, report, replan, keys)
-
-
-class _KeywordBatch:
-    """``loss_fn`` of a batch that is a dict of tensors (as a Hugging Face ``DataLoader`` yields
-    it), called as the traced step calls it: with the tensors in the order of ``keys``, which it
-    gathers back into a dict. ``__wrapped__``: the user's function, whose globals and closure
-    variables the guards read (``guards.function_names``)."""
-
-    def __init__(self, loss_fn: LossFn, keys: tuple[str, ...]) -> None:
-        self.__wrapped__ = loss_fn
-        self.keys = keys
-
-    def __call__(self, model: torch.nn.Module, *tensors: torch.Tensor) -> torch.Tensor:
-        return self.__wrapped__(model, dict(zip(self.keys, tensors, strict=True)))
-
-
-def _keyword_batch(example: object, loss_fn: LossFn, keys: tuple[str, ...] | None = None
-                   ) -> tuple[object, LossFn, tuple[str, ...] | None]:
-    """(batch, loss_fn, keys): a dict batch as its tensors (in ``keys``' order, by default its
-    own), ``loss_fn`` taking them (``_KeywordBatch``), and its keys; anything else as it is."""
-    if _wrapped_dict(example):
-        raise TraceError(
-            f"the batch is {a_type(example)} holding one dict (keys {_keys_shown(tuple(example[0]))}), and a dict "
-            f"batch is taken as it is: pass the dict itself, remat.optimize(model, batch, loss_fn, ...), with "
-            f"loss_fn(model, batch) reading the dict"
-        )
-    if not isinstance(example, Mapping):
-        return example, loss_fn, None
-    own = tuple(example)
-    if keys is None or set(keys) != set(own):
-        keys = own
-    return _tensors_of(example, keys), _KeywordBatch(loss_fn, keys), keys
-
-
-def _wrapped_dict(batch: object) -> bool:
-    """Is ``batch`` a dict in a tuple or list of one (``(batch,)``), where the dict itself was meant?"""
-    return isinstance(batch, (tuple, list)) and len(batch) == 1 and isinstance(batch[0], Mapping)
-
-
-#: a batch tensor named by position in a message: ``batch[1]``
-_BATCH_POSITION = re.compile(r"\bbatch\[(\d+)\]")
-
-
-@contextlib.contextmanager
-def _named_by_key(keys: tuple[str, ...] | None) -> Iterator[None]:
-    """Re-raise a ``TraceError`` or ``PlanFileError`` that names a dict batch's tensor by its
-    position in the step's tuple (``batch[1]``, remedy ``pass batch[1].to(torch.int64)``) naming
-    it by key (``batch['labels']``), as the user wrote the batch; the same type, and cause."""
-    try:
-        yield
-    except (TraceError, PlanFileError) as exc:
-        text = str(exc)
-        keyed = text if keys is None else _BATCH_POSITION.sub(
-            lambda m: f"batch[{keys[int(m[1])]!r}]" if int(m[1]) < len(keys) else m[0], text)
-        if keyed == text:
-            raise
-        raise type(exc)(keyed) from exc.__cause__
-
-
-def _tensors_of(batch: Mapping, keys: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
-    """The tensors of a dict batch in the order of ``keys``, or ``TraceError`` naming what differs."""
-    if set(batch) != set(keys):
-        missing, extra = [k for k in keys if k not in batch], [k for k in batch if k not in keys]
-        raise TraceError(
-            f"the batch has keys {_keys_shown(tuple(batch))}, but the step was traced with keys {_keys_shown(keys)}"
-            f"{f' (missing {_keys_shown(tuple(missing))})' if missing else ''}"
-            f"{f' (not traced: {_keys_shown(tuple(extra))})' if extra else ''}; pass batches with the example's keys"
-        )
-    for key in keys:
-        if not isinstance(key, str) or not isinstance(batch[key], torch.Tensor):
-            what = f"key {key!r}" if not isinstance(key, str) else f"batch[{key!r}] is {a_type(batch[key])}"
-            raise TraceError(
-                f"a dict batch holds tensors under string keys, and {what}; drop the other fields from the batch "
-                f"(such as raw text) or pass them to loss_fn another way (functools.partial)"
-            )
-    return tuple(batch[key] for key in keys)
-
-
-def _keys_shown(keys: tuple[object, ...]) -> str:
-    return ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
 
 
 def _saved_keys(path: str | os.PathLike, record: dict) -> tuple[str, ...] | None:
@@ -676,8 +596,8 @@ def optimize(
     budget = _budget_argument(budget, budget_bytes, solver_options)
     check_method(method, solver_options)  # (before tracing, which can take minutes)
     refuse_wrapped(model)
-    example_inputs, loss_fn, keys = _keyword_batch(example_inputs, loss_fn)
-    with _named_by_key(keys):
+    example_inputs, loss_fn, keys = keyword_batch(example_inputs, loss_fn)
+    with named_by_key(keys, (TraceError, PlanFileError)):
         traced = trace(model, example_inputs, loss_fn, cost_model=cost_model,
                        allow_native_batch_norm=allow_native_batch_norm)
     graph = traced.graph

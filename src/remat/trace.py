@@ -31,6 +31,7 @@ import functools
 import itertools
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -168,6 +169,9 @@ class TracedStep:
     #: transformers' "can this attention mask be skipped?", "one sequence per row?"), in the
     #: order the step meets them, each with the answer this step was traced with
     branch_points: tuple[BranchPoint, ...] = ()
+    #: the keys of a dict batch, in the order of the step's batch tensors (None: a tuple batch);
+    #: ``flat_inputs`` and ``answers_for`` then take dicts with these keys, in any order
+    batch_keys: tuple[str, ...] | None = None
 
     @property
     def branch_answers(self) -> tuple[bool, ...]:
@@ -177,7 +181,21 @@ class TracedStep:
     def answers_for(self, batch: Sequence[torch.Tensor]) -> tuple[bool, ...]:
         """What eager PyTorch answers at each of ``branch_points`` for ``batch``: the step runs
         eager's program for ``batch`` if these are ``branch_answers``."""
+        batch = self.batch_tensors(batch)
         return tuple(p.answer_for(batch) for p in self.branch_points)
+
+    def batch_tensors(self, batch: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor, ...]:
+        """``batch`` as the step's tuple of tensors: a dict batch (of a step traced with one) in
+        the order of ``batch_keys``; ``TraceError`` names a batch of the other kind."""
+        if self.batch_keys is None:
+            return _as_batch(batch)
+        if not isinstance(batch, Mapping):
+            raise TraceError(
+                f"the batch is {a_type(batch)}, but this step was traced with a dict batch (keys "
+                f"{keys_shown(self.batch_keys)}); pass one such dict"
+            )
+        return tensors_of(batch, self.batch_keys)
 
     def fx_node(self, i: int) -> fx.Node:
         return self._fx_nodes[i]
@@ -214,15 +232,17 @@ class TracedStep:
         graph = Graph(nodes=nodes, fixed_bytes=self.graph.fixed_bytes, outputs=self.graph.outputs, name=self.graph.name)
         return dataclasses.replace(self, graph=graph)
 
-    def flat_inputs(self, model: torch.nn.Module, batch: Sequence[torch.Tensor],
+    def flat_inputs(self, model: torch.nn.Module, batch: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                     view: ModelView | None = None) -> list[torch.Tensor]:
         """The placeholder values for one step: the model's current parameters and buffers
-        (detached, sharing storage, so buffer updates land in the model), the batch, the
-        constants. ``view``: the model's tensors by name, when the caller has read them."""
-        batch = _as_batch(batch)
+        (detached, sharing storage, so buffer updates land in the model), the batch (a dict for
+        a step traced with one), the constants. ``view``: the model's tensors by name, when the
+        caller has read them."""
+        batch = self.batch_tensors(batch)
         view = view if view is not None else ModelView(model)
         self.module_state.check(model, view)  # (first: a model converted, model.double(), is named as such)
-        check_batch(self.batch_spec, batch)
+        with named_by_key(self.batch_keys):
+            check_batch(self.batch_spec, batch)
         sources = (view.parameters, view.buffers, batch)
         constants = iter(self.constants)
         flat = [next(constants) if source is None else sources[source][key].detach() for source, key in self._input_sources]
@@ -322,7 +342,7 @@ class TracedStep:
 
 def trace(
     model: torch.nn.Module,
-    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    example_inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     loss_fn: LossFn,
     *,
     cost_model: cost_mod.CostModel | None = cost_mod.CostModel.PROFILE,
@@ -333,6 +353,10 @@ def trace(
     branches: Sequence[bool] | None = None,
 ) -> TracedStep:
     """Trace ``loss_fn(model, *example_inputs)`` and its backward into a ``TracedStep``.
+
+    A batch that is a dict of tensors (as a Hugging Face ``DataLoader`` yields it) is taken
+    whole: ``loss_fn(model, batch)`` reads the dict, the step's batch tensors are its values in
+    its keys' order (``TracedStep.batch_keys``), and ``flat_inputs`` takes such dicts.
 
     ``cost_model`` picks how node costs (microseconds) are found; None leaves every cost 0
     (structure only, e.g. to check a saved plan). With ``replay_rng`` (default) random ops are
@@ -372,10 +396,12 @@ def trace(
             "autograd, and a training step computes gradients; call remat.optimize (or trace) outside "
             "inference_mode"
         )
-    check_arguments(model, loss_fn)
-    with older_objects_frozen(), torch.enable_grad():  # (tracing makes many short-lived objects too)
-        return _trace(model, example_inputs, loss_fn, cost_model, name, replay_rng, scratch, allow_native_batch_norm,
-                      branches)
+    check_arguments(model, loss_fn, order="remat.trace(model, example_batch, loss_fn)")
+    example_inputs, loss_fn, keys = keyword_batch(example_inputs, loss_fn)
+    with older_objects_frozen(), torch.enable_grad(), named_by_key(keys):  # (tracing makes short-lived objects too)
+        traced = _trace(model, example_inputs, loss_fn, cost_model, name, replay_rng, scratch, allow_native_batch_norm,
+                        branches)
+    return traced if keys is None else dataclasses.replace(traced, batch_keys=keys)
 
 
 def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], loss_fn: LossFn,
@@ -491,6 +517,89 @@ def _scratch_model(scratch: ScratchModel | None, cost_model: cost_mod.CostModel 
     return scratch
 
 
+# ---------------------------------------------------------------------------- dict batches
+class KeywordBatch:
+    """``loss_fn`` of a batch that is a dict of tensors (as a Hugging Face ``DataLoader`` yields
+    it), called as the traced step calls it: with the tensors in the order of ``keys``, which it
+    gathers back into a dict. ``__wrapped__``: the user's function, whose globals and closure
+    variables the guards read (``guards.function_names``)."""
+
+    def __init__(self, loss_fn: LossFn, keys: tuple[str, ...]) -> None:
+        self.__wrapped__ = loss_fn
+        self.keys = keys
+
+    def __call__(self, model: torch.nn.Module, *tensors: torch.Tensor) -> torch.Tensor:
+        return self.__wrapped__(model, dict(zip(self.keys, tensors, strict=True)))
+
+
+def keyword_batch(example: object, loss_fn: LossFn, keys: tuple[str, ...] | None = None
+                  ) -> tuple[object, LossFn, tuple[str, ...] | None]:
+    """(batch, loss_fn, keys): a dict batch as its tensors (in ``keys``' order, by default its
+    own), ``loss_fn`` taking them (``KeywordBatch``), and its keys; anything else as it is."""
+    if wrapped_dict(example):
+        raise TraceError(
+            f"the batch is {a_type(example)} holding one dict (keys {keys_shown(tuple(example[0]))}), and a dict "
+            f"batch is taken as it is: pass the dict itself (remat.optimize(model, batch, loss_fn, ...), "
+            f"remat.trace(model, batch, loss_fn)), with loss_fn(model, batch) reading the dict"
+        )
+    if not isinstance(example, Mapping):
+        return example, loss_fn, None
+    own = tuple(example)
+    if keys is None or set(keys) != set(own):
+        keys = own
+    return tensors_of(example, keys), KeywordBatch(loss_fn, keys), keys
+
+
+def wrapped_dict(batch: object) -> bool:
+    """Is ``batch`` a dict in a tuple or list of one (``(batch,)``), where the dict itself was meant?"""
+    return isinstance(batch, (tuple, list)) and len(batch) == 1 and isinstance(batch[0], Mapping)
+
+
+#: a batch tensor named by position in a message: ``batch[1]``
+_BATCH_POSITION = re.compile(r"\bbatch\[(\d+)\]")
+
+
+@contextlib.contextmanager
+def named_by_key(keys: tuple[str, ...] | None,
+                 kinds: tuple[type[Exception], ...] = (TraceError,)) -> Iterator[None]:
+    """Re-raise an error of ``kinds`` (each made from its message alone) that names a dict
+    batch's tensor by its position in the step's tuple (``batch[1]``, remedy ``pass
+    batch[1].to(torch.int64)``) naming it by key (``batch['labels']``), as the user wrote the
+    batch; the same type, and cause."""
+    try:
+        yield
+    except kinds as exc:
+        text = str(exc)
+        keyed = text if keys is None else _BATCH_POSITION.sub(
+            lambda m: f"batch[{keys[int(m[1])]!r}]" if int(m[1]) < len(keys) else m[0], text)
+        if keyed == text:
+            raise
+        raise type(exc)(keyed) from exc.__cause__
+
+
+def tensors_of(batch: Mapping, keys: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors of a dict batch in the order of ``keys``, or ``TraceError`` naming what differs."""
+    if set(batch) != set(keys):
+        missing, extra = [k for k in keys if k not in batch], [k for k in batch if k not in keys]
+        raise TraceError(
+            f"the batch has keys {keys_shown(tuple(batch))}, but the step was traced with keys {keys_shown(keys)}"
+            f"{f' (missing {keys_shown(tuple(missing))})' if missing else ''}"
+            f"{f' (not traced: {keys_shown(tuple(extra))})' if extra else ''}; pass batches with the example's keys"
+        )
+    for key in keys:
+        if not isinstance(key, str) or not isinstance(batch[key], torch.Tensor):
+            what = f"key {key!r}" if not isinstance(key, str) else f"batch[{key!r}] is {a_type(batch[key])}"
+            raise TraceError(
+                f"a dict batch holds tensors under string keys, and {what}; drop the other fields from the batch "
+                f"(such as raw text) or pass them to loss_fn another way (functools.partial)"
+            )
+    return tuple(batch[key] for key in keys)
+
+
+def keys_shown(keys: tuple[object, ...]) -> str:
+    return ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
 # ---------------------------------------------------------------------------- batch checks
 def batch_index(key: str) -> int:
     """``3`` for the slot key ``"batch[3]"``."""
@@ -522,11 +631,9 @@ def check_arguments(model: object, loss_fn: object,
 
 def _as_batch(example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     if isinstance(example_inputs, Mapping):
-        keys = ", ".join(repr(k) for k in list(example_inputs)[:4])
         raise TraceError(
-            f"the batch is {a_type(example_inputs)} (keys {keys}), not a tensor or a tuple of tensors; pass its "
-            f"tensors as a tuple in the order loss_fn takes them (batch = (b['input_ids'], b['labels']) with "
-            f"loss_fn(model, input_ids, labels)), and the same to step()"
+            f"the batch is {a_type(example_inputs)} (keys {keys_shown(tuple(example_inputs))}), but this step was "
+            f"traced with a tuple of tensors; pass the tensors in the order the example batch had them"
         )
     if not isinstance(example_inputs, (torch.Tensor, tuple, list)):
         raise TraceError(
