@@ -524,6 +524,15 @@ def test_lstm_whose_input_the_step_computes_is_refused_where_eager_runs_onednn()
         assert step.report.overhead > 1.0  # it recomputes
         agreement = verify.check_step(step, _next_token_loss, ids, targets)
     assert agreement.bitwise, agreement.mismatches
+    # called with oneDNN on (a training loop written outside the flag), eager runs the fused
+    # kernel: the step ran, with gradients 1e-9 off eager's; refused, naming the LSTM and the flag
+    with pytest.raises(TraceError, match=r"step\(\) runs with oneDNN on, but the step was traced with it off "
+                                         r"\(torch.backends.mkldnn.flags\(enabled=False\)\), and with it on eager "
+                                         r"PyTorch runs module 'rnn' \(LSTM\) through oneDNN's fused LSTM kernel.*"
+                                         r"`with torch.backends.mkldnn.flags\(enabled=False\): loss = step\(batch\)`"):
+        step(ids, targets)
+    with torch.backends.mkldnn.flags(enabled=False):
+        step(ids, targets)  # (the flag it was traced with: runs)
 
 
 def _runs_onednn_eagerly(module: nn.Module, x: object) -> bool:
@@ -865,14 +874,16 @@ def test_a_real_parameter_reached_while_tracing_is_explained():
     with pytest.raises(TraceError) as info:
         trace(_RevNet(), (x,), loss, cost_model=None)
     text = str(info.value)
-    assert "module 'f' (Linear)" in text and "a real tensor (a parameter or buffer remat does not trace)" in text
+    assert "module 'f' (Linear)" in text and "a real tensor that is not an input of the traced step" in text
     assert "the backward of the custom torch.autograd.Function _Reversible calls the model's modules again" in text
     assert "torch.utils.checkpoint" in text
     with pytest.raises(TraceError) as info:
         trace(_Unregistered(nn.Linear(4, 4)), (x,), loss, cost_model=None)
     text = str(info.value)
-    assert "a real tensor (a parameter or buffer remat does not trace) reached aten." in text
-    assert "not registered on it (kept in a plain list" in text and "_Reversible" not in text
+    assert ("a real tensor that is not an input of the traced step (not a registered parameter or buffer of the "
+            "model, nor a batch tensor) reached aten.") in text
+    assert "not registered on it (a plain tensor attribute such as self.scale = torch.tensor(2.0), one kept in a " \
+           "list" in text and "_Reversible" not in text
 
 
 class _KeepsState(torch.nn.Module):

@@ -129,6 +129,9 @@ class ModuleState:
     #: nn.ReLU()``), one added to a ``ModuleList`` that ``forward`` loops over, or a ``forward``
     #: patched on the instance runs code the trace never saw
     modules: tuple[tuple[str, type, object], ...] = ()
+    #: the LSTMs (described) traced with oneDNN off that eager PyTorch runs through oneDNN's
+    #: fused kernel with it on (``trace_errors.RnnWatch``): the step is eager's under that flag only
+    onednn_off: tuple[str, ...] = ()
 
     def check(self, model: torch.nn.Module, view: ModelView | None = None) -> None:
         """Raise ``TraceError`` naming the first value that differs from when the step was traced.
@@ -176,6 +179,16 @@ class ModuleState:
                     f"had when the step was traced (the same number of hooks, another function); the traced step "
                     f"runs the hooks it was traced with: trace again (remat.optimize) after replacing hooks"
                 )
+        if self.onednn_off and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
+            lstms = ", ".join(self.onednn_off[:3]) + (f" and {len(self.onednn_off) - 3} more" if len(self.onednn_off) > 3
+                                                      else "")
+            raise TraceError(
+                f"step() runs with oneDNN on, but the step was traced with it off (torch.backends.mkldnn.flags("
+                f"enabled=False)), and with it on eager PyTorch runs {lstms} through oneDNN's fused LSTM kernel, "
+                f"which rounds differently from the traced step; call the step under the flag it was traced with, "
+                f"`with torch.backends.mkldnn.flags(enabled=False): loss = step(batch)`, and train eagerly under it "
+                f"too wherever you compare the two"
+            )
         now = _autocast_state()
         if now != self.autocast:
             def shown(state: tuple) -> str:
@@ -340,9 +353,9 @@ def _where(name: str, module: torch.nn.Module | None) -> str:
 
 
 def module_state(model: torch.nn.Module, loss_fn: object = None,
-                 reads: Sequence[tuple[HeldValue, object]] = ()) -> ModuleState:
+                 reads: Sequence[tuple[HeldValue, object]] = (), onednn_off: Sequence[str] = ()) -> ModuleState:
     """``model``'s (and ``loss_fn``'s) Python state as a traced step relies on it (see the module);
-    ``reads``: ``OutsideReads.held()`` of its trace."""
+    ``reads``: ``OutsideReads.held()`` of its trace; ``onednn_off``: ``RnnWatch.onednn_off``."""
     attributes, hooks, modules = [], [], []
     for name, module in model.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
@@ -355,7 +368,7 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
                     for key, t in named)
     return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state(),
-                       tuple(held_values(model, loss_fn)) + tuple(reads), tuple(modules))
+                       tuple(held_values(model, loss_fn)) + tuple(reads), tuple(modules), tuple(onednn_off))
 
 
 # ---------------------------------------------------------------------------- tensors read outside the trace

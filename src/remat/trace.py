@@ -490,7 +490,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
         storage_owners=owners,
         random_nodes=random_nodes,
         batch_spec=tuple(TensorSpec.of(t) for t in batch),
-        module_state=module_state(model, loss_fn, reads.held(model, loss_fn)),
+        module_state=module_state(model, loss_fn, reads.held(model, loss_fn), rnns.onednn_off),
         branch_points=branch_points,
     )
     traced.flat_inputs(model, batch)  # (the example as a step would take it: a batch (x, x) that it modifies is refused)

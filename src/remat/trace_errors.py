@@ -151,8 +151,8 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
         remedy = "replace the op, or register a fake implementation for it (torch.library.register_fake)"
     elif "convert all Tensors to FakeTensors" in str(exc):
         found = re.search(r"Found in ([\w.]+)\(", str(exc))
-        what = (f"a real tensor (a parameter or buffer remat does not trace) reached "
-                f"{op or (found.group(1) if found else 'an op')}")
+        what = (f"a real tensor that is not an input of the traced step (not a registered parameter or buffer "
+                f"of the model, nor a batch tensor) reached {op or (found.group(1) if found else 'an op')}")
         if custom_backward is not None:
             remedy = (
                 f"the backward of the custom torch.autograd.Function {custom_backward} calls the model's modules again "
@@ -169,9 +169,10 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
             )
         else:
             remedy = (
-                "the model reaches a parameter or buffer that is not registered on it (kept in a plain list, "
-                "dict or closure, or taken from another model); register it (an nn.Parameter attribute, "
-                "register_buffer or an nn.ModuleList) so that remat traces it as an input of the step"
+                "the model reads a tensor that is not registered on it (a plain tensor attribute such as "
+                "self.scale = torch.tensor(2.0), one kept in a list, dict or closure, a global, or another model's "
+                "parameter); register it (register_buffer, an nn.Parameter attribute or an nn.ModuleList) so that "
+                "remat traces it as an input of the step"
             )
     else:
         what = f"{type(exc).__name__}: {_first_line(exc)}"
@@ -278,16 +279,18 @@ def gru_rounding_block(device: torch.device, dtype: torch.dtype) -> int | None:
     return max(1, 2 * register // dtype.itemsize)
 
 
-def eager_runs_onednn_lstm(module: torch.nn.Module, args: tuple) -> bool:
+def eager_runs_onednn_lstm(module: torch.nn.Module, args: tuple, *, enabled: bool | None = None) -> bool:
     """Whether eager PyTorch runs this call of ``module`` through oneDNN's fused CPU LSTM kernel
     (``aten.mkldnn_rnn_layer``): an ``nn.LSTM`` without projections, called on a padded (not
     packed) non-empty CPU input with CPU weights and states, oneDNN built in and enabled, in
     float32 (bfloat16 where the CPU supports oneDNN's, float16 only without grad) -- what
     ``at::native::lstm`` checks before its cell loop. ``nn.GRU`` and ``nn.RNN`` have no such
-    kernel."""
+    kernel. ``enabled``: the oneDNN flag to assume (default: its current value)."""
     if not isinstance(module, torch.nn.LSTM) or module.proj_size > 0 or not args:
         return False
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+    if enabled is None:
+        enabled = torch.backends.mkldnn.enabled
+    if not (torch.backends.mkldnn.is_available() and enabled):
         return False
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.numel() == 0:  # (a PackedSequence takes the cell loop)
@@ -371,6 +374,10 @@ class RnnWatch(_ModuleWatch):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model, _RECURRENT)
         self.called: dict[str, torch.nn.Module] = {}
+        #: the LSTMs (described) that eager PyTorch would run through oneDNN's fused kernel were
+        #: the oneDNN flag on, which it is not while tracing: the step is eager's under the same
+        #: flag only (``guards.ModuleState.onednn_off``)
+        self.onednn_off: list[str] = []
 
     def _called(self, module: torch.nn.RNNBase | torch.nn.GRUCell, args: tuple) -> None:
         name = self.names[id(module)]
@@ -400,6 +407,10 @@ class RnnWatch(_ModuleWatch):
                 )
         if eager_runs_onednn_lstm(module, args):
             raise _onednn_lstm_error(_describe_module(self.model, name), "aten.mkldnn_rnn_layer")
+        if eager_runs_onednn_lstm(module, args, enabled=True):
+            where = _describe_module(self.model, name)
+            if where not in self.onednn_off:
+                self.onednn_off.append(where)
 
     def check_graph(self, gm: torch.fx.GraphModule) -> None:
         """Refuse a traced step that runs oneDNN's fused LSTM kernel (where a call was not refused
