@@ -48,6 +48,16 @@ from remat.solvers.baselines import (BaselinePlan, chen_plan, considers, in_stag
 #: Values considered per move: those held across the peak, largest first; they are measured
 #: in order of their least possible compute per byte saved, until none can beat the best.
 CANDIDATES_PER_MOVE = 128
+#: Where a move computes its value again: in the stage of its next read, or, when no such move
+#: helps, in one of this many stages before it (after the peak). A stage's own node is
+#: computed after the values it recomputes, so a value recomputed in the stage of its read
+#: shares the memory with what the stage before computed: a small MLP in float16 at 60% of
+#: checkpoint-all (every layer's backward needs its input computed again from the batch, with
+#: nothing else held) needs that chain run before the input gradient's matrix product, a stage
+#: early: the descent stopped at a peak of 1.64 MB, over the budget of 1.45 MB, where the
+#: exact model fits 1.38 MB; now it reaches 1.38 MB. Tried at every move instead, it found the
+#: same plans on the benchmark's graphs, a third slower.
+EARLIER_STAGES = 1
 #: A move recomputes at most this many values (the value and the inputs it needs again); the
 #: smallest-budget search allows any number (``lower_peak(..., max_move_nodes=...)``): at the
 #: floor of a deep GPT-2 the last value held at the loss gradient is a hidden state whose
@@ -368,6 +378,8 @@ class Descent:
         while (not self.stuck and int(mem.max()) > budget_bytes and made < max_moves
                and time.perf_counter() < deadline):
             step = search.best_move(stages, nodes, mem, deadline)
+            if step is None and time.perf_counter() < deadline:
+                step = search.best_move(stages, nodes, mem, deadline, earlier=EARLIER_STAGES)
             if step is None:
                 self.stuck = time.perf_counter() < deadline
                 break
@@ -399,10 +411,11 @@ class _Search:
         """``order_reads`` of the order ``nodes``."""
         return order_reads(self.graph, nodes)
 
-    def best_move(self, stages: np.ndarray, nodes: np.ndarray, mem: np.ndarray, deadline: float):
+    def best_move(self, stages: np.ndarray, nodes: np.ndarray, mem: np.ndarray, deadline: float, earlier: int = 0):
         """The move with the least added compute per byte of peak saved: (stages, nodes,
         memory) after it and what it adds (stage, nodes), or None when none lowers the peak or
-        the plateau at it."""
+        the plateau at it. A move computes its value again in the stage of its next read, or
+        (``earlier``) in one of that many stages before it, after the peak's."""
         m = nodes.size
         peak = int(mem.max())
         at_peak = np.flatnonzero(mem == peak)
@@ -425,11 +438,25 @@ class _Search:
         sorted_occurrences = np.sort(nodes * m + np.arange(m))
         occurrences = sorted_occurrences.tolist()
         last_read_list = last_read.tolist()
-        # where the stage of each held value's next read begins and ends in the order
+        # where each held value may be computed again: the stage of its next read, or one of the
+        # ``earlier`` stages before it after the peak's (``places``: value index, the stage,
+        # where it begins and ends in the order, the position its inputs are looked up before)
         qs = next_read[held]
-        q_stages = stages[np.minimum(qs, m - 1)]
-        stage_lo = np.searchsorted(stages, q_stages, side="left").tolist()
-        stage_hi = np.searchsorted(stages, q_stages, side="right").tolist()
+        stage_values = np.unique(stages)
+        p_stage = int(stages[p])
+        places: list[tuple[int, int, int, int, int]] = []
+        for k in range(held.size):
+            q = int(qs[k])
+            if q >= m:
+                continue
+            at = int(np.searchsorted(stage_values, stages[q]))
+            for back in range(earlier + 1):
+                if back and (at - back < 0 or int(stage_values[at - back]) <= p_stage):
+                    break  # (the read's own stage may be the peak's: then the value is computed after p)
+                stage = int(stage_values[at - back])
+                lo = int(np.searchsorted(stages, stage, side="left"))
+                hi = int(np.searchsorted(stages, stage, side="right"))
+                places.append((k, stage, lo, hi, q if back == 0 else lo))
         # Moves are tried in order of their least compute per byte (what they add over the
         # value's bytes, the most a move can save), each set found only when it is reached: a
         # value's own cost over its bytes is a lower bound for its move's, so a heap of those
@@ -438,7 +465,7 @@ class _Search:
         sizes = self.sizes[nodes[held]].astype(float).tolist()
         own = self.costs[nodes[held]].astype(float).tolist()
         heap: list[tuple[float, int, list[int] | None]] = [
-            (own[k] / sizes[k], k, None) for k in range(held.size) if qs[k] < m]
+            (own[k] / sizes[k], j, None) for j, (k, *_rest) in enumerate(places)]
         heapq.heapify(heap)
         best = None
         count = at_peak.size
@@ -447,18 +474,17 @@ class _Search:
         order = (_Inserting(self, stages, nodes, reader, inst, last_read, sorted_occurrences, occurrences)
                  if in_stage_order(stages, nodes) and not (inst < 0).any() else None)
         while heap:
-            least_ratio, k, added = heapq.heappop(heap)
+            least_ratio, j, added = heapq.heappop(heap)
             if time.perf_counter() > deadline or (best is not None and least_ratio >= best[0][0]):
                 break  # no move left can beat the best one's compute per byte saved
-            q = int(qs[k])
+            k, stage, lo, hi, q = places[j]
             if added is None:  # its set is not known yet: find it, and its place in the order
-                added = self._recompute_set(held_nodes[k], q, p, (stage_lo[k], stage_hi[k]), m, last_read_list,
-                                            occurrences)
+                added = self._recompute_set(held_nodes[k], q, p, (lo, hi), m, last_read_list, occurrences)
                 if added is not None:
-                    heapq.heappush(heap, (float(self.costs[added].sum()) / sizes[k], k, added))
+                    heapq.heappush(heap, (float(self.costs[added].sum()) / sizes[k], j, added))
                 continue
-            moved = (order.insert(added, stage_lo[k], stage_hi[k]) if order is not None
-                     else self._inserted(stages, nodes, added, int(stages[q])))
+            moved = (order.insert(added, lo, hi) if order is not None
+                     else self._inserted(stages, nodes, added, stage))
             if moved is None:
                 continue
             new_stages, new_nodes, new_mem = moved
@@ -470,7 +496,7 @@ class _Search:
             # lower peak first; on a plateau (nothing saved), fewest positions left at the peak
             key = (extra / saved, 0.0) if saved > 0 else (np.inf, extra)
             if best is None or key < best[0]:
-                best = (key, new_stages, new_nodes, new_mem, int(stages[q]), np.asarray(added, dtype=np.int32))
+                best = (key, new_stages, new_nodes, new_mem, stage, np.asarray(added, dtype=np.int32))
         return None if best is None else best[1:]
 
     def _inserted(self, stages: np.ndarray, nodes: np.ndarray, added: list[int], stage: int
