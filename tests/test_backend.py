@@ -1113,3 +1113,17 @@ def test_a_sparse_gradient_falls_back_with_the_reason_named():
     assert torch.equal(got[0], want[0])
     for k, g in want[1].items():
         assert torch.equal(got[1][k].to_dense(), g.to_dense()), k
+
+
+def test_the_plan_cache_ignores_a_relative_xdg_cache_home(monkeypatch, tmp_path):
+    """The XDG specification says a relative XDG_CACHE_HOME is to be ignored: it put the plan
+    cache under whatever directory the process ran in."""
+    from remat.backend_cache import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "remat" / "plans"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "remat" / "plans"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "remat" / "plans"

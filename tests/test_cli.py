@@ -129,6 +129,33 @@ def test_sweep_resumes_from_its_json(capsys, tmp_path, monkeypatch):
     assert len(_sweep_points(tmp_path / "s.json")) == 6
 
 
+def test_sweep_solves_a_damaged_entry_of_its_json_again(capsys, tmp_path, caplog):
+    """A results file that is valid JSON with one entry damaged (its result gone, or not an
+    object with an overhead) stopped every rerun with a KeyError or TypeError traceback: that
+    point is solved again, with a warning naming the file, and the entry replaced."""
+    path = tmp_path / "s.json"
+    argv = ["sweep", "--graph", "chain:8", "--methods", "checkpoint_all,chen_sqrtn", "--budgets", "50%:100%:2",
+            "--out", str(path)]
+    assert run(capsys, *argv)[0] == 0
+    first = _sweep_points(path)
+    data = json.loads(path.read_text())
+    del data["results"][1]["result"]
+    data["results"][2]["result"]["result"] = "oops"
+    path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="remat.sweep"):
+        code, _, err = run(capsys, *argv)
+    assert code == 0 and "2 of 4 points read back" in err
+    assert any("is damaged (the stored point has a result without an overhead and a status); solving it again"
+               in r.getMessage() and str(path) in r.getMessage() for r in caplog.records)
+    def plans(points):
+        return [(p["method"], p["budget_bytes"], p["min_budget_bytes"], p["result"] and p["result"]["overhead"])
+                for p in points]
+
+    assert plans(_sweep_points(path)) == plans(first)
+    code, _, err = run(capsys, *argv)
+    assert code == 0 and "4 of 4 points read back" in err
+
+
 def _interruptible(argv: list[str]) -> subprocess.Popen:
     """Start ``argv`` with Ctrl-C delivered as a terminal would. A child inherits its parent's
     blocked signals and an ignored SIGINT across exec (Python then never installs its handler);

@@ -80,8 +80,12 @@ def record_problem(record: object) -> str | None:
 
 
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/remat/plans`` (``~/.cache/remat/plans`` by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """``$XDG_CACHE_HOME/remat/plans`` (``~/.cache/remat/plans`` by default, and where
+    ``XDG_CACHE_HOME`` is not an absolute path, which the XDG specification says to ignore: a
+    relative one put the cache under whatever directory the process ran in)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "remat" / "plans"
 
 

@@ -139,6 +139,9 @@ class _ShowLatest(logging.Handler):
         self.status, self.prefix = status, prefix
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:  # (kept on screen, not only in the passing status line)
+            self.status.console.print(f"warning: {record.getMessage()}", highlight=False, markup=False)
+            return
         self.status.update(f"{self.prefix}: {record.getMessage()[:120]}")
 
 
@@ -370,7 +373,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     reference = checkpoint_all_peak(graph)
     store.meta.setdefault("graphs", {})[graph.fingerprint()] = {
         "name": graph.name, "n_nodes": graph.n, "checkpoint_all_peak_bytes": reference}
-    total, before = len(budgets) * len(names), len(store)
+    total = len(budgets) * len(names)
     done: list[SweepPoint] = []
     with _progress() as progress:
         task = progress.add_task(f"sweeping {graph.name}", total=total)
@@ -387,7 +390,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                       f"to resume", highlight=False)
             raise _Interrupted from None
     store.save()  # the graph's record in meta, also when every point was already there
-    resumed = total - (len(store) - before)
+    resumed = sum(p.read_back for p in points)
     if resumed:
         err.print(f"{resumed} of {total} points read back from {out_path} (same graph, method, options and "
                   f"remat version); delete it to solve them again", highlight=False)

@@ -5,6 +5,7 @@ Pure computation: returns records; printing, plotting and files are the caller's
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -36,6 +37,8 @@ class SweepPoint:
     result: dict[str, object] | None
     min_budget_bytes: int | None = None
     skipped: str | None = None
+    #: read back from a results file rather than solved (not saved)
+    read_back: bool = False
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -49,7 +52,25 @@ class SweepPoint:
 
     @classmethod
     def from_json(cls, record: Mapping[str, object]) -> SweepPoint:
-        return cls(record["method"], record["budget_bytes"], record["budget_fraction"], record["result"],
+        """The point ``to_json`` wrote; ``ValueError`` says what a damaged record lacks."""
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        result = record.get("result") if isinstance(record, Mapping) else None
+        problems = [] if isinstance(record, Mapping) else ["is not a JSON object"]
+        if not problems:
+            if not isinstance(record.get("method"), str):
+                problems.append("no method name")
+            if not isinstance(record.get("budget_bytes"), int) or not number(record.get("budget_fraction")):
+                problems.append("no budget")
+            if result is not None and (not isinstance(result, Mapping) or not number(result.get("overhead"))
+                                       or not isinstance(result.get("status"), str)):
+                problems.append("a result without an overhead and a status")
+            if record.get("min_budget_bytes") is not None and not isinstance(record.get("min_budget_bytes"), int):
+                problems.append("a smallest budget that is not a number of bytes")
+        if problems:
+            raise ValueError("the stored point has " + " and ".join(problems))
+        return cls(record["method"], record["budget_bytes"], record["budget_fraction"], result,
                    min_budget_bytes=record.get("min_budget_bytes"), skipped=record.get("skipped"))
 
 
@@ -103,11 +124,16 @@ def sweep(
                 key = result_key(fingerprint=fingerprint, method=method, options=method_options, budget_bytes=int(budget))
                 stored = store.get(key)
                 if stored is not None:
-                    point = SweepPoint.from_json(stored)
-                    points.append(point)
-                    if on_point is not None:
-                        on_point(point)
-                    continue
+                    try:
+                        point = dataclasses.replace(SweepPoint.from_json(stored), read_back=True)
+                    except ValueError as exc:  # a damaged entry: solved again, and replaced
+                        log.warning("results file %s: the entry of %s at %d B is damaged (%s); solving it again",
+                                    os.fspath(store.path), method, int(budget), exc)
+                    else:
+                        points.append(point)
+                        if on_point is not None:
+                            on_point(point)
+                        continue
             point = run_interruptibly(lambda: _solve_point(graph, method, int(budget), ref, method_options))
             if store is not None:
                 store.put(key, point.to_json())
@@ -327,13 +353,13 @@ class ResultStore:
     def get(self, key: Mapping[str, object]) -> dict[str, object] | None:
         """The result stored under ``key``, or None."""
         entry = self._entries.get(_canonical(key))
-        return None if entry is None else entry["result"]
+        return None if entry is None else entry.get("result")
 
     def select(self, **fields: object) -> list[tuple[dict[str, object], dict[str, object]]]:
         """``(key, result)`` of every stored result whose key has these field values, in the
         order they were stored."""
         want = {name: _plain(value, name) for name, value in fields.items()}
-        return [(e["key"], e["result"]) for e in self._entries.values()
+        return [(e["key"], e.get("result")) for e in self._entries.values()
                 if all(e["key"].get(name) == value for name, value in want.items())]
 
     def put(self, key: Mapping[str, object], result: Mapping[str, object]) -> None:
