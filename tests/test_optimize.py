@@ -344,6 +344,34 @@ def test_stale_plan_is_refused(saved):
         TrainingStep.load(path, copy.deepcopy(w.model), w.batch, w.loss_fn, budget_bytes=123)
 
 
+def test_a_stale_plan_names_the_first_operation_that_differs(tmp_path):
+    """The refusal listed every possible cause; it now names where the two steps part: an
+    operation of another size (a layer made wider) or another operation (ReLU for GELU)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    def model(width=64, act=nn.ReLU):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, width), act(), nn.Linear(width, 10))
+
+    batch = (torch.randn(512, 32), torch.randint(0, 10, (512,)))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    path = tmp_path / "plan.json"
+    optimize(model(), batch, loss_fn, 1.0, method="checkpoint_all", cost_model=None).save(path)
+    with pytest.raises(StalePlanError, match=r"the first operation that differs is operation 1: the saved step "
+                                             r"computed 'addmm' \(128.00 KiB\) there, this one 'addmm' \(160.00 KiB, "
+                                             r"float32 \(512, 80\)\)"):
+        TrainingStep.load(path, model(80), batch, loss_fn)
+    with pytest.raises(StalePlanError, match=r"operation 2: the saved step computed 'relu' \(128.00 KiB\) there, "
+                                             r"this one 'gelu'"):
+        TrainingStep.load(path, model(act=nn.GELU), batch, loss_fn)
+    record = json.loads(path.read_text())
+    del record["nodes"]  # (a file saved before the operations were)
+    path.write_text(json.dumps(record))
+    with pytest.raises(StalePlanError, match=r"this model traces to \w+, \d+ nodes\): the model, batch shape"):
+        TrainingStep.load(path, model(80), batch, loss_fn)
+
+
 @pytest.mark.parametrize(
     "mutate,message",
     [

@@ -273,6 +273,8 @@ class TrainingStep:
             "branch_answers": list(self.traced.branch_answers),
             "batch_keys": None if self.batch_keys is None else list(self.batch_keys),
             "compute_order": list(self.plan.compute_order),
+            # each operation's name and output bytes: a stale file's error names the first that differs
+            "nodes": [[node.name, node.out_bytes] for node in self.traced.graph.nodes],
             **self.traced.measurements(),
             "report": self.report.to_json(),
         }
@@ -347,8 +349,9 @@ class TrainingStep:
             raise StalePlanError(
                 f"saved plan {os.fspath(path)!r} was made for a different training step (graph "
                 f"fingerprint {record['fingerprint'][:12]}, {record['n_nodes']} nodes; this model "
-                f"traces to {fingerprint[:12]}, {graph.n} nodes): the model, batch shape, loss or "
-                f"which batch tensors require grad changed; run optimize() again and save the new plan"
+                f"traces to {fingerprint[:12]}, {graph.n} nodes){_first_difference(record, traced)}: the model, "
+                f"batch shape, loss or which batch tensors require grad changed; run optimize() again and save the "
+                f"new plan"
             )
         if budget_bytes is not None and budget_bytes != record["budget_bytes"]:
             raise StalePlanError(
@@ -463,6 +466,32 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor, handed: set[int]) -> No
         param.grad = grad
     else:
         param.grad += grad
+
+
+def _first_difference(record: dict, traced: TracedStep) -> str:
+    """Where the saved step and ``traced`` first differ, from the file's operation names and
+    output bytes (``", ..."``), or nothing for a file without them (saved before they were)."""
+    saved = record.get("nodes")
+    if not isinstance(saved, list) or not all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in saved):
+        return ""
+    now = [(node.name, node.out_bytes) for node in traced.graph.nodes]
+    k = next((i for i, (a, b) in enumerate(zip(saved, now)) if tuple(a) != b), None)
+    if k is None:
+        if len(saved) == len(now):
+            return ("; the same operations with the same output sizes, connected differently (or other parameters, "
+                    "buffers or batch)")
+        longer, extra = ("saved step", saved[len(now)][0]) if len(saved) > len(now) else ("this step", now[len(saved)][0])
+        return f"; the {longer} goes on where the other ends, at operation {min(len(saved), len(now))} ({extra})"
+
+    def shown(name: str, size: int, i: int | None) -> str:
+        val = traced.fx_node(i).meta.get("val") if i is not None else None
+        shape = (f", {str(val.dtype).replace('torch.', '')} {tuple(val.shape)}" if isinstance(val, torch.Tensor)
+                 else "")
+        return f"{name!r} ({format_bytes(size)}{shape})"
+
+    return (f"; the first operation that differs is operation {k}: the saved step computed {shown(*saved[k], None)} "
+            f"there, this one {shown(*now[k], k)}")
 
 
 def _structure_fingerprint(graph: Graph) -> str:
