@@ -320,13 +320,12 @@ class TrainingStep:
         with named_by_key(keys, (TraceError, PlanFileError)):
             traced = trace(model, example_inputs, loss_fn, cost_model=None,
                            allow_native_batch_norm=allow_native_batch_norm, branches=branches)
-        if branches is not None and traced.branch_answers != branches:
-            raise StalePlanError(
-                f"saved plan {os.fspath(path)!r} was made for a step that meets {len(branches)} check(s) of the batch's "
-                f"values (transformers' attention-mask and packed-sequence checks); this model and loss meet "
-                f"{len(traced.branch_answers)}: run optimize() again and save the new plan"
-            )
-        with named_by_key(keys, (TraceError, PlanFileError)):
+            if branches is not None and traced.branch_answers != branches:
+                raise StalePlanError(
+                    f"saved plan {os.fspath(path)!r} was made for a step that meets {len(branches)} check(s) of the "
+                    f"batch's values (transformers' attention-mask and packed-sequence checks); this model and loss "
+                    f"meet {len(traced.branch_answers)}: run optimize() again and save the new plan"
+                )
             _check_requires_grad(path, record, traced)
         # the step's structure without what the file measured: a file saved for this step whose
         # measured scratch was edited is corrupt, not stale (files from before the field was

@@ -56,18 +56,19 @@ class SweepPoint:
         def number(value: object) -> bool:
             return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-        result = record.get("result") if isinstance(record, Mapping) else None
-        problems = [] if isinstance(record, Mapping) else ["is not a JSON object"]
-        if not problems:
-            if not isinstance(record.get("method"), str):
-                problems.append("no method name")
-            if not isinstance(record.get("budget_bytes"), int) or not number(record.get("budget_fraction")):
-                problems.append("no budget")
-            if result is not None and (not isinstance(result, Mapping) or not number(result.get("overhead"))
-                                       or not isinstance(result.get("status"), str)):
-                problems.append("a result without an overhead and a status")
-            if record.get("min_budget_bytes") is not None and not isinstance(record.get("min_budget_bytes"), int):
-                problems.append("a smallest budget that is not a number of bytes")
+        if not isinstance(record, Mapping):
+            raise ValueError("the stored point is not a JSON object")
+        result = record.get("result")
+        problems = []
+        if not isinstance(record.get("method"), str):
+            problems.append("no method name")
+        if not isinstance(record.get("budget_bytes"), int) or not number(record.get("budget_fraction")):
+            problems.append("no budget")
+        if result is not None and (not isinstance(result, Mapping) or not number(result.get("overhead"))
+                                   or not isinstance(result.get("status"), str)):
+            problems.append("a result without an overhead and a status")
+        if record.get("min_budget_bytes") is not None and not isinstance(record.get("min_budget_bytes"), int):
+            problems.append("a smallest budget that is not a number of bytes")
         if problems:
             raise ValueError("the stored point has " + " and ".join(problems))
         return cls(record["method"], record["budget_bytes"], record["budget_fraction"], result,

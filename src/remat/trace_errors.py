@@ -405,10 +405,10 @@ class RnnWatch(_ModuleWatch):
                     f"ATEN_CPU_CAPABILITY=default before torch is imported (unvectorized kernels: eager "
                     f"and traced then agree)"
                 )
-        if eager_runs_onednn_lstm(module, args):
-            raise _onednn_lstm_error(_describe_module(self.model, name), "aten.mkldnn_rnn_layer")
         if eager_runs_onednn_lstm(module, args, enabled=True):
             where = _describe_module(self.model, name)
+            if torch.backends.mkldnn.enabled:
+                raise _onednn_lstm_error(where, "aten.mkldnn_rnn_layer")
             if where not in self.onednn_off:
                 self.onednn_off.append(where)
 
