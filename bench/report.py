@@ -15,7 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SECTIONS = ("demo_gpt2", "budget_sweep", "max_batch", "spot_checks", "holdout", "zoo", "solver_scaling", "floor_anatomy",
-            "vs_pytorch", "step_overhead", "distributed", "cuda_check")
+            "vs_pytorch", "step_overhead", "busy_cpu", "distributed", "cuda_check")
 
 HEADER = """# Benchmarks
 

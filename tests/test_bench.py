@@ -580,6 +580,46 @@ def test_step_overhead_measures_every_variant_against_eager_and_renders_them(mon
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+# ---------------------------------------------------------------------------- bench/busy_cpu.py
+def test_busy_cpu_refuses_bad_usage_in_one_line(capsys):
+    busy = _load("busy_cpu")
+    for argv, message in ((["--models", "resnet9000"], "unknown model(s) resnet9000"),
+                          (["--models", ","], "unknown model(s) (none given)"),
+                          (["--threads", "1"], "--threads at least 2 (one thread cannot stall)"),
+                          (["--rounds", "0"], "--rounds and --busy must be at least 1"),
+                          (["--budget", "1.5"], "--budget must be in (0, 1]")):
+        with pytest.raises(SystemExit) as done:
+            busy.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert done.value.code == 2 and message in err[-1], (argv, err)
+
+
+def test_busy_cpu_rank_correlation_and_load():
+    busy = _load("busy_cpu")
+    assert busy.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert busy.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert busy.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)  # ties share their rank
+    with busy.Load(2) as load:
+        assert all(p.poll() is None for p in load.procs)
+    assert all(p.returncode is not None for p in load.procs)
+
+
+def test_busy_cpu_prices_every_profiles_plan_with_the_quiet_costs(tmp_path):
+    busy = _load("busy_cpu")
+    row = busy.measure("cnn", 4, rounds=1, busy=1, threads=2, fraction=0.5, time_limit_s=2.0)
+    assert set(row["conditions"]) == set(busy.CONDITIONS) and 0 < row["budget_fraction"] <= 1
+    quiet = row["conditions"]["quiet"]
+    # one quiet round is the reference itself: its plan is priced with its own costs
+    assert quiet["median_total_vs_quiet"] == pytest.approx(1.0)
+    assert quiet["median_rank_correlation"] == pytest.approx(1.0)
+    assert quiet["median_overhead_quiet"] == pytest.approx(quiet["median_overhead_own"])
+    for c in row["conditions"].values():
+        assert len(c["runs"]) == 1 and c["median_overhead_quiet"] >= 1.0 and c["median_profile_s"] > 0
+    assert row["conditions"]["busy, unchecked"]["warned"] == 0  # (the check off: it cannot warn)
+    text = busy.markdown({"meta": {"rounds": 1, "busy": 1, "threads": 2, "cpus": 2}, "models": [row]})
+    assert text.count("| cnn |") == len(busy.CONDITIONS)
+
+
 # ---------------------------------------------------------------------------- bench/floor_anatomy.py
 def test_floor_anatomy_refuses_bad_usage_in_one_line(capsys, monkeypatch, tmp_path):
     anatomy = _load("floor_anatomy")

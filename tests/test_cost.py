@@ -84,3 +84,82 @@ def test_traced_costs_rank_matmuls_above_views():
     assert by_name["mm"] > by_name["view"] == 0.0
     assert all(c >= 0 for c in by_name.values())
     assert t.graph.total_cost > 0
+
+
+def _stalling_clock(monkeypatch, *, many_us: float, one_us: float) -> list[int]:
+    """Make every timing report ``many_us`` on more than one thread and ``one_us`` on one, as
+    an oversubscribed CPU (``many_us`` much larger) or a quiet one does; returns a list that
+    records the thread count of every timing."""
+    threads: list[int] = []
+
+    def fake(fn, repeats, device, *, warm=True):
+        fn()
+        threads.append(torch.get_num_threads())
+        return many_us if torch.get_num_threads() > 1 else one_us
+
+    monkeypatch.setattr(cost, "_median_us", fake)
+    return threads
+
+
+def test_an_oversubscribed_cpu_is_timed_on_one_thread_too(monkeypatch, caplog):
+    # Multi-threaded kernels waiting 16 ms for a thread that is not running: every op's cost
+    # would be 16 ms. Found by the check, the one-thread timing is kept, and a warning says so.
+    gm = make_fx(lambda x: (x @ x).relu() + 1)(torch.randn(16, 16))
+    cost._PROFILE_CACHE.clear()
+    timings = _stalling_clock(monkeypatch, many_us=16000.0, one_us=10.0)
+    with caplog.at_level("WARNING", logger="remat.cost"):
+        costs = profile(gm, [torch.randn(16, 16)], threads=2)
+    cost._PROFILE_CACHE.clear()
+    assert costs == {"mm": 10.0, "relu": 10.0, "add": 10.0}
+    assert 1 in timings and 2 in timings
+    [record] = [r for r in caplog.records if "oversubscribed" in r.getMessage()]
+    message = record.getMessage()
+    assert "2-thread matmul ran 1600x slower than on one thread" in message
+    assert "3 ops were also timed on one thread" in message
+    assert "CostModel.ESTIMATE" in message and "torch.set_num_threads" in message
+
+
+def test_a_quiet_cpu_keeps_its_thread_count_timing_and_says_nothing(monkeypatch, caplog):
+    gm = make_fx(lambda x: (x @ x).relu() + 1)(torch.randn(16, 16))
+    cost._PROFILE_CACHE.clear()
+    timings = _stalling_clock(monkeypatch, many_us=6.0, one_us=10.0)
+    with caplog.at_level("WARNING", logger="remat.cost"):
+        costs = profile(gm, [torch.randn(16, 16)], threads=2)
+    cost._PROFILE_CACHE.clear()
+    assert costs == {"mm": 6.0, "relu": 6.0, "add": 6.0}
+    assert timings.count(1) == 1  # the check's reference op only, once (within CONTENTION_CHECK_S)
+    assert not caplog.records
+
+
+def test_contention_once_found_stays_and_one_thread_checks_nothing(monkeypatch):
+    clock = {"many": 16000.0}
+    monkeypatch.setattr(cost, "_median_us",
+                        lambda fn, r, d, *, warm=True: clock["many"] if torch.get_num_threads() > 1 else 10.0)
+    c = cost.Contention(torch.device("cpu"), 2, check_s=0.0)
+    with _threads(2):
+        assert c.busy() and c.ratio == 1600.0
+        clock["many"] = 5.0  # the load left for a moment: still busy, the latest ratio recorded
+        assert c.busy() and c.ratio == 0.5 and c.worst == 1600.0
+    assert not cost.Contention(torch.device("cpu"), 1).busy()
+    assert not cost.Contention(torch.device("meta"), 2).busy()
+
+
+class _threads:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.saved)
+
+
+def test_machine_rates_on_an_oversubscribed_cpu_are_one_threads(monkeypatch):
+    _stalling_clock(monkeypatch, many_us=16000.0, one_us=100.0)
+    monkeypatch.setattr(cost, "_RATES", {})
+    with _threads(2):
+        rates = machine_rates("cpu")
+    assert rates.matmul_flops_per_us == 2 * cost.RATE_MATMUL_SIDE**3 / 100.0
+    assert rates.bytes_per_us == 2 * cost.RATE_COPY_BYTES / 100.0

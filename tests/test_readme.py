@@ -37,6 +37,7 @@ SLOW = {
     "python bench/solver_scaling.py": "--help",
     "python bench/floor_anatomy.py": "--help",
     "python bench/step_overhead.py": "--help",
+    "python bench/busy_cpu.py": "--help",
     "python examples/train_loop.py --check": "--help",
 }
 

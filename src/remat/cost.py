@@ -5,6 +5,15 @@ inputs: one warm-up call then the median of ``PROFILE_REPEATS`` calls at a fixed
 Timings are cached by (op, argument shapes/strides/dtypes and constants, device, threads) in
 the process and, when given a ``cache_path``, in a JSON file.
 
+On a CPU with more threads than it can run at once (other processes busy on its cores), a
+multi-threaded op waits at every parallel region for a thread that is not running: a matmul
+of 15 us took 16 ms, and a whole step's timings summed to 80 times their quiet value, with
+the cheap serial ops untouched, so the plan weighed recomputations by noise. ``Contention``
+checks for this while profiling (a parallel reference op on the profile's threads against one
+thread, again every ``CONTENTION_CHECK_S``); once it is found, every op after is also timed on
+one thread and the faster median is kept (on a quiet machine the op's own threads are the faster),
+and a warning says so once per profile.
+
 ``CostModel.ESTIMATE`` needs no real run: a roofline over the FLOPs torch's flop counter
 assigns to the op and the bytes it reads and writes, against machine rates measured once per
 device (``machine_rates``), plus a fixed per-op dispatch overhead. It ranks ops well enough to
@@ -41,6 +50,14 @@ RATE_MATMUL_SIDE = 512
 RATE_COPY_BYTES = 32 * 2**20
 #: Timed calls per machine-rate measurement (median kept).
 RATE_REPEATS = 7
+#: The CPU is taken as oversubscribed when the reference op on the profile's threads is this
+#: many times slower than on one thread (on a quiet machine it is faster: about 0.5x on two).
+CONTENTION_RATIO = 1.5
+#: Seconds of profiling between two checks for oversubscription.
+CONTENTION_CHECK_S = 0.5
+#: Side of the check's reference matmul at two threads (about 1 ms on one thread); it grows
+#: with the cube root of the thread count, so that each thread keeps as much work.
+CONTENTION_SIDE = 192
 
 
 class CostModel(enum.Enum):
@@ -124,6 +141,68 @@ def _save_cache(path: str | os.PathLike | None, store: dict) -> None:
     os.replace(tmp, path)
 
 
+def _median_us(fn, repeats: int, device: torch.device, *, warm: bool = True) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` in microseconds (after one warm-up call)."""
+    if warm:
+        fn()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter_ns()
+        fn()
+        _sync(device)
+        samples.append((time.perf_counter_ns() - start) / 1e3)
+    return statistics.median(samples)
+
+
+def _one_thread_us(fn, repeats: int, device: torch.device, *, warm: bool = True) -> float:
+    """``_median_us`` with one intra-op thread (the caller's count restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _median_us(fn, repeats, device, warm=warm)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class Contention:
+    """Whether the CPU runs fewer threads than the profile asks for, checked as it goes.
+
+    ``busy()`` times a parallel reference matmul on the current thread count and on one
+    thread, at most every ``CONTENTION_CHECK_S`` seconds; ``ratio`` is the latest quotient
+    (threads over one thread) and ``worst`` the largest. Once found busy it stays busy: the
+    load comes and goes faster than the checks (under a steady load of 1.7 other processes
+    on two cores, ops timed between two checks that found the CPU free had stalled 17 ms),
+    so a profile that met it once takes the one-thread timing for every op after. With one
+    thread, or on another device, nothing is checked and nothing is busy.
+    """
+
+    def __init__(self, device: torch.device, threads: int, *, check_s: float = CONTENTION_CHECK_S) -> None:
+        self.active = device.type == "cpu" and threads > 1
+        self.check_s = check_s
+        self.ratio = self.worst = 0.0
+        self._last = -math.inf
+        self._busy = False
+        if self.active:
+            side = CONTENTION_SIDE * max(1, round((threads / 2) ** (1 / 3)))
+            self._a = torch.randn(side, side, generator=torch.Generator().manual_seed(0))
+
+    def busy(self) -> bool:
+        if not self.active:
+            return False
+        now = time.perf_counter()
+        if now - self._last >= self.check_s:
+            with torch.no_grad():
+                mm = lambda: torch.mm(self._a, self._a)  # noqa: E731
+                many = _median_us(mm, 3, torch.device("cpu"))
+                one = _one_thread_us(mm, 3, torch.device("cpu"))
+            self.ratio = many / one
+            self.worst = max(self.worst, self.ratio)
+            self._busy = self.worst > CONTENTION_RATIO
+            self._last = time.perf_counter()
+        return self._busy
+
+
 class _Timer(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, zero_cost: frozenset[str], repeats: int, threads: int) -> None:
         super().__init__(gm)
@@ -132,6 +211,9 @@ class _Timer(fx.Interpreter):
         self.threads = threads
         self.costs: dict[str, float] = {}
         self.node: fx.Node | None = None
+        self.contention: Contention | None = None
+        #: Ops also timed on one thread because the CPU was found oversubscribed.
+        self.retimed = 0
 
     def run_node(self, n: fx.Node) -> object:
         self.node = n
@@ -146,14 +228,15 @@ class _Timer(fx.Interpreter):
         device = _device_of(tree_leaves((args, kwargs)))
         key = _op_key(n, args, kwargs, str(device), self.threads)
         if key not in _PROFILE_CACHE:
-            samples = []
-            for _ in range(self.repeats):
-                _sync(device)
-                start = time.perf_counter_ns()
-                target(*args, **kwargs)
-                _sync(device)
-                samples.append((time.perf_counter_ns() - start) / 1e3)
-            _PROFILE_CACHE[key] = statistics.median(samples)
+            run = lambda: target(*args, **kwargs)  # noqa: E731
+            if self.contention is None:
+                self.contention = Contention(device, self.threads)
+            busy = self.contention.busy()
+            us = _median_us(run, self.repeats, device, warm=False)  # (the interpreter's call warmed it)
+            if busy:
+                us = min(us, _one_thread_us(run, self.repeats, device))
+                self.retimed += 1
+            _PROFILE_CACHE[key] = us
         self.costs[n.name] = _PROFILE_CACHE[key]
         return result
 
@@ -192,24 +275,18 @@ def profile(
         torch.set_rng_state(cpu_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
+    if timer.retimed:
+        log.warning(
+            "the CPU is oversubscribed: a %d-thread matmul ran %.0fx slower than on one thread (other processes "
+            "are busy on its cores), so %d ops were also timed on one thread and the faster kept; plan on a quiet "
+            "machine, with fewer threads (torch.set_num_threads), or with cost_model=CostModel.ESTIMATE for costs "
+            "that do not depend on the load", threads, timer.contention.worst, timer.retimed)
     _save_cache(cache_path, _PROFILE_CACHE)
     return timer.costs
 
 
 # ---------------------------------------------------------------------------- estimating
 _RATES: dict[str, MachineRates] = {}
-
-
-def _median_us(fn, repeats: int, device: torch.device) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter_ns()
-        fn()
-        _sync(device)
-        samples.append((time.perf_counter_ns() - start) / 1e3)
-    return statistics.median(samples)
 
 
 def machine_rates(device: str | torch.device = "cpu", *, cache_path: str | os.PathLike | None = None) -> MachineRates:
@@ -230,11 +307,20 @@ def machine_rates(device: str | torch.device = "cpu", *, cache_path: str | os.Pa
                 return _RATES[key]
         except (OSError, ValueError, TypeError) as exc:
             log.warning("ignoring unreadable rate cache %s: %s", cache_path, exc)
+    # On a CPU the faster of the thread count's and one thread's time is kept: on a quiet
+    # machine that is the thread count's, on an oversubscribed one (see ``Contention``) its
+    # parallel kernels wait for threads that are not running and one thread is the truer rate.
+    def best(fn) -> float:
+        us = _median_us(fn, RATE_REPEATS, dev)
+        if dev.type == "cpu" and torch.get_num_threads() > 1:
+            us = min(us, _one_thread_us(fn, RATE_REPEATS, dev))
+        return us
+
     with torch.no_grad():
         a = torch.randn(RATE_MATMUL_SIDE, RATE_MATMUL_SIDE, device=dev)
-        mm_us = _median_us(lambda: torch.mm(a, a), RATE_REPEATS, dev)
+        mm_us = best(lambda: torch.mm(a, a))
         x = torch.empty(RATE_COPY_BYTES // 4, device=dev)
-        copy_us = _median_us(lambda: x.clone(), RATE_REPEATS, dev)
+        copy_us = best(lambda: x.clone())
         s = torch.ones(1, device=dev)
         overhead_us = _median_us(lambda: torch.ops.aten.add.Tensor(s, s), RATE_REPEATS * 3, dev)
     rates = MachineRates(
