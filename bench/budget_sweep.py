@@ -1,10 +1,10 @@
-"""Budget sweeps on the Checkmate paper's networks: every method's compute overhead vs budget.
+"""Budget sweeps on the Checkmate paper's networks: six methods' compute overhead vs budget.
 
 For VGG16 (batch 256), MobileNet (batch 512) and the VGG U-Net (batch 32), the batch sizes of
 the Checkmate paper's budget sweeps, and GPT-2 small (batch 8, 512 tokens), the training step
 (forward, loss, backward) is traced on the meta device with ``CostModel.ESTIMATE`` (a roofline
 of FLOPs and bytes moved; a paper-scale step cannot be timed on a CPU). Budgets are fractions
-of the checkpoint-all peak; at each, every method plans the step through
+of the checkpoint-all peak; at each, each method (``--methods``) plans the step through
 ``remat.planning.plan_graph`` and the simulator checks the plan. A budget a method cannot meet
 is recorded as infeasible with the smallest budget it can meet; griewank, which needs a linear
 chain, as not applicable.
@@ -453,7 +453,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "LOW:HIGH:COUNT evenly spaced (30%%:100%%:8); default %(default)s")
     add_bench_options(p, methods=METHODS, time_limit_s=DEFAULT_TIME_LIMIT_S, out=RESULTS,
                       out_shown=str(RESULTS.relative_to(ROOT)))
-    p.add_argument("--plots", type=Path, default=None, help="folder for the plots (default bench/plots)")
+    p.add_argument("--plots", type=Path, default=None, help="folder for the plots (default bench/plots, or next to --out when --out is given)")
     p.add_argument("--plot-only", action="store_true", help="redraw the plots from the JSON")
     return p
 

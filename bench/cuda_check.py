@@ -24,9 +24,10 @@ SegNet, and GPT-2 small; batch sizes below), one training step (forward, loss, b
 A budget remat finds infeasible is planned again at the smallest feasible budget it states (the
 row says so): that is the budget a user is told to ask for, so it must plan. ``remat.optimize``
 runs training-mode batch norms with the kernels eager PyTorch runs (cuDNN's); it refuses a model
-with a batch norm left on PyTorch's native kernels (eval mode, no running statistics) that eager
-runs with cuDNN; the row then runs it with ``allow_native_batch_norm=True`` and is compared with
-the ``torch.compile`` row too (which runs the native kernels).
+with a training-mode batch norm it could not trace to those kernels (one whose backward it could
+not match), which eager runs with cuDNN; the row then runs it with ``allow_native_batch_norm=True``
+and is compared with the ``torch.compile`` row too (which runs the native kernels). Eval-mode
+norms keep the native kernels.
 
 Recorded per variant: the peak memory of one step (``torch.cuda.max_memory_allocated`` above
 what was allocated before the step, plus the parameters, buffers and batch, as remat counts

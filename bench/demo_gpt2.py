@@ -1,4 +1,4 @@
-"""Every method on a small transformers GPT-2: predicted vs measured peak, overhead, gradients.
+"""Six methods on a small transformers GPT-2: predicted vs measured peak, overhead, gradients.
 
     python bench/demo_gpt2.py            # writes bench/results/demo_gpt2.json and the plot
     python bench/report.py               # regenerates BENCHMARKS.md
@@ -60,7 +60,7 @@ def _label(run: dict) -> str:
 def markdown(results: dict) -> str:
     c = results["comparison"]
     lines = [
-        "## Every method on a small GPT-2 (the demo)",
+        "## Six methods on a small GPT-2 (the demo)",
         "",
         f"`{results['command']}` on {results['machine']}. transformers GPT-2, {c['n_nodes']} traced nodes "
         f"({c['n_nodes_reduced']} after folding aliases), batch {c['batch_size']}, dropout 0.1, costs profiled "

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None,
                    help="where to draw the plot (.png, .pdf, .svg; default: --out with .png)")
 
-    p = sub.add_parser("demo", help="optimize a real model with every method; table, JSON and plot",
+    p = sub.add_parser("demo", help="optimize a real model with six methods; table, JSON and plot",
                        description="Trace a real model, plan it with several methods at several budgets, run "
                                    "every plan and check its gradients against eager PyTorch.")
     p.add_argument("--model", default="gpt2-tiny",
@@ -289,7 +289,8 @@ def add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
         p.add_argument("--batch", type=arg_type(positive_int), default=None, help="batch size for --model (default 8)")
         p.add_argument("--costs", choices=("profile", "estimate"), default=None,
                        help="node costs for --model: timed on this machine (profile, the default), or estimated from "
-                            "FLOPs and bytes (estimate: the model is traced on the meta device, nothing is allocated)")
+                            "FLOPs and bytes (estimate: the model is traced on the meta device, nothing is allocated, "
+                            "unless --run)")
 
 
 def resolve_target(args: argparse.Namespace) -> None:
