@@ -101,34 +101,35 @@ def _stalling_clock(monkeypatch, *, many_us: float, one_us: float) -> list[int]:
     return threads
 
 
-def test_an_oversubscribed_cpu_is_timed_on_one_thread_too(monkeypatch, caplog):
-    # Multi-threaded kernels waiting 16 ms for a thread that is not running: every op's cost
-    # would be 16 ms. Found by the check, the one-thread timing is kept, and a warning says so.
+def _profiled_under(monkeypatch, caplog, *, many_us: float, one_us: float):
+    """Profile a three-op graph on two threads under ``_stalling_clock``: (costs, the thread
+    count of every timing, the warnings logged)."""
     gm = make_fx(lambda x: (x @ x).relu() + 1)(torch.randn(16, 16))
     cost._PROFILE_CACHE.clear()
-    timings = _stalling_clock(monkeypatch, many_us=16000.0, one_us=10.0)
+    timings = _stalling_clock(monkeypatch, many_us=many_us, one_us=one_us)
     with caplog.at_level("WARNING", logger="remat.cost"):
         costs = profile(gm, [torch.randn(16, 16)], threads=2)
     cost._PROFILE_CACHE.clear()
+    return costs, timings, [r.getMessage() for r in caplog.records]
+
+
+def test_an_oversubscribed_cpu_is_timed_on_one_thread_too(monkeypatch, caplog):
+    # Multi-threaded kernels waiting 16 ms for a thread that is not running: every op's cost
+    # would be 16 ms. Found by the check, the one-thread timing is kept, and a warning says so.
+    costs, timings, warnings = _profiled_under(monkeypatch, caplog, many_us=16000.0, one_us=10.0)
     assert costs == {"mm": 10.0, "relu": 10.0, "add": 10.0}
     assert 1 in timings and 2 in timings
-    [record] = [r for r in caplog.records if "oversubscribed" in r.getMessage()]
-    message = record.getMessage()
+    [message] = [m for m in warnings if "oversubscribed" in m]
     assert "2-thread matmul ran 1600x slower than on one thread" in message
     assert "3 ops were also timed on one thread" in message
     assert "CostModel.ESTIMATE" in message and "torch.set_num_threads" in message
 
 
 def test_a_quiet_cpu_keeps_its_thread_count_timing_and_says_nothing(monkeypatch, caplog):
-    gm = make_fx(lambda x: (x @ x).relu() + 1)(torch.randn(16, 16))
-    cost._PROFILE_CACHE.clear()
-    timings = _stalling_clock(monkeypatch, many_us=6.0, one_us=10.0)
-    with caplog.at_level("WARNING", logger="remat.cost"):
-        costs = profile(gm, [torch.randn(16, 16)], threads=2)
-    cost._PROFILE_CACHE.clear()
+    costs, timings, warnings = _profiled_under(monkeypatch, caplog, many_us=6.0, one_us=10.0)
     assert costs == {"mm": 6.0, "relu": 6.0, "add": 6.0}
     assert timings.count(1) == 1  # the check's reference op only, once (within CONTENTION_CHECK_S)
-    assert not caplog.records
+    assert not warnings
 
 
 def test_contention_once_found_stays_and_one_thread_checks_nothing(monkeypatch):
