@@ -16,15 +16,15 @@ Per model, in each round, in interleaved order, the step is traced (profiled) th
   with the check turned off (the behaviour before it);
 * ``busy, checked``: the same load, the check on.
 
-Each profile's plan is then made with the machine quiet again (``milp`` at ``--budget`` of
-checkpoint-all, or 10% above the smallest budget where that is infeasible; ``--time-limit``
-seconds), so that the search has the same time, and priced
+Each profile's plan is then made with the machine quiet again (``milp`` at each of
+``--budgets``, fractions of checkpoint-all, or 10% above the smallest budget where one is
+infeasible; ``--time-limit`` seconds), so that the search has the same time, and priced
 with the quiet rounds' costs (the median of each op's quiet timings): the overhead a user
 would pay for planning while the machine was busy. Also reported: each profile's total
 against the quiet one's and the rank correlation of its op costs with the quiet costs.
 
-    python bench/busy_cpu.py                 # about 4 minutes on 2 cores
-    python bench/busy_cpu.py --rounds 5
+    python bench/busy_cpu.py                 # about 4 minutes on 2 cores (5 rounds)
+    python bench/busy_cpu.py --rounds 3      # quicker, noisier
 
 Results go to ``bench/results/busy_cpu.json``; ``markdown(results)`` renders the
 BENCHMARKS.md section (``python bench/report.py``).
@@ -44,7 +44,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "busy_cpu.json"
-MODELS = {"gpt2-tiny": 8, "cnn": 16}  # workload name -> batch size
+MODELS = {"gpt2-tiny": 8}  # workload name -> batch size
+BUDGETS = "0.4,0.5,0.7"  # fractions of checkpoint-all
 CONDITIONS = ("quiet", "busy, unchecked", "busy, checked")
 SPIN = "while True: pass"
 
@@ -126,7 +127,7 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var > 0 else 1.0
 
 
-def measure(name: str, batch_size: int, rounds: int, busy: int, threads: int, fraction: float,
+def measure(name: str, batch_size: int, rounds: int, busy: int, threads: int, fractions: list[float],
             time_limit_s: float) -> dict:
     from remat.backend import checkpoint_all_peak
     from remat.errors import InfeasibleBudgetError
@@ -145,31 +146,32 @@ def measure(name: str, batch_size: int, rounds: int, busy: int, threads: int, fr
     quiet_costs = [statistics.median(g.nodes[i].cost for g, _, _ in profiles["quiet"]) for i in range(len(names))]
     reference = graphs[0].with_costs(quiet_costs)
     ceiling = checkpoint_all_peak(reference)
-    budget = int(fraction * ceiling)
-    try:
-        plan_graph(reference, budget, "milp", time_limit_s=time_limit_s)
-    except InfeasibleBudgetError as exc:  # (then 10% above the smallest budget the planner states)
-        budget = math.ceil(1.1 * exc.min_budget_bytes)
-    row: dict = {"model": name, "batch": batch_size, "nodes": len(names), "budget_bytes": budget,
-                 "budget_fraction": budget / ceiling,
-                 "quiet_total_us": reference.total_cost, "conditions": {}}
-    for condition in CONDITIONS:
-        runs = []
-        for graph, seconds, warned in profiles[condition]:
-            plan = plan_graph(graph, budget, "milp", time_limit_s=time_limit_s)
-            priced = simulate(reference, plan.plan)
-            runs.append({"total_vs_quiet": graph.total_cost / reference.total_cost,
-                         "rank_correlation": spearman(list(graph.costs), quiet_costs),
-                         "overhead_own": plan.overhead, "overhead_quiet": priced.total_cost / reference.total_cost,
-                         "profile_s": seconds, "warned": warned})
-        row["conditions"][condition] = {
-            "runs": runs,
-            **{f"median_{k}": statistics.median(run[k] for run in runs)
-               for k in ("total_vs_quiet", "rank_correlation", "overhead_own", "overhead_quiet", "profile_s")},
-            "worst_overhead_quiet": max(run["overhead_quiet"] for run in runs),
-            "warned": sum(run["warned"] for run in runs),
-        }
+    row: dict = {"model": name, "batch": batch_size, "nodes": len(names), "quiet_total_us": reference.total_cost,
+                 "profiles": {c: [{"total_vs_quiet": g.total_cost / reference.total_cost,
+                                   "rank_correlation": spearman(list(g.costs), quiet_costs),
+                                   "profile_s": seconds, "warned": warned} for g, seconds, warned in profiles[c]]
+                              for c in CONDITIONS},
+                 "budgets": []}
+    for fraction in fractions:
+        budget = int(fraction * ceiling)
+        try:
+            plan_graph(reference, budget, "milp", time_limit_s=time_limit_s)
+        except InfeasibleBudgetError as exc:  # (then 10% above the smallest budget the planner states)
+            budget = math.ceil(1.1 * exc.min_budget_bytes)
+        point: dict = {"budget_bytes": budget, "budget_fraction": budget / ceiling, "conditions": {}}
+        for condition in CONDITIONS:
+            own, quiet = [], []
+            for graph, _, _ in profiles[condition]:
+                plan = plan_graph(graph, budget, "milp", time_limit_s=time_limit_s)
+                own.append(plan.overhead)
+                quiet.append(simulate(reference, plan.plan).total_cost / reference.total_cost)
+            point["conditions"][condition] = {"overhead_own": own, "overhead_quiet": quiet}
+        row["budgets"].append(point)
     return row
+
+
+def _median(values: list) -> float:
+    return statistics.median(values)
 
 
 def markdown(results: dict) -> str:
@@ -180,22 +182,29 @@ def markdown(results: dict) -> str:
         f"Command: `{meta.get('command', 'python bench/busy_cpu.py')}`; measured {meta.get('measured', '?')}, "
         f"{meta.get('threads', '?')} profiling threads on {meta.get('cpus', '?')} cores, load: "
         f"{meta.get('busy', '?')} processes spinning in Python, {meta.get('rounds', '?')} interleaved rounds "
-        f"(medians). Each profile's plan (`milp` at {meta.get('fraction', 0.5):.0%} of checkpoint-all, or 10% above "
-        f"the smallest budget where that is infeasible, {meta.get('time_limit_s', '?')} s, made with the machine quiet) is priced with the quiet profiles' costs: "
-        "the overhead paid for having planned while the machine was busy. `unchecked` is the profiler without "
-        "`remat.cost.Contention` (as before it), `checked` with it.",
+        "(medians). `unchecked` is the profiler without `remat.cost.Contention` (as it was before it), `checked` "
+        "with it. Each profile's plan (`milp`, made with the machine quiet again, "
+        f"{meta.get('time_limit_s', '?')} s) is priced with the quiet profiles' costs (each op's median): the "
+        "overhead paid for having profiled while the machine was busy.",
         "",
-        "| model | nodes | budget | condition | profile total vs quiet | rank correlation with quiet | plan overhead, own costs "
-        "| plan overhead, quiet costs (worst round) | warned | profile s |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| model | condition | profile total vs quiet (worst round) | rank correlation with quiet | warned | profile s |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for row in results.get("models", []):
-        for condition, c in row["conditions"].items():
+        for condition, runs in row["profiles"].items():
+            totals = [r["total_vs_quiet"] for r in runs]
             lines.append(
-                f"| {row['model']} | {row['nodes']} | {row['budget_fraction']:.0%} | {condition} | {c['median_total_vs_quiet']:.2f}x | "
-                f"{c['median_rank_correlation']:.2f} | {c['median_overhead_own']:.3f}x | "
-                f"{c['median_overhead_quiet']:.3f}x ({c['worst_overhead_quiet']:.3f}x) | "
-                f"{c['warned']} of {len(c['runs'])} | {c['median_profile_s']:.1f} |")
+                f"| {row['model']} ({row['nodes']} ops) | {condition} | {_median(totals):.2f}x ({max(totals):.2f}x) | "
+                f"{_median([r['rank_correlation'] for r in runs]):.2f} | {sum(r['warned'] for r in runs)} of "
+                f"{len(runs)} | {_median([r['profile_s'] for r in runs]):.1f} |")
+    lines += ["", "| model | budget | condition | plan overhead, own costs | plan overhead, quiet costs (worst round) |",
+              "|---|---:|---|---:|---:|"]
+    for row in results.get("models", []):
+        for point in row["budgets"]:
+            for condition, c in point["conditions"].items():
+                lines.append(
+                    f"| {row['model']} | {point['budget_fraction']:.0%} | {condition} | {_median(c['overhead_own']):.3f}x | "
+                    f"{_median(c['overhead_quiet']):.3f}x ({max(c['overhead_quiet']):.3f}x) |")
     return "\n".join(lines)
 
 
@@ -206,12 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)} "
                                                                    "(default all)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--busy", type=int, default=cpus, help=f"spinning processes of the load (default {cpus}: "
                                                                "one per core)")
-    parser.add_argument("--threads", type=int, default=min(cpus, 2) if cpus > 1 else 2,
+    parser.add_argument("--threads", type=int, default=2,
                         help="profiling threads (default 2)")
-    parser.add_argument("--budget", type=float, default=0.5, help="fraction of checkpoint-all (default 0.5)")
+    parser.add_argument("--budgets", default=BUDGETS, help=f"fractions of checkpoint-all (default {BUDGETS})")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per plan (default 10)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default bench/results/busy_cpu.json)")
     args = parser.parse_args(argv)
@@ -221,17 +230,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
     if args.rounds < 1 or args.busy < 1 or args.threads < 2:
         parser.error("--rounds and --busy must be at least 1, --threads at least 2 (one thread cannot stall)")
-    if not 0 < args.budget <= 1 or not args.time_limit > 0:
-        parser.error("--budget must be in (0, 1] and --time-limit positive")
+    try:
+        fractions = [float(f) for f in args.budgets.split(",")]
+    except ValueError:
+        fractions = []
+    if not fractions or not all(0 < f <= 1 for f in fractions) or not args.time_limit > 0:
+        parser.error(f"--budgets must be fractions in (0, 1] separated by commas (not {args.budgets!r}) and "
+                     "--time-limit positive")
     from remat.sweep import environment, save_json
 
     command = " ".join(["python bench/busy_cpu.py", *(argv if argv is not None else sys.argv[1:])])
     results = {"meta": {"command": command, "measured": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
-                        "busy": args.busy, "threads": args.threads, "cpus": cpus, "fraction": args.budget,
+                        "busy": args.busy, "threads": args.threads, "cpus": cpus, "fractions": fractions,
                         "time_limit_s": args.time_limit, "environment": environment()},
                "models": []}
     for name in models:
-        results["models"].append(measure(name, MODELS[name], args.rounds, args.busy, args.threads, args.budget,
+        results["models"].append(measure(name, MODELS[name], args.rounds, args.busy, args.threads, fractions,
                                          args.time_limit))
         save_json(results, args.out)
     print(markdown(results))

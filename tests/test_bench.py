@@ -587,7 +587,8 @@ def test_busy_cpu_refuses_bad_usage_in_one_line(capsys):
                           (["--models", ","], "unknown model(s) (none given)"),
                           (["--threads", "1"], "--threads at least 2 (one thread cannot stall)"),
                           (["--rounds", "0"], "--rounds and --busy must be at least 1"),
-                          (["--budget", "1.5"], "--budget must be in (0, 1]")):
+                          (["--budgets", "0.5,1.5"], "--budgets must be fractions in (0, 1] separated by commas"),
+                          (["--budgets", "half"], "(not 'half')")):
         with pytest.raises(SystemExit) as done:
             busy.main(argv)
         err = capsys.readouterr().err.strip().splitlines()
@@ -604,20 +605,25 @@ def test_busy_cpu_rank_correlation_and_load():
     assert all(p.returncode is not None for p in load.procs)
 
 
-def test_busy_cpu_prices_every_profiles_plan_with_the_quiet_costs(tmp_path):
+def test_busy_cpu_prices_every_profiles_plan_with_the_quiet_costs():
     busy = _load("busy_cpu")
-    row = busy.measure("cnn", 4, rounds=1, busy=1, threads=2, fraction=0.5, time_limit_s=2.0)
-    assert set(row["conditions"]) == set(busy.CONDITIONS) and 0 < row["budget_fraction"] <= 1
-    quiet = row["conditions"]["quiet"]
-    # one quiet round is the reference itself: its plan is priced with its own costs
-    assert quiet["median_total_vs_quiet"] == pytest.approx(1.0)
-    assert quiet["median_rank_correlation"] == pytest.approx(1.0)
-    assert quiet["median_overhead_quiet"] == pytest.approx(quiet["median_overhead_own"])
-    for c in row["conditions"].values():
-        assert len(c["runs"]) == 1 and c["median_overhead_quiet"] >= 1.0 and c["median_profile_s"] > 0
-    assert row["conditions"]["busy, unchecked"]["warned"] == 0  # (the check off: it cannot warn)
+    row = busy.measure("gpt2-tiny", 2, rounds=1, busy=1, threads=2, fractions=[0.9, 0.05], time_limit_s=2.0)
+    assert set(row["profiles"]) == set(busy.CONDITIONS)
+    quiet = row["profiles"]["quiet"]
+    # one quiet round is the reference itself
+    assert quiet[0]["total_vs_quiet"] == pytest.approx(1.0) and quiet[0]["rank_correlation"] == pytest.approx(1.0)
+    assert not row["profiles"]["busy, unchecked"][0]["warned"]  # (the check off: it cannot warn)
+    high, floor = row["budgets"]
+    assert high["budget_fraction"] == pytest.approx(0.9, abs=1e-6)
+    assert floor["budget_fraction"] > 0.05  # infeasible: 10% above the smallest budget instead
+    for point in (high, floor):
+        assert set(point["conditions"]) == set(busy.CONDITIONS)
+        c = point["conditions"]["quiet"]  # its plan is priced with its own costs
+        assert c["overhead_quiet"] == pytest.approx(c["overhead_own"]) and c["overhead_quiet"][0] >= 1.0
+        for c in point["conditions"].values():
+            assert len(c["overhead_quiet"]) == 1 and c["overhead_quiet"][0] >= 1.0
     text = busy.markdown({"meta": {"rounds": 1, "busy": 1, "threads": 2, "cpus": 2}, "models": [row]})
-    assert text.count("| cnn |") == len(busy.CONDITIONS)
+    assert text.count("| gpt2-tiny (") == len(busy.CONDITIONS) and text.count("| gpt2-tiny |") == 2 * len(busy.CONDITIONS)
 
 
 # ---------------------------------------------------------------------------- bench/floor_anatomy.py

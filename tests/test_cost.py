@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -95,9 +96,9 @@ def _stalling_clock(monkeypatch, *, many_us: float, one_us: float) -> list[int]:
     def fake(fn, repeats, device, *, warm=True):
         fn()
         threads.append(torch.get_num_threads())
-        return many_us if torch.get_num_threads() > 1 else one_us
+        return [many_us if torch.get_num_threads() > 1 else one_us] * repeats
 
-    monkeypatch.setattr(cost, "_median_us", fake)
+    monkeypatch.setattr(cost, "_samples_us", fake)
     return threads
 
 
@@ -133,16 +134,34 @@ def test_a_quiet_cpu_keeps_its_thread_count_timing_and_says_nothing(monkeypatch,
 
 
 def test_contention_once_found_stays_and_one_thread_checks_nothing(monkeypatch):
-    clock = {"many": 16000.0}
-    monkeypatch.setattr(cost, "_median_us",
-                        lambda fn, r, d, *, warm=True: clock["many"] if torch.get_num_threads() > 1 else 10.0)
+    clock = {"many": 16000.0, "checks": 0}
+
+    def fake(fn, repeats, device, *, warm=True):
+        clock["checks"] += torch.get_num_threads() > 1
+        return [clock["many"] if torch.get_num_threads() > 1 else 10.0] * repeats
+
+    monkeypatch.setattr(cost, "_samples_us", fake)
     c = cost.Contention(torch.device("cpu"), 2, check_s=0.0)
     with _threads(2):
         assert c.busy() and c.ratio == 1600.0
-        clock["many"] = 5.0  # the load left for a moment: still busy, the latest ratio recorded
-        assert c.busy() and c.ratio == 0.5 and c.worst == 1600.0
+        clock["many"] = 5.0  # the load left for a moment: still busy, and nothing is timed again
+        assert c.busy() and c.worst == 1600.0 and clock["checks"] == 1
     assert not cost.Contention(torch.device("cpu"), 1).busy()
     assert not cost.Contention(torch.device("meta"), 2).busy()
+
+
+def test_an_op_long_enough_to_have_stalled_has_the_check_run_early(monkeypatch):
+    clock = {"many": 5.0}
+    monkeypatch.setattr(cost, "_samples_us",
+                        lambda fn, r, d, *, warm=True: [clock["many"] if torch.get_num_threads() > 1 else 10.0] * r)
+    c = cost.Contention(torch.device("cpu"), 2, check_s=3600.0)
+    with _threads(2):
+        assert not c.busy()  # the first check: quiet
+        clock["many"] = 16000.0  # the load starts
+        assert not c.busy()  # the next regular check is an hour away
+        assert not c.busy(suspect=True)  # a suspect op: not within CONTENTION_SUSPECT_GAP_S of the last check
+        time.sleep(cost.CONTENTION_SUSPECT_GAP_S * 1.2)
+        assert c.busy(suspect=True) and c.ratio == 1600.0
 
 
 class _threads:
@@ -164,3 +183,12 @@ def test_machine_rates_on_an_oversubscribed_cpu_are_one_threads(monkeypatch):
         rates = machine_rates("cpu")
     assert rates.matmul_flops_per_us == 2 * cost.RATE_MATMUL_SIDE**3 / 100.0
     assert rates.bytes_per_us == 2 * cost.RATE_COPY_BYTES / 100.0
+
+
+def test_contention_counts_one_stalled_call_and_not_a_hiccup(monkeypatch):
+    # stalls come and go between calls: one of five is enough; a quiet machine's hiccup is not
+    for many, busy in (([5.0] * 4 + [16000.0]), True), (([5.0] * 4 + [25.0]), False):
+        monkeypatch.setattr(cost, "_samples_us",
+                            lambda fn, r, d, *, warm=True, many=many: many if torch.get_num_threads() > 1 else [10.0] * r)
+        with _threads(2):
+            assert cost.Contention(torch.device("cpu"), 2).busy() is busy

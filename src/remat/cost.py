@@ -7,12 +7,13 @@ the process and, when given a ``cache_path``, in a JSON file.
 
 On a CPU with more threads than it can run at once (other processes busy on its cores), a
 multi-threaded op waits at every parallel region for a thread that is not running: a matmul
-of 15 us took 16 ms, and a whole step's timings summed to 80 times their quiet value, with
-the cheap serial ops untouched, so the plan weighed recomputations by noise. ``Contention``
-checks for this while profiling (a parallel reference op on the profile's threads against one
-thread, again every ``CONTENTION_CHECK_S``); once it is found, every op after is also timed on
-one thread and the faster median is kept (on a quiet machine the op's own threads are the faster),
-and a warning says so once per profile.
+of 15 us took 16 ms, and a whole step's timings summed to tens or hundreds of times their quiet
+value, with the cheap serial ops untouched, so the plan weighed recomputations by noise.
+``Contention`` checks for this while profiling (a parallel reference op on the profile's
+threads against one thread, at the first op, every ``CONTENTION_CHECK_S`` and after an op long
+enough to have stalled); once it is found, every op after is also timed on one thread and the
+faster median is kept (on a quiet machine the op's own threads are the faster), and a warning
+says so once per profile. ``bench/busy_cpu.py`` measures it.
 
 ``CostModel.ESTIMATE`` needs no real run: a roofline over the FLOPs torch's flop counter
 assigns to the op and the bytes it reads and writes, against machine rates measured once per
@@ -50,11 +51,21 @@ RATE_MATMUL_SIDE = 512
 RATE_COPY_BYTES = 32 * 2**20
 #: Timed calls per machine-rate measurement (median kept).
 RATE_REPEATS = 7
-#: The CPU is taken as oversubscribed when the reference op on the profile's threads is this
-#: many times slower than on one thread (on a quiet machine it is faster: about 0.5x on two).
-CONTENTION_RATIO = 1.5
+#: The CPU is taken as oversubscribed when the slowest of ``CONTENTION_CALLS`` calls of the
+#: reference op on the profile's threads is this many times slower than its median on one
+#: thread (on a quiet machine about 0.5-1x on two threads; a stall, 10-100x). The slowest, not
+#: the median: stalls come and go between calls, and a check whose median missed them was
+#: followed by ops that had stalled.
+CONTENTION_RATIO = 3.0
+CONTENTION_CALLS = 5
 #: Seconds of profiling between two checks for oversubscription.
 CONTENTION_CHECK_S = 0.5
+#: An op whose median on the profile's threads is at least this long (a wait for a thread
+#: that is not running lasts about a scheduler time slice, milliseconds) has the check run
+#: at once, at most every ``CONTENTION_SUSPECT_GAP_S`` seconds; so stalls are found where
+#: they start, not up to ``CONTENTION_CHECK_S`` later.
+CONTENTION_SUSPECT_US = 1000.0
+CONTENTION_SUSPECT_GAP_S = 0.05
 #: Side of the check's reference matmul at two threads (about 1 ms on one thread); it grows
 #: with the cube root of the thread count, so that each thread keeps as much work.
 CONTENTION_SIDE = 192
@@ -141,8 +152,8 @@ def _save_cache(path: str | os.PathLike | None, store: dict) -> None:
     os.replace(tmp, path)
 
 
-def _median_us(fn, repeats: int, device: torch.device, *, warm: bool = True) -> float:
-    """Median wall time of ``repeats`` calls of ``fn`` in microseconds (after one warm-up call)."""
+def _samples_us(fn, repeats: int, device: torch.device, *, warm: bool = True) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn`` in microseconds (after one warm-up call)."""
     if warm:
         fn()
     samples = []
@@ -152,7 +163,12 @@ def _median_us(fn, repeats: int, device: torch.device, *, warm: bool = True) -> 
         fn()
         _sync(device)
         samples.append((time.perf_counter_ns() - start) / 1e3)
-    return statistics.median(samples)
+    return samples
+
+
+def _median_us(fn, repeats: int, device: torch.device, *, warm: bool = True) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` in microseconds (after one warm-up call)."""
+    return statistics.median(_samples_us(fn, repeats, device, warm=warm))
 
 
 def _one_thread_us(fn, repeats: int, device: torch.device, *, warm: bool = True) -> float:
@@ -168,13 +184,15 @@ def _one_thread_us(fn, repeats: int, device: torch.device, *, warm: bool = True)
 class Contention:
     """Whether the CPU runs fewer threads than the profile asks for, checked as it goes.
 
-    ``busy()`` times a parallel reference matmul on the current thread count and on one
-    thread, at most every ``CONTENTION_CHECK_S`` seconds; ``ratio`` is the latest quotient
-    (threads over one thread) and ``worst`` the largest. Once found busy it stays busy: the
-    load comes and goes faster than the checks (under a steady load of 1.7 other processes
-    on two cores, ops timed between two checks that found the CPU free had stalled 17 ms),
-    so a profile that met it once takes the one-thread timing for every op after. With one
-    thread, or on another device, nothing is checked and nothing is busy.
+    ``busy()`` times a parallel reference matmul on the current thread count (the slowest of
+    ``CONTENTION_CALLS`` calls) and on one thread (the median), at most every ``CONTENTION_CHECK_S`` seconds (``busy(suspect=True)``, for an op
+    that took long enough to have stalled: every ``CONTENTION_SUSPECT_GAP_S``); ``ratio``
+    is the latest quotient (threads over one thread) and ``worst`` the largest. Once found
+    busy it stays busy: the load comes and goes faster than the checks (under a steady load
+    of 1.7 other processes on two cores, ops timed between two checks that found the CPU
+    free had stalled 17 ms), so a profile that met it once takes the one-thread timing for
+    every op after. With one thread, or on another device, nothing is checked and nothing is
+    busy.
     """
 
     def __init__(self, device: torch.device, threads: int, *, check_s: float = CONTENTION_CHECK_S) -> None:
@@ -187,14 +205,14 @@ class Contention:
             side = CONTENTION_SIDE * max(1, round((threads / 2) ** (1 / 3)))
             self._a = torch.randn(side, side, generator=torch.Generator().manual_seed(0))
 
-    def busy(self) -> bool:
-        if not self.active:
-            return False
+    def busy(self, *, suspect: bool = False) -> bool:
+        if not self.active or self._busy:
+            return self._busy
         now = time.perf_counter()
-        if now - self._last >= self.check_s:
+        if now - self._last >= (min(self.check_s, CONTENTION_SUSPECT_GAP_S) if suspect else self.check_s):
             with torch.no_grad():
                 mm = lambda: torch.mm(self._a, self._a)  # noqa: E731
-                many = _median_us(mm, 3, torch.device("cpu"))
+                many = max(_samples_us(mm, CONTENTION_CALLS, torch.device("cpu")))
                 one = _one_thread_us(mm, 3, torch.device("cpu"))
             self.ratio = many / one
             self.worst = max(self.worst, self.ratio)
@@ -233,6 +251,8 @@ class _Timer(fx.Interpreter):
                 self.contention = Contention(device, self.threads)
             busy = self.contention.busy()
             us = _median_us(run, self.repeats, device, warm=False)  # (the interpreter's call warmed it)
+            if not busy and us >= CONTENTION_SUSPECT_US:
+                busy = self.contention.busy(suspect=True)
             if busy:
                 us = min(us, _one_thread_us(run, self.repeats, device))
                 self.retimed += 1
