@@ -486,6 +486,29 @@ def test_a_tensor_the_step_stores_outside_the_model_is_warned_about():
                        cost_model=None)
 
 
+class _CollectsItsOutputs(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(8, 4))
+        self.outputs = []
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.outputs.append(out)
+        return out
+
+
+def test_a_list_of_the_model_the_forward_appends_tensors_to_is_warned_about_not_refused():
+    """A model collecting its outputs in a list of its own was not warned about (the list kept
+    the trace's tensors, step() never appended); nor is it a counter, as a list of numbers is."""
+    model = _CollectsItsOutputs()
+    with pytest.warns(UserWarning, match=r"model.outputs\[0\].* the training step made while it was traced"):
+        step = remat.optimize(model, torch.randn(4, 8), lambda m, x: m(x).sum(), budget=1.0,
+                              method="checkpoint_all", cost_model=None)
+    model.outputs.clear()
+    step(torch.randn(4, 8))
+    assert model.outputs == []
+
+
 class _KeepsItsOutput(nn.Sequential):
     def forward(self, x):
         out = super().forward(x)

@@ -531,15 +531,63 @@ class HeldValue:
 
 
 def _is_holder(value: object) -> bool:
-    """An object whose scalar fields a step may read: a dict, a namespace, a dataclass or a
-    config object (anything with a ``__dict__`` that is not a module, tensor, function, class or
-    Python module)."""
-    if isinstance(value, dict):
+    """An object whose scalar fields a step may read: a dict, a list, a namespace, a dataclass or
+    a config object (anything with a ``__dict__`` that is not a module, tensor, function, class,
+    Python module or random generator)."""
+    if isinstance(value, (dict, list)):
         return True
     if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType,
-                          types.MethodType, types.BuiltinFunctionType, functools.partial, logging.Logger)):
+                          types.MethodType, types.BuiltinFunctionType, functools.partial, logging.Logger,
+                          *_GENERATORS)):
         return False
     return hasattr(value, "__dict__") and not callable(value)
+
+
+#: Random generators a model or ``loss_fn`` may own: a draw from one while the step is traced is
+#: built into the step (every step reused it, silently), so it is refused as the global ones are.
+_GENERATORS = (random.Random, np.random.Generator, np.random.RandomState)
+
+
+def _generator_state(g: object) -> object:
+    if isinstance(g, random.Random):
+        return g.getstate()
+    if isinstance(g, np.random.Generator):
+        return g.bit_generator.state
+    return g.get_state()
+
+
+def _set_generator_state(g: object, state: object) -> None:
+    if isinstance(g, random.Random):
+        g.setstate(state)
+    elif isinstance(g, np.random.Generator):
+        g.bit_generator.state = state
+    else:
+        g.set_state(state)
+
+
+def _same_state(a: object, b: object) -> bool:
+    """Equal generator states (dicts, tuples and numpy arrays within)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+#: How deep ``held_values`` looks into holders inside holders (``model.cfg.extra['temp']``).
+NESTED_HOLDERS = 3
+
+
+class _Length:
+    """The key of a list's length among its fields (a list a forward appends to each call)."""
+
+    def __repr__(self) -> str:
+        return "len"
+
+
+_LENGTH = _Length()
 
 
 def _holds_values(value: object, model: torch.nn.Module) -> bool:
@@ -550,12 +598,15 @@ def _holds_values(value: object, model: torch.nn.Module) -> bool:
     return _is_holder(value) or (isinstance(value, type) and _user_class(value))
 
 
-def _fields(holder: object) -> list[tuple[object, str]]:
-    """(key, shown) of the public scalar fields of ``holder`` (at most 256)."""
+def _entries(holder: object) -> list[tuple[object, str, object]]:
+    """(key, shown, value) of the public entries of ``holder`` (at most 256): a dict's items under
+    string or integer keys, a list's elements, an object's or a class's own public attributes."""
     if isinstance(holder, dict):
-        items = [(k, f"[{k!r}]") for k, v in holder.items() if isinstance(k, (str, int)) and _guarded(v)]
-    else:  # an object's or a class's own attributes
-        items = [(k, f".{k}") for k, v in vars(holder).items() if not k.startswith("_") and _guarded(v)]
+        items = [(k, f"[{k!r}]", v) for k, v in holder.items() if isinstance(k, (str, int))]
+    elif isinstance(holder, list):
+        items = [(i, f"[{i}]", v) for i, v in enumerate(holder[:256])]
+    else:
+        items = [(k, f".{k}", v) for k, v in vars(holder).items() if not k.startswith("_")]
     return items[:256]
 
 
@@ -567,12 +618,21 @@ def _get(holder: object, key: object) -> object:
     if isinstance(holder, dict):
         return holder.get(key, _MISSING)
     if isinstance(holder, (list, tuple)):
+        if key is _LENGTH:
+            return len(holder)
         return holder[key] if isinstance(key, int) and -len(holder) <= key < len(holder) else _MISSING
+    if key is _LENGTH:
+        return _MISSING
     return getattr(holder, key, _MISSING)
 
 
 def _put(holder: object, key: object, value: object) -> None:
-    if isinstance(holder, dict):
+    if isinstance(holder, list):
+        if key is _LENGTH:  # (what a refused trace appended goes again)
+            del holder[value:]
+        elif isinstance(key, int) and -len(holder) <= key < len(holder):
+            holder[key] = value
+    elif isinstance(holder, dict):
         holder[key] = value
     else:
         setattr(holder, key, value)
@@ -630,37 +690,71 @@ def function_names(fn: object) -> list[tuple[str, str, object, Callable[[], obje
 
 def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[HeldValue, object]]:
     """Every ``HeldValue`` of ``model`` and ``loss_fn`` with its value now."""
+    return _walk(model, loss_fn)[0]
+
+
+def _walk(model: torch.nn.Module, loss_fn: object = None
+          ) -> tuple[list[tuple[HeldValue, object]], list[tuple[str, object]]]:
+    """``held_values``, and (label, generator) of every random generator of ``_GENERATORS``
+    found where they are looked for: module attributes (private ones too), holders, and the
+    globals and closure variables the step's functions name."""
     found: list[tuple[HeldValue, object]] = []
+    generators: list[tuple[str, object]] = []
     seen: set[int] = set()
 
-    def holder_fields(label: str, holder: object, locate: Callable[[torch.nn.Module], object]) -> None:
+    def generator(label: str, value: object) -> bool:
+        if isinstance(value, _GENERATORS):
+            if id(value) not in seen:
+                seen.add(id(value))
+                generators.append((label, value))
+            return True
+        return False
+
+    def holder_fields(label: str, holder: object, locate: Callable[[torch.nn.Module], object], depth: int = 0,
+                      lengths: bool = False) -> None:
         if id(holder) in seen:
             return
         seen.add(id(holder))
-        for key, shown in _fields(holder):
-            def read(m, key=key):
+        for key, shown, value in _entries(holder):
+            def at(m, key=key):
                 return _get(locate(m), key)
 
-            def write(m, value, key=key):
+            if _guarded(value):
+                def write(m, value, key=key):
+                    h = locate(m)
+                    if h is not _MISSING and value is not _MISSING:
+                        _put(h, key, value)
+                found.append((HeldValue(f"{label}{shown}", at, write), value))
+            elif not generator(f"{label}{shown}", value) and depth < NESTED_HOLDERS and _is_holder(value) \
+                    and not isinstance(holder, type):
+                holder_fields(f"{label}{shown}", value, at, depth + 1, lengths)
+        if lengths and isinstance(holder, list) and not any(isinstance(v, torch.Tensor) for v in holder):
+            # (a list of the model's own that the forward appends to, such as a history whose length
+            # it reads; not a list of tensors, which is a stash the step's trace filled, warned
+            # about where it is found, nor one a function names: a log loss_fn or a hook keeps)
+            def write_length(m, value):
                 h = locate(m)
-                if h is not _MISSING and value is not _MISSING:
-                    _put(h, key, value)
-            found.append((HeldValue(f"{label}{shown}", read, write), _get(holder, key)))
+                if isinstance(h, list) and isinstance(value, int):
+                    _put(h, _LENGTH, value)
+            found.append((HeldValue(f"len({label})", lambda m: _get(locate(m), _LENGTH), write_length), len(holder)))
 
     def named_by(what: str, fn: object) -> None:
         for kind, name, value, read, write in function_names(fn):
             label = f"{what}'s {kind} {name!r}"
             if _guarded(value) and not (kind == "global" and name.startswith("__")):
                 found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, w=write: w(v)), value))
-            elif _holds_values(value, model):
+            elif not generator(label, value) and _holds_values(value, model):
                 holder_fields(label, value, lambda m, v=value: v)
 
     modules = list(model.named_modules())
     for name, module in modules:
         for key, value in vars(module).items():
+            where = f"model.{name}.{key}" if name else f"model.{key}"
+            if generator(where, value):
+                continue
             if not key.startswith("_") and _is_holder(value):
-                where = f"model.{name}.{key}" if name else f"model.{key}"
-                holder_fields(where, value, lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING))
+                holder_fields(where, value, lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING),
+                              lengths=True)
     classes = {type(module) for _, module in modules}
     for cls in sorted(classes, key=lambda c: c.__qualname__):
         for base in cls.__mro__:
@@ -670,12 +764,19 @@ def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[He
             named_by(f"{cls.__qualname__}.forward", cls.forward)
     if loss_fn is not None:
         named_by("loss_fn", loss_fn)
+        if _function_of(loss_fn) is None and hasattr(loss_fn, "__dict__") and not isinstance(loss_fn, type):
+            # a callable object (a loss module outside the model, a class with __call__): its fields
+            # and what its code names
+            holder_fields("loss_fn", loss_fn, lambda m: loss_fn)
+            call = type(loss_fn).forward if isinstance(loss_fn, torch.nn.Module) else type(loss_fn).__call__
+            if _user_class(type(loss_fn)):
+                named_by(f"loss_fn's {type(loss_fn).__qualname__}", call)
     for name, module in modules:  # (the user's hooks are the step's code too: a scale a hook's closure reads)
         for hook in _hooks_of(module):
             fn = _function_of(hook)
             if fn is not None and _user_module(fn.__module__):
                 named_by(f"a hook of {_where(name, module)}", hook)
-    return found
+    return found, generators
 
 
 def _submodule(model: torch.nn.Module, name: str) -> object:
@@ -704,11 +805,14 @@ class PythonState:
     numpy_random: tuple
     held: tuple[tuple[HeldValue, object], ...] = ()
     loss_fn: object = None
+    #: (label, generator, its state) of the random generators the model and ``loss_fn`` own
+    generators: tuple[tuple[str, object, object], ...] = ()
 
     @classmethod
     def of(cls, model: torch.nn.Module, loss_fn: object = None) -> PythonState:
-        return cls(_scalar_attributes(model), random.getstate(), np.random.get_state(),
-                   tuple(held_values(model, loss_fn)), loss_fn)
+        held, generators = _walk(model, loss_fn)
+        return cls(_scalar_attributes(model), random.getstate(), np.random.get_state(), tuple(held), loss_fn,
+                   tuple((label, g, _generator_state(g)) for label, g in generators))
 
     def held_changes(self, model: torch.nn.Module) -> list[tuple[HeldValue, object, object]]:
         """(value, before, now) for each ``HeldValue`` that differs."""
@@ -726,12 +830,17 @@ class PythonState:
                 for (name, key), value in now.items() if not _same(self.attributes.get((name, key), _MISSING), value)]
 
     def drew(self) -> str | None:
-        """Which global generator outside torch was drawn from since, if one was."""
+        """Which generator outside torch was drawn from since, if one was: a global one, or
+        one the model or ``loss_fn`` owns."""
         if random.getstate() != self.python_random:
             return "Python's random module"
         state = np.random.get_state()
         if any(not np.array_equal(a, b) for a, b in zip(state, self.numpy_random, strict=True)):
             return "numpy's global generator (np.random)"
+        for label, g, before in self.generators:
+            if not _same_state(_generator_state(g), before):
+                kind = "random.Random" if isinstance(g, random.Random) else f"numpy.random.{type(g).__name__}"
+                return f"a generator of its own, {label} ({kind})"
         return None
 
     def restore(self, model: torch.nn.Module) -> None:
@@ -749,6 +858,8 @@ class PythonState:
             held.write(model, before)
         random.setstate(self.python_random)
         np.random.set_state(self.numpy_random)
+        for _, g, before in self.generators:
+            _set_generator_state(g, before)
 
     def settle(self, model: torch.nn.Module, again: Callable[[], T]) -> T | None:
         """After one trace taken from this state: refuse (``TraceError``, this state restored) a

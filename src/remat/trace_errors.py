@@ -541,6 +541,9 @@ def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object, stashe
         for table in ("_forward_hooks", "_forward_pre_hooks"):
             for hook in getattr(module, table, {}).values():
                 scan(f"a forward hook of {_describe_module(model, path)}", hook)
+        for key, value in vars(module).items():  # (a list the forward appends its outputs to)
+            if isinstance(value, (list, tuple, dict)) and not key.startswith("__"):
+                look(f"model.{path}.{key}" if path else f"model.{key}", value)
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         warnings.warn(
