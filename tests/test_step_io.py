@@ -393,7 +393,7 @@ def test_hooks_on_parameters_run_as_in_eager():
     assert all(torch.equal(a, b) for a, b in zip(fired["planned"], fired["eager"]))
 
 
-def test_a_step_under_inference_mode_is_refused_and_writes_nothing():
+def test_a_step_under_inference_mode_or_no_grad_is_refused_and_writes_nothing():
     """Eager's backward raises under ``torch.inference_mode()``; the step ran and left every
     ``.grad`` an inference tensor, so the next step failed accumulating into it."""
     import remat
@@ -407,6 +407,15 @@ def test_a_step_under_inference_mode_is_refused_and_writes_nothing():
                                                                   r"PyTorch's backward raises"):
         step(x)
     assert all(p.grad is None for p in model.parameters())
+    # under no_grad the step trained all the same, where eager's backward raises
+    for off in (torch.no_grad, lambda: torch.set_grad_enabled(False)):
+        with off(), pytest.raises(TraceError, match=r"with gradients off \(under torch.no_grad\(\) or "
+                                                    r"torch.set_grad_enabled\(False\)\), where eager PyTorch's "
+                                                    r"backward raises"):
+            step(x)
+        assert all(p.grad is None for p in model.parameters())
+    with torch.no_grad(), pytest.raises(RuntimeError, match="does not require grad"):
+        model(x).square().mean().backward()  # (what eager does there)
     step(x)
     step(x)  # accumulates, as after any step
     assert all(p.grad is not None and not p.grad.is_inference() for p in model.parameters())

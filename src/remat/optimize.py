@@ -152,6 +152,12 @@ class TrainingStep:
                 "step() was called under torch.inference_mode(), where eager PyTorch's backward raises: a "
                 "training step computes gradients; call it outside inference_mode"
             )
+        if not torch.is_grad_enabled():  # (it would compute and hand out gradients all the same)
+            raise TraceError(
+                "step() was called with gradients off (under torch.no_grad() or torch.set_grad_enabled(False)), "
+                "where eager PyTorch's backward raises: a training step computes gradients; call it with "
+                "gradients on"
+            )
         batch = self._batch(batch)
         with self._errors_by_key():
             return self._step_for(batch)._run(batch)
