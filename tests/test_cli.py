@@ -55,6 +55,12 @@ def test_infeasible_budget_exits_1_and_names_the_minimum(capsys):
         (["sweep", "--graph", "chain:4", "--budgets", ","], "lists no budget"),
         (["sweep", "--graph", "chain:4", "--budgets", "10%:20%"], "a range is LOW:HIGH:COUNT, e.g. 30%:100%:8"),
         (["sweep", "--graph", "chain:4", "--methods", "checkpoint_all,nope"], "unknown method 'nope'"),
+        (["sweep", "--graph", "chain:4", "--methods", "milp,chen_greedy,milp"],
+         "--methods lists 'milp' more than once; list each method once (e.g. --methods milp,chen_greedy)"),
+        # what the user wrote is printed as it is: rich's markup and emoji codes are not read in it
+        (["solve", "--graph", "chain:4", "--budget", "1GiB", "--method", "[/]"], "unknown method '[/]'"),
+        (["solve", "--graph", "chain:4", "--budget", "1GiB", "--method", "[red]milp"], "unknown method '[red]milp'"),
+        (["solve", "--graph", "chain:4", "--budget", "1GiB", "--method", ":fire:"], "unknown method ':fire:'"),
         (["sweep"], "say what to plan: --graph chain:32 (or unet:4, random:60:7)\n"),  # (sweep has no --model)
     ],
 )
@@ -62,6 +68,16 @@ def test_usage_errors_exit_2(capsys, argv, message):
     code, _, err = run(capsys, *argv)
     assert code == 2
     assert message in err
+
+
+def test_a_sweep_names_its_files_as_given_and_solves_a_budget_listed_twice_once(capsys, tmp_path):
+    out = tmp_path / "exp[v2]" / "s.json"
+    out.parent.mkdir()
+    code, stdout, err = run(capsys, "sweep", "--graph", "chain:8", "--methods", "checkpoint_all",
+                            "--budgets", "100%,1.0,90%", "--out", str(out))
+    assert code == 0 and f"wrote {out} and {out.with_suffix('.png')}" in stdout.replace("\n", "")
+    assert "read back" not in err  # (the second 100% was once "read back" from the first, in a fresh file)
+    assert len(json.loads(out.read_text())["results"]) == 2
 
 
 def test_argparse_errors_exit_2(capsys):
@@ -360,6 +376,7 @@ def test_estimated_costs_trace_on_the_meta_device(capsys, monkeypatch):
                          "--method", "chen_greedy", "--json")
     assert code == 0 and devices == [{"meta"}]
     assert "on the meta device" in err and "no tensor is allocated" in err
+    assert "kernel scratch memory is not counted" in err
     record = json.loads(out)
     assert record["traced_on"] == "meta" and record["peak_bytes"] <= record["budget_bytes"]
 

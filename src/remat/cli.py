@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from remat.builders import graph_from_spec
 from remat.cli_args import (
@@ -48,8 +49,15 @@ from remat.sweep import ResultStore, SweepPoint, checkpoint_all_peak, run_interr
 from remat.units import format_bytes, format_bytes_exactly
 
 # Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
-out = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, soft_wrap=True)
+# No markup or emoji codes: what is printed quotes the user's arguments, paths and source lines
+# ("[/]" in a method name raised rich's markup error; "x[idx]" in a quoted line disappeared).
+out = Console(width=None if sys.stdout.isatty() else 160, markup=False, emoji=False)
+err = Console(stderr=True, soft_wrap=True, markup=False, emoji=False)
+
+
+def _labelled(label: str, text: str) -> Text:
+    """``label`` in red, then ``text`` as it is."""
+    return Text.assemble((label, "red"), " ", text)
 
 
 class _Interrupted(KeyboardInterrupt):
@@ -117,7 +125,9 @@ def _traced(args: argparse.Namespace):
         w = _workload(args, meta=True) if meta else _workload(args)  # (an unknown model is refused first)
         if meta:
             err.print(f"tracing {args.model} (batch {args.batch}) on the meta device: costs are estimated from "
-                      f"FLOPs and bytes, no tensor is allocated", highlight=False)
+                      f"FLOPs and bytes, no tensor is allocated, and kernel scratch memory is not counted (peaks "
+                      f"may be under what the step allocates; --run traces real tensors and counts it)",
+                      highlight=False)
         else:
             what = "and timing every node" if args.costs == "profile" else "with estimated costs"
             err.print(f"tracing {args.model} (batch {args.batch}) on real tensors {what}", highlight=False)
@@ -235,7 +245,7 @@ def _solve_model(args: argparse.Namespace, graph: Graph, budget: int, options: d
                                               f"{format_bytes(least)} ({least / reference:.1%} of checkpoint-all)")
             if args.json:
                 _print_infeasible(args, graph, budget, least)
-            err.print(f"[red]no plan fits:[/red] {exc}{needs}", highlight=False)
+            err.print(_labelled("no plan fits:", f"{exc}{needs}"), highlight=False)
             return EXIT_INFEASIBLE
     r = planned.result
     record = {
@@ -272,14 +282,14 @@ def _solve_and_run(args: argparse.Namespace, budget: int, options: dict[str, obj
         if args.json:
             _print_infeasible(args, _traced(args).graph, budget, record.min_budget_bytes,
                               reference=comparison.checkpoint_all_peak_bytes)
-        err.print(f"[red]no plan fits:[/red] budget {format_bytes_exactly(budget)} is infeasible for "
-                  f"method {args.method!r} on {args.model}: {record.note}", highlight=False)
+        err.print(_labelled("no plan fits:", f"budget {format_bytes_exactly(budget)} is infeasible for "
+                            f"method {args.method!r} on {args.model}: {record.note}"), highlight=False)
         return EXIT_INFEASIBLE
     if record.status == "not applicable":
         raise UsageError(record.note)
     if record.predicted_peak_bytes is None:  # no plan (a time limit with none found): the solver's note
-        err.print(f"[red]error:[/red] method {args.method!r} found no plan for {args.model} under "
-                  f"{format_bytes_exactly(budget)}: {record.note}", highlight=False)
+        err.print(_labelled("error:", f"method {args.method!r} found no plan for {args.model} under "
+                            f"{format_bytes_exactly(budget)}: {record.note}"), highlight=False)
         return EXIT_INFEASIBLE
     payload = {**comparison.to_json(), **comparison.to_json()["runs"][0], "peak_bytes": record.predicted_peak_bytes,
                "cost": record.overhead * comparison.checkpoint_all_cost_us}
@@ -327,8 +337,8 @@ def _print_runs(comparison) -> None:
 
 @contextlib.contextmanager
 def _progress():
-    with _native_stdout_to_stderr(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                              TimeElapsedColumn(), console=err, transient=True) as progress:
+    columns = TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    with _native_stdout_to_stderr(), Progress(*columns, console=err, transient=True) as progress:
         yield progress
 
 
@@ -355,7 +365,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out.print(f"wrote {out_path} and {plot_file}")
     ok = all(r.bitwise_equal is not False for r in comparison.runs)
     if not ok:
-        err.print("[red]some plans did not reproduce eager gradients bitwise[/red]")
+        err.print(Text("some plans did not reproduce eager gradients bitwise", "red"))
     return EXIT_OK if ok else EXIT_INFEASIBLE
 
 
@@ -492,9 +502,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             _regenerate_report()
         except Exception as exc:  # noqa: BLE001 - another section's JSON may be mid-rewrite
-            err.print(f"[red]error:[/red] the benchmark's results are written, but BENCHMARKS.md could not be "
-                      f"regenerated ({type(exc).__name__}: {exc}); run `python bench/report.py` once the "
-                      f"other results are complete", highlight=False)
+            err.print(_labelled("error:", f"the benchmark's results are written, but BENCHMARKS.md could not be "
+                                f"regenerated ({type(exc).__name__}: {exc}); run `python bench/report.py` once the "
+                                f"other results are complete"), highlight=False)
             return EXIT_INFEASIBLE
     return code
 
@@ -515,13 +525,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_backend(getattr(args, "backend", None))  # (one not installed: before any work)
         return COMMANDS[args.command](args)
     except (UsageError, UnsupportedGraphError) as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        err.print(_labelled("error:", str(exc)), highlight=False)
         return EXIT_USAGE
     except InfeasibleBudgetError as exc:
-        err.print(f"[red]no plan fits:[/red] {exc}", highlight=False)
+        err.print(_labelled("no plan fits:", str(exc)), highlight=False)
         return EXIT_INFEASIBLE
     except RematError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        err.print(_labelled("error:", str(exc)), highlight=False)
         return EXIT_INFEASIBLE
     except KeyboardInterrupt as exc:
         if not isinstance(exc, _Interrupted):

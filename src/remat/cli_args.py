@@ -349,11 +349,12 @@ def budget_of(text: str, graph: Graph) -> int:
 
 
 def budget_list(text: str, graph: Graph | None) -> list[int]:
-    """The budgets of --budgets in bytes (with ``graph`` None: only checked)."""
+    """The budgets of --budgets in bytes (with ``graph`` None: only checked), each once (``50%,0.5``
+    is one budget: the second would be "read back" from the first's result)."""
     if graph is None:
         _spread(text, check_budget_text, whole=True, ordered=False)
         return []
-    return _spread(text, lambda part: budget_of(part, graph), whole=True)
+    return list(dict.fromkeys(_spread(text, lambda part: budget_of(part, graph), whole=True)))
 
 
 def fraction_list(text: str) -> list[float]:
@@ -366,7 +367,7 @@ def fraction_list(text: str) -> list[float]:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
 
-    return _spread(text, resolve, whole=False)
+    return list(dict.fromkeys(_spread(text, resolve, whole=False)))
 
 
 def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered: bool = True) -> list:
@@ -413,6 +414,10 @@ def method_list(text: str) -> list[str]:
     if not names:
         raise UsageError(f"--methods {text!r} lists no method; e.g. --methods chen_greedy,milp (see `remat methods`)")
     check_methods(names)
+    twice = sorted({m for m in names if names.count(m) > 1})
+    if twice:
+        raise UsageError(f"--methods lists {', '.join(map(repr, twice))} more than once; list each method once "
+                         f"(e.g. --methods {','.join(dict.fromkeys(names))})")
     return names
 
 
