@@ -693,14 +693,58 @@ def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[He
     return _walk(model, loss_fn)[0]
 
 
-def _walk(model: torch.nn.Module, loss_fn: object = None
+#: At most this many held values per object found (its holders inside it included), and
+#: lists longer than ``LONG_LIST`` are not looked into: such lists are data (token ids, a
+#: history), not settings, and every held value is read again before each step (a model
+#: holding 50 lists of 10,000 numbers made a step 74x slower than eager's).
+HELD_PER_HOLDER = 256
+LONG_LIST = 64
+
+
+def _code_strings(code: types.CodeType) -> frozenset[str]:
+    """The names and string constants of ``code`` and the code nested in it: what it can read
+    as an attribute (``self.alpha``) or a key (``self.weights['a']``)."""
+    out = set(code.co_names) | {c for c in code.co_consts if isinstance(c, str)}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _code_strings(const)
+    return frozenset(out)
+
+
+def _loss_object(loss_fn: object) -> tuple[object, types.FunctionType, str] | None:
+    """(the object, the function its step runs, its label) of a ``loss_fn`` that is a callable
+    object (a class with ``__call__``, a loss module outside the model) or a bound method
+    (``trainer.compute_loss``), through wrappers (``__wrapped__``: a dict batch's); None for a
+    plain function."""
+    for _ in range(4):
+        inner = getattr(loss_fn, "__wrapped__", None)
+        if inner is None or isinstance(loss_fn, types.FunctionType):
+            break
+        loss_fn = inner
+    if isinstance(loss_fn, types.MethodType):
+        owner, fn, label = loss_fn.__self__, loss_fn.__func__, f"loss_fn's {type(loss_fn.__self__).__qualname__}"
+    elif isinstance(loss_fn, (types.FunctionType, types.BuiltinFunctionType, functools.partial, type)):
+        return None
+    else:
+        owner = loss_fn
+        fn = _function_of(type(owner).forward if isinstance(owner, torch.nn.Module) else type(owner).__call__)
+        label = "loss_fn"
+    if fn is None or not hasattr(owner, "__dict__") or isinstance(owner, (type, types.ModuleType)):
+        return None
+    return owner, fn, label
+
+
+def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = False
           ) -> tuple[list[tuple[HeldValue, object]], list[tuple[str, object]]]:
     """``held_values``, and (label, generator) of every random generator of ``_GENERATORS``
     found where they are looked for: module attributes (private ones too), holders, and the
-    globals and closure variables the step's functions name."""
+    globals and closure variables the step's functions name. ``lengths``: also the length of
+    each list of the model's own that holds no tensor (``PythonState``: a forward appending to
+    one at every call is a counter; between steps, the loop may append to it freely)."""
     found: list[tuple[HeldValue, object]] = []
     generators: list[tuple[str, object]] = []
     seen: set[int] = set()
+    in_model = {id(m) for m in model.modules()}
 
     def generator(label: str, value: object) -> bool:
         if isinstance(value, _GENERATORS):
@@ -711,11 +755,19 @@ def _walk(model: torch.nn.Module, loss_fn: object = None
         return False
 
     def holder_fields(label: str, holder: object, locate: Callable[[torch.nn.Module], object], depth: int = 0,
-                      lengths: bool = False) -> None:
-        if id(holder) in seen:
+                      lists: bool = False, names: frozenset[str] | None = None, room: list[int] | None = None) -> None:
+        """The held values of ``holder`` and of the holders in it (``NESTED_HOLDERS`` deep),
+        at most ``HELD_PER_HOLDER`` in all; ``names``: only keys its code can read."""
+        room = [HELD_PER_HOLDER] if room is None else room
+        if id(holder) in seen or (isinstance(holder, list) and len(holder) > LONG_LIST):
             return
         seen.add(id(holder))
         for key, shown, value in _entries(holder):
+            if room[0] <= 0:
+                return
+            if names is not None and isinstance(key, str) and key not in names:
+                continue
+
             def at(m, key=key):
                 return _get(locate(m), key)
 
@@ -725,13 +777,13 @@ def _walk(model: torch.nn.Module, loss_fn: object = None
                     if h is not _MISSING and value is not _MISSING:
                         _put(h, key, value)
                 found.append((HeldValue(f"{label}{shown}", at, write), value))
+                room[0] -= 1
             elif not generator(f"{label}{shown}", value) and depth < NESTED_HOLDERS and _is_holder(value) \
                     and not isinstance(holder, type):
-                holder_fields(f"{label}{shown}", value, at, depth + 1, lengths)
-        if lengths and isinstance(holder, list) and not any(isinstance(v, torch.Tensor) for v in holder):
-            # (a list of the model's own that the forward appends to, such as a history whose length
-            # it reads; not a list of tensors, which is a stash the step's trace filled, warned
-            # about where it is found, nor one a function names: a log loss_fn or a hook keeps)
+                holder_fields(f"{label}{shown}", value, at, depth + 1, lists, names, room)
+        if lists and isinstance(holder, list) and not any(isinstance(v, torch.Tensor) for v in holder):
+            # (not a list of tensors: a stash the step's trace filled, warned about where it is
+            # found; nor one a function names: a log loss_fn or a hook keeps)
             def write_length(m, value):
                 h = locate(m)
                 if isinstance(h, list) and isinstance(value, int):
@@ -754,7 +806,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None
                 continue
             if not key.startswith("_") and _is_holder(value):
                 holder_fields(where, value, lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING),
-                              lengths=True)
+                              lists=lengths)
     classes = {type(module) for _, module in modules}
     for cls in sorted(classes, key=lambda c: c.__qualname__):
         for base in cls.__mro__:
@@ -764,13 +816,15 @@ def _walk(model: torch.nn.Module, loss_fn: object = None
             named_by(f"{cls.__qualname__}.forward", cls.forward)
     if loss_fn is not None:
         named_by("loss_fn", loss_fn)
-        if _function_of(loss_fn) is None and hasattr(loss_fn, "__dict__") and not isinstance(loss_fn, type):
-            # a callable object (a loss module outside the model, a class with __call__): its fields
-            # and what its code names
-            holder_fields("loss_fn", loss_fn, lambda m: loss_fn)
-            call = type(loss_fn).forward if isinstance(loss_fn, torch.nn.Module) else type(loss_fn).__call__
-            if _user_class(type(loss_fn)):
-                named_by(f"loss_fn's {type(loss_fn).__qualname__}", call)
+        found_object = _loss_object(loss_fn)
+        if found_object is not None and id(found_object[0]) not in in_model:
+            # a loss function that is an object, or a method of one: the fields its code can read
+            # (not its bookkeeping, such as a meter the loop updates between steps), and what
+            # that code names
+            owner, fn, label = found_object
+            holder_fields(label, owner, lambda m, o=owner: o, names=_code_strings(fn.__code__))
+            if _user_module(fn.__module__) and label == "loss_fn":
+                named_by(f"loss_fn's {type(owner).__qualname__}", fn)
     for name, module in modules:  # (the user's hooks are the step's code too: a scale a hook's closure reads)
         for hook in _hooks_of(module):
             fn = _function_of(hook)
@@ -810,7 +864,7 @@ class PythonState:
 
     @classmethod
     def of(cls, model: torch.nn.Module, loss_fn: object = None) -> PythonState:
-        held, generators = _walk(model, loss_fn)
+        held, generators = _walk(model, loss_fn, lengths=True)
         return cls(_scalar_attributes(model), random.getstate(), np.random.get_state(), tuple(held), loss_fn,
                    tuple((label, g, _generator_state(g)) for label, g in generators))
 
