@@ -682,3 +682,65 @@ HOOK_SCALE = {"s": 0.5}
 
 def _scaled_gradient(module, grad_input, grad_output):
     return (grad_input[0] * HOOK_SCALE["s"],)
+
+
+class _Focal:
+    def __init__(self, gamma: float) -> None:
+        self.gamma = gamma
+        self.calls = 0  # (bookkeeping: __call__ never names it)
+
+    def __call__(self, logits, y):
+        ce = F.cross_entropy(logits, y, reduction="none")
+        return ((1 - torch.exp(-ce)) ** self.gamma * ce).mean()
+
+
+FOCAL = _Focal(0.0)
+TEMPERATURE = {"t": 1.0}
+SHIFT = {"s": 0.0}
+
+
+def _divided(z):
+    return z / TEMPERATURE["t"]
+
+
+class _WithHelper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+
+    def shifted(self, z):
+        return z + SHIFT["s"]
+
+    def forward(self, x):
+        return self.shifted(self.a(x))
+
+
+def _ce(m, x, y, cfg):
+    return FOCAL(_divided(m(x)), y) + F.cross_entropy(m(x), y, label_smoothing=cfg["ls"])
+
+
+def test_values_behind_callable_objects_helpers_and_partials_are_guarded():
+    """A focal loss object a global names, a helper loss_fn calls reading a global dict, a
+    module's helper method reading one, a dict given by functools.partial: changed after
+    tracing, each ran with the old value, silently."""
+    import functools
+
+    torch.manual_seed(0)
+    model, x, y, cfg = _WithHelper(), torch.randn(16, 8), torch.randint(0, 4, (16,)), {"ls": 0.0}
+    loss_fn = functools.partial(_ce, cfg=cfg)
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    FOCAL.calls += 1  # (bookkeeping: not refused)
+    assert check_step(step, loss_fn, x, y).bitwise
+    for change, undo, message in [
+        (lambda: setattr(FOCAL, "gamma", 2.0), lambda: setattr(FOCAL, "gamma", 0.0),
+         r"loss_fn's global 'FOCAL'.gamma is now 2.0 but was 0.0"),
+        (lambda: TEMPERATURE.update(t=3.0), lambda: TEMPERATURE.update(t=1.0),
+         r"loss_fn's global '_divided''s global 'TEMPERATURE'\['t'\] is now 3.0 but was 1.0"),
+        (lambda: SHIFT.update(s=1.0), lambda: SHIFT.update(s=0.0), r"_WithHelper.shifted's global 'SHIFT'\['s'\]"),
+        (lambda: cfg.update(ls=0.3), lambda: cfg.update(ls=0.0), r"loss_fn's keyword 'cfg'\['ls'\] is now 0.3"),
+    ]:
+        change()
+        with pytest.raises(TraceError, match=message):
+            step(x, y)
+        undo()
+    assert check_step(step, loss_fn, x, y).bitwise

@@ -790,12 +790,39 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                     _put(h, _LENGTH, value)
             found.append((HeldValue(f"len({label})", lambda m: _get(locate(m), _LENGTH), write_length), len(holder)))
 
-    def named_by(what: str, fn: object) -> None:
+    def callable_object(label: str, value: object, locate: Callable[[torch.nn.Module], object]) -> bool:
+        """A callable object of the user's (a focal loss, a schedule): a holder for the names its
+        ``__call__`` holds."""
+        call = _function_of(getattr(type(value), "__call__", None))
+        if isinstance(value, (torch.nn.Module, type, *_FUNCTIONS)) or not hasattr(value, "__dict__") \
+                or call is None or not _user_class(type(value)):
+            return False
+        holder_fields(label, value, locate, names=_code_strings(call.__code__))
+        named_by(f"{label}'s {type(value).__qualname__}", call)
+        return True
+
+    def named_by(what: str, fn: object, depth: int = 0) -> None:
+        f = _function_of(fn)
+        if f is None or id(f.__code__) in seen:
+            return
+        seen.add(id(f.__code__))
+        if isinstance(fn, functools.partial):  # (its arguments are the step's values too)
+            for key, value in fn.keywords.items():
+                label = f"{what}'s keyword {key!r}"
+                if _guarded(value):
+                    found.append((HeldValue(label, lambda m, k=key, p=fn: p.keywords.get(k, _MISSING),
+                                            lambda m, v, k=key, p=fn: p.keywords.__setitem__(k, v)), value))
+                elif _holds_values(value, model):
+                    holder_fields(label, value, lambda m, v=value: v)
         for kind, name, value, read, write in function_names(fn):
             label = f"{what}'s {kind} {name!r}"
             if _guarded(value) and not (kind == "global" and name.startswith("__")):
                 found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, w=write: w(v)), value))
-            elif not generator(label, value) and _holds_values(value, model):
+                if isinstance(value, types.FunctionType) and depth < 2 and _user_module(value.__module__):
+                    named_by(label, value, depth + 1)  # (a helper it calls reads a global too)
+            elif generator(label, value) or callable_object(label, value, lambda m, v=value: v):
+                continue
+            elif _holds_values(value, model):
                 holder_fields(label, value, lambda m, v=value: v)
 
     modules = list(model.named_modules())
@@ -804,9 +831,11 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             where = f"model.{name}.{key}" if name else f"model.{key}"
             if generator(where, value):
                 continue
+            locate = lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING)  # noqa: E731
             if not key.startswith("_") and _is_holder(value):
-                holder_fields(where, value, lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING),
-                              lists=lengths)
+                holder_fields(where, value, locate, lists=lengths)
+            elif not key.startswith("_"):
+                callable_object(where, value, locate)
     classes = {type(module) for _, module in modules}
     for cls in sorted(classes, key=lambda c: c.__qualname__):
         for base in cls.__mro__:
@@ -814,6 +843,11 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 holder_fields(f"class {base.__qualname__}", base, lambda m, b=base: b)
         if _user_class(cls):
             named_by(f"{cls.__qualname__}.forward", cls.forward)
+            for base in cls.__mro__:  # (the helper methods forward calls: self.scale(x) reading a global)
+                if _user_class(base) and base is not object:
+                    for key, member in vars(base).items():
+                        if isinstance(member, types.FunctionType) and key != "forward" and not key.startswith("__"):
+                            named_by(f"{base.__qualname__}.{key}", member)
     if loss_fn is not None:
         named_by("loss_fn", loss_fn)
         found_object = _loss_object(loss_fn)
