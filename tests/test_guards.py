@@ -744,3 +744,50 @@ def test_values_behind_callable_objects_helpers_and_partials_are_guarded():
             step(x, y)
         undo()
     assert check_step(step, loss_fn, x, y).bitwise
+
+
+class _Mode(__import__("enum").Enum):
+    FAST = 1
+    EXACT = 2
+
+
+@__import__("dataclasses").dataclass(slots=True)
+class _Slotted:
+    temp: float = 1.0
+    mode: _Mode = _Mode.FAST
+    pairs: tuple = ((1.0, 2.0), {"w": 0.5})
+
+
+class _Configured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.cfg = _Slotted()
+        self.scale = __import__("numpy").float32(2.0)
+
+    def forward(self, x):
+        out = self.a(x) / self.cfg.temp * float(self.scale) * self.cfg.pairs[1]["w"]
+        return out * (2.0 if self.cfg.mode is _Mode.EXACT else 1.0)
+
+
+def test_slotted_dataclasses_enums_numpy_scalars_and_tuples_holding_dicts_are_guarded():
+    import numpy as np
+
+    torch.manual_seed(0)
+    model, x = _Configured(), torch.randn(4, 8)
+    loss_fn = lambda m, x: m(x).sum()  # noqa: E731
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    for change, undo, message in [
+        (lambda: setattr(model.cfg, "temp", 2.0), lambda: setattr(model.cfg, "temp", 1.0), r"model.cfg.temp is now 2.0"),
+        (lambda: setattr(model.cfg, "mode", _Mode.EXACT), lambda: setattr(model.cfg, "mode", _Mode.FAST),
+         r"model.cfg.mode is now <_Mode.EXACT: 2>"),
+        (lambda: model.cfg.pairs[1].update(w=1.0), lambda: model.cfg.pairs[1].update(w=0.5),
+         r"model.cfg.pairs\[1\]\['w'\] is now 1.0"),
+        (lambda: setattr(model, "scale", np.float32(3.0)), lambda: setattr(model, "scale", np.float32(2.0)),
+         r"scale"),
+    ]:
+        change()
+        with pytest.raises(TraceError, match=message):
+            step(x)
+        undo()
+    assert check_step(step, loss_fn, x).bitwise

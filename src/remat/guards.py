@@ -37,6 +37,7 @@ trace leaves the attributes and generators as they were before it.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import math
@@ -55,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 
 from remat.errors import TraceError
 
-_SCALARS = (bool, int, float, str, type(None))
+_SCALARS = (bool, int, float, str, type(None), np.generic, enum.Enum)  # (numpy scalars, enum members too)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _MISSING = object()
 
@@ -90,9 +91,9 @@ def _same(a: object, b: object) -> bool:
         if a.is_floating_point() or a.is_complex():
             equal.logical_or_(a.isnan().logical_and_(b.isnan()))
         return bool(equal.all())
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+    if isinstance(a, (float, np.floating)) and isinstance(b, (float, np.floating)) and math.isnan(a) and math.isnan(b):
         return True
-    return type(a) is type(b) and a == b
+    return type(a) is type(b) and bool(a == b)
 
 
 def _hooks_of(module: torch.nn.Module) -> tuple[object, ...]:
@@ -478,7 +479,8 @@ def outside_tensors(model: torch.nn.Module, loss_fn: object = None
         elif isinstance(value, (list, tuple)):
             entries = [(i, f"{label}[{i}]") for i in range(min(len(value), OUTSIDE_ENTRIES))]
         elif _is_holder(value) or isinstance(value, torch.nn.Module):
-            entries = [(k, f"{label}.{k}") for k in list(vars(value))[:OUTSIDE_ENTRIES]
+            keys = list(vars(value)) if hasattr(value, "__dict__") else _slots(value)
+            entries = [(k, f"{label}.{k}") for k in keys[:OUTSIDE_ENTRIES]
                        if not (isinstance(value, torch.nn.Module) and k in _MODULE_INTERNALS)]
         else:
             return
@@ -536,11 +538,22 @@ def _is_holder(value: object) -> bool:
     Python module or random generator)."""
     if isinstance(value, (dict, list)):
         return True
+    if isinstance(value, tuple):  # (a short tuple of numbers is a value; one holding a dict, a holder)
+        return not _recordable(value)
     if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType,
                           types.MethodType, types.BuiltinFunctionType, functools.partial, logging.Logger,
-                          *_GENERATORS)):
+                          np.ndarray, *_GENERATORS)):
         return False
-    return hasattr(value, "__dict__") and not callable(value)
+    return (hasattr(value, "__dict__") or bool(_slots(value))) and not callable(value)
+
+
+def _slots(value: object) -> list[str]:
+    """The public slots of ``value``'s class and its bases (a ``@dataclass(slots=True)``)."""
+    names = []
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [n for n in slots if not n.startswith("_")]
+    return [n for n in dict.fromkeys(names) if not n.startswith("_") and hasattr(value, n)]
 
 
 #: Random generators a model or ``loss_fn`` may own: a draw from one while the step is traced is
@@ -603,8 +616,10 @@ def _entries(holder: object) -> list[tuple[object, str, object]]:
     string or integer keys, a list's elements, an object's or a class's own public attributes."""
     if isinstance(holder, dict):
         items = [(k, f"[{k!r}]", v) for k, v in holder.items() if isinstance(k, (str, int))]
-    elif isinstance(holder, list):
+    elif isinstance(holder, (list, tuple)):
         items = [(i, f"[{i}]", v) for i, v in enumerate(holder[:256])]
+    elif not hasattr(holder, "__dict__"):
+        items = [(k, f".{k}", getattr(holder, k)) for k in _slots(holder)]
     else:
         items = [(k, f".{k}", v) for k, v in vars(holder).items() if not k.startswith("_")]
     return items[:256]
@@ -627,6 +642,8 @@ def _get(holder: object, key: object) -> object:
 
 
 def _put(holder: object, key: object, value: object) -> None:
+    if isinstance(holder, tuple):  # (nothing to put back: a tuple's entries cannot change)
+        return
     if isinstance(holder, list):
         if key is _LENGTH:  # (what a refused trace appended goes again)
             del holder[value:]
@@ -759,7 +776,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         """The held values of ``holder`` and of the holders in it (``NESTED_HOLDERS`` deep),
         at most ``HELD_PER_HOLDER`` in all; ``names``: only keys its code can read."""
         room = [HELD_PER_HOLDER] if room is None else room
-        if id(holder) in seen or (isinstance(holder, list) and len(holder) > LONG_LIST):
+        if id(holder) in seen or (isinstance(holder, (list, tuple)) and len(holder) > LONG_LIST):
             return
         seen.add(id(holder))
         for key, shown, value in _entries(holder):
