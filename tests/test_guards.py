@@ -791,3 +791,21 @@ def test_slotted_dataclasses_enums_numpy_scalars_and_tuples_holding_dicts_are_gu
             step(x)
         undo()
     assert check_step(step, loss_fn, x).bitwise
+
+
+def test_transformers_bookkeeping_between_steps_is_not_refused():
+    """Setting config.architectures (as save_pretrained does) and generation settings changed
+    for an evaluation refused every later step; no forward reads them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
+    ids = torch.randint(0, 64, (2, 8))
+    loss_fn = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    step = remat.optimize(model, (ids,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    model.config.architectures = ["GPT2LMHeadModel"]
+    model.generation_config.max_new_tokens = 20
+    assert check_step(step, loss_fn, ids).bitwise
+    model.config.layer_norm_epsilon = 1e-3  # (the config's other fields are guarded, as forward may read them)
+    with pytest.raises(TraceError, match=r"model.config.layer_norm_epsilon is now 0.001"):
+        step(ids)

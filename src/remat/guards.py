@@ -592,6 +592,19 @@ def _same_state(a: object, b: object) -> bool:
 #: How deep ``held_values`` looks into holders inside holders (``model.cfg.extra['temp']``).
 NESTED_HOLDERS = 3
 
+#: Fields of transformers' configs that record where a model came from, which no forward reads
+#: (``save_pretrained`` sets ``architectures``: a checkpoint between steps refused every later
+#: step), and its generation settings (for ``generate``, not the training step).
+_TRANSFORMERS_METADATA = frozenset({"architectures", "transformers_version", "name_or_path"})
+
+
+def _metadata(holder: object, key: object) -> bool:
+    """Is ``holder.key`` transformers' bookkeeping (see ``_TRANSFORMERS_METADATA``)?"""
+    module = type(holder).__module__ or ""
+    if not module.startswith("transformers"):
+        return False
+    return key in _TRANSFORMERS_METADATA or type(getattr(holder, str(key), None)).__name__ == "GenerationConfig"
+
 
 class _Length:
     """The key of a list's length among its fields (a list a forward appends to each call)."""
@@ -782,7 +795,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         for key, shown, value in _entries(holder):
             if room[0] <= 0:
                 return
-            if names is not None and isinstance(key, str) and key not in names:
+            if (names is not None and isinstance(key, str) and key not in names) or _metadata(holder, key):
                 continue
 
             def at(m, key=key):
@@ -849,7 +862,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             if generator(where, value):
                 continue
             locate = lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING)  # noqa: E731
-            if not key.startswith("_") and _is_holder(value):
+            if not key.startswith("_") and _is_holder(value) and not _metadata(module, key):
                 holder_fields(where, value, locate, lists=lengths)
             elif not key.startswith("_"):
                 callable_object(where, value, locate)
