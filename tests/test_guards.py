@@ -407,8 +407,11 @@ def test_values_read_from_outside_the_modules_are_guarded_and_unchanged_the_step
     assert check_step(step, loss_fn, x, y).bitwise
 
     def changed(what, undo):
-        with pytest.raises(TraceError, match=what + r".*when the step was traced, and the traced step computes "
-                                                  r"with that value; trace again"):
+        with pytest.raises(TraceError, match=what + r".*when the step was traced; a traced step keeps the values it "
+                                                  r"may have read, so where it reads this one it would compute with "
+                                                  r"the old value: trace again.*a value the step never reads \(a log, "
+                                                  r"a counter the loop keeps\) belongs outside what the model and "
+                                                  r"loss_fn hold"):
             step(x, y)
         undo()
         step(x, y)  # changed back, it runs

@@ -163,7 +163,9 @@ class ModuleState:
             now = held.read(model)
             if not _same(now, value):
                 raise _changed(held.label, now, value, ", or pass a value that changes between steps in the "
-                                                       "batch, as a tensor")
+                                                       "batch, as a tensor; a value the step never reads (a log, a "
+                                                       "counter the loop keeps) belongs outside what the model and "
+                                                       "loss_fn hold")
         for name, recorded in self.hooks:
             module = modules.get(name)
             now = _hooks_of(module) if module is not None else ()
@@ -330,8 +332,9 @@ def _hook_name(hook: object) -> str:
 
 def _changed(what: str, now: object, value: object, remedy: str = "") -> TraceError:
     shown = "is no longer set" if now is _MISSING else f"is now {_value_shown(now)}"
-    return TraceError(f"{what} {shown} but was {_value_shown(value)} when the step was traced, and the traced step "
-                      f"computes with that value; trace again (remat.optimize) after changing it{remedy}")
+    return TraceError(f"{what} {shown} but was {_value_shown(value)} when the step was traced; a traced step keeps "
+                      f"the values it may have read, so where it reads this one it would compute with the old value: "
+                      f"trace again (remat.optimize) after changing it{remedy}")
 
 
 def _value_shown(value: object) -> str:
