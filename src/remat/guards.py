@@ -37,8 +37,10 @@ trace leaves the attributes and generators as they were before it.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
+import itertools
 import logging
 import math
 import os
@@ -814,14 +816,29 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             elif not generator(f"{label}{shown}", value) and depth < NESTED_HOLDERS and _is_holder(value) \
                     and not isinstance(holder, type):
                 holder_fields(f"{label}{shown}", value, at, depth + 1, lists, names, room)
-        if lists and isinstance(holder, list) and not any(isinstance(v, torch.Tensor) for v in holder):
-            # (not a list of tensors: a stash the step's trace filled, warned about where it is
-            # found; nor one a function names: a log loss_fn or a hook keeps)
-            def write_length(m, value):
-                h = locate(m)
-                if isinstance(h, list) and isinstance(value, int):
-                    _put(h, _LENGTH, value)
-            found.append((HeldValue(f"len({label})", lambda m: _get(locate(m), _LENGTH), write_length), len(holder)))
+            elif lists and isinstance(value, (set, collections.deque)):
+                counted(f"{label}{shown}", value, at)
+            elif lists and isinstance(value, itertools.count):  # (its state shows only in its repr)
+                found.append((HeldValue(f"{label}{shown}", lambda m, a=at: repr(a(m)), lambda m, v: None), repr(value)))
+        if lists and isinstance(holder, list):
+            counted(label, holder, locate)
+
+    def counted(label: str, holder: object, locate: Callable[[torch.nn.Module], object]) -> None:
+        """The length of a list, deque or set that holds no tensor (a stash the step's trace
+        filled is warned about where it is found instead), for ``PythonState``: a forward that
+        adds to one at every call is a counter."""
+        if any(isinstance(v, torch.Tensor) for v in holder):
+            return
+
+        def write_length(m, value):
+            h = locate(m)
+            if isinstance(value, int) and isinstance(h, list):
+                _put(h, _LENGTH, value)
+            elif isinstance(value, int) and isinstance(h, collections.deque):
+                while len(h) > value:
+                    h.pop()
+        found.append((HeldValue(f"len({label})", lambda m: len(h) if isinstance(h := locate(m), (list, set,
+                      collections.deque)) else _MISSING, write_length), len(holder)))
 
     def callable_object(label: str, value: object, locate: Callable[[torch.nn.Module], object]) -> bool:
         """A callable object of the user's (a focal loss, a schedule): a holder for the names its
@@ -867,7 +884,13 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             locate = lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING)  # noqa: E731
             if not key.startswith("_") and _is_holder(value) and not _metadata(module, key):
                 holder_fields(where, value, locate, lists=lengths)
-            elif not key.startswith("_"):
+            elif key.startswith("_"):
+                continue
+            elif lengths and isinstance(value, (set, collections.deque)):
+                counted(where, value, locate)
+            elif lengths and isinstance(value, itertools.count):  # (its state shows only in its repr)
+                found.append((HeldValue(where, lambda m, a=locate: repr(a(m)), lambda m, v: None), repr(value)))
+            else:
                 callable_object(where, value, locate)
     classes = {type(module) for _, module in modules}
     for cls in sorted(classes, key=lambda c: c.__qualname__):
@@ -889,7 +912,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             # (not its bookkeeping, such as a meter the loop updates between steps), and what
             # that code names
             owner, fn, label = found_object
-            holder_fields(label, owner, lambda m, o=owner: o, names=_code_strings(fn.__code__))
+            holder_fields(label, owner, lambda m, o=owner: o, names=_code_strings(fn.__code__), lists=lengths)
             if _user_module(fn.__module__) and label == "loss_fn":
                 named_by(f"loss_fn's {type(owner).__qualname__}", fn)
     for name, module in modules:  # (the user's hooks are the step's code too: a scale a hook's closure reads)
