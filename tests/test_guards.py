@@ -855,3 +855,39 @@ def test_counters_in_deques_sets_itertools_counts_and_loss_objects_are_refused(k
         remat.optimize(model, (torch.randn(4, 8),), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
     if kind == "deque":
         assert len(model.state) == 0  # (put back as it was)
+
+
+class _MappingConfig(__import__("collections").abc.MutableMapping):
+    """A config that is a mapping but not a dict (as OmegaConf's DictConfig is)."""
+
+    def __init__(self, **values) -> None:
+        self._values = dict(values)
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+    def __setitem__(self, key, value):
+        self._values[key] = value
+
+    def __delitem__(self, key):
+        del self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+
+def test_a_config_that_is_a_mapping_but_not_a_dict_is_guarded():
+    """OmegaConf's and ml_collections' configs (Hydra's) were not looked into: a temperature
+    changed after tracing ran with the old one (1.271 against eager's 1.321), silently."""
+    model = nn.Linear(8, 4)
+    model.cfg = _MappingConfig(temp=1.0, inner=_MappingConfig(shift=0.5))
+    loss_fn = lambda m, x: (m(x) / m.cfg["temp"] - m.cfg["inner"]["shift"]).sum()  # noqa: E731
+    x = torch.randn(4, 8)
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert check_step(step, loss_fn, x).bitwise
+    model.cfg["inner"]["shift"] = 1.0
+    with pytest.raises(TraceError, match=r"model.cfg\['inner'\]\['shift'\] is now 1.0 but was 0.5"):
+        step(x)

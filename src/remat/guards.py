@@ -47,7 +47,7 @@ import os
 import random
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -541,7 +541,7 @@ def _is_holder(value: object) -> bool:
     """An object whose scalar fields a step may read: a dict, a list, a namespace, a dataclass or
     a config object (anything with a ``__dict__`` that is not a module, tensor, function, class,
     Python module or random generator)."""
-    if isinstance(value, (dict, list)):
+    if isinstance(value, (dict, list)) or _mapping(value):
         return True
     if isinstance(value, tuple):  # (a short tuple of numbers is a value; one holding a dict, a holder)
         return not _recordable(value)
@@ -629,11 +629,26 @@ def _holds_values(value: object, model: torch.nn.Module) -> bool:
     return _is_holder(value) or (isinstance(value, type) and _user_class(value))
 
 
+def _mapping(value: object) -> bool:
+    """A dict, or a mapping that is not one: a ``collections.abc.Mapping`` (OmegaConf's
+    ``DictConfig``, Hydra's configs) or an object with ``items`` and ``[]`` (ml_collections'
+    ``ConfigDict``)."""
+    if isinstance(value, (dict, Mapping)):
+        return True
+    return (callable(getattr(value, "items", None)) and hasattr(type(value), "__getitem__")
+            and not isinstance(value, (torch.nn.Module, torch.Tensor, type, str, bytes, np.ndarray)))
+
+
 def _entries(holder: object) -> list[tuple[object, str, object]]:
-    """(key, shown, value) of the public entries of ``holder`` (at most 256): a dict's items under
-    string or integer keys, a list's elements, an object's or a class's own public attributes."""
-    if isinstance(holder, dict):
-        items = [(k, f"[{k!r}]", v) for k, v in holder.items() if isinstance(k, (str, int))]
+    """(key, shown, value) of the public entries of ``holder`` (at most 256): a mapping's items
+    under string or integer keys, a list's elements, an object's or a class's own public
+    attributes."""
+    if _mapping(holder):
+        try:
+            pairs = list(itertools.islice(holder.items(), 1024))
+        except Exception:  # noqa: BLE001 - a config with a value it cannot resolve: nothing read here
+            return []
+        items = [(k, f"[{k!r}]", v) for k, v in pairs if isinstance(k, (str, int))]
     elif isinstance(holder, (list, tuple)):
         items = [(i, f"[{i}]", v) for i, v in enumerate(holder[:256])]
     elif not hasattr(holder, "__dict__"):
@@ -650,6 +665,11 @@ def _get(holder: object, key: object) -> object:
         return _MISSING
     if isinstance(holder, dict):
         return holder.get(key, _MISSING)
+    if key is not _LENGTH and _mapping(holder):
+        try:
+            return holder[key]
+        except Exception:  # noqa: BLE001 - gone, or no longer resolvable
+            return _MISSING
     if isinstance(holder, (list, tuple)):
         if key is _LENGTH:
             return len(holder)
@@ -667,7 +687,7 @@ def _put(holder: object, key: object, value: object) -> None:
             del holder[value:]
         elif isinstance(key, int) and -len(holder) <= key < len(holder):
             holder[key] = value
-    elif isinstance(holder, dict):
+    elif _mapping(holder):
         holder[key] = value
     else:
         setattr(holder, key, value)
