@@ -170,10 +170,6 @@ def measure(name: str, batch_size: int, rounds: int, busy: int, threads: int, fr
     return row
 
 
-def _median(values: list) -> float:
-    return statistics.median(values)
-
-
 def markdown(results: dict) -> str:
     meta = results.get("meta", {})
     lines = [
@@ -190,21 +186,22 @@ def markdown(results: dict) -> str:
         "| model | condition | profile total vs quiet (worst round) | rank correlation with quiet | warned | profile s |",
         "|---|---|---:|---:|---:|---:|",
     ]
+    median = statistics.median
     for row in results.get("models", []):
         for condition, runs in row["profiles"].items():
             totals = [r["total_vs_quiet"] for r in runs]
             lines.append(
-                f"| {row['model']} ({row['nodes']} ops) | {condition} | {_median(totals):.2f}x ({max(totals):.2f}x) | "
-                f"{_median([r['rank_correlation'] for r in runs]):.2f} | {sum(r['warned'] for r in runs)} of "
-                f"{len(runs)} | {_median([r['profile_s'] for r in runs]):.1f} |")
+                f"| {row['model']} ({row['nodes']} ops) | {condition} | {median(totals):.2f}x ({max(totals):.2f}x) | "
+                f"{median([r['rank_correlation'] for r in runs]):.2f} | {sum(r['warned'] for r in runs)} of "
+                f"{len(runs)} | {median([r['profile_s'] for r in runs]):.1f} |")
     lines += ["", "| model | budget | condition | plan overhead, own costs | plan overhead, quiet costs (worst round) |",
               "|---|---:|---|---:|---:|"]
     for row in results.get("models", []):
         for point in row["budgets"]:
             for condition, c in point["conditions"].items():
                 lines.append(
-                    f"| {row['model']} | {point['budget_fraction']:.0%} | {condition} | {_median(c['overhead_own']):.3f}x | "
-                    f"{_median(c['overhead_quiet']):.3f}x ({max(c['overhead_quiet']):.3f}x) |")
+                    f"| {row['model']} | {point['budget_fraction']:.0%} | {condition} | {median(c['overhead_own']):.3f}x | "
+                    f"{median(c['overhead_quiet']):.3f}x ({max(c['overhead_quiet']):.3f}x) |")
     return "\n".join(lines)
 
 

@@ -185,9 +185,10 @@ class Contention:
     """Whether the CPU runs fewer threads than the profile asks for, checked as it goes.
 
     ``busy()`` times a parallel reference matmul on the current thread count (the slowest of
-    ``CONTENTION_CALLS`` calls) and on one thread (the median), at most every ``CONTENTION_CHECK_S`` seconds (``busy(suspect=True)``, for an op
-    that took long enough to have stalled: every ``CONTENTION_SUSPECT_GAP_S``); ``ratio``
-    is the latest quotient (threads over one thread) and ``worst`` the largest. Once found
+    ``CONTENTION_CALLS`` calls) and on one thread (the median), at most every
+    ``CONTENTION_CHECK_S`` seconds (``busy(suspect=True)``, for an op that took long enough to
+    have stalled: every ``CONTENTION_SUSPECT_GAP_S``); ``ratio`` is the latest quotient
+    (threads over one thread) and ``worst`` the largest. Once found
     busy it stays busy: the load comes and goes faster than the checks (under a steady load
     of 1.7 other processes on two cores, ops timed between two checks that found the CPU
     free had stalled 17 ms), so a profile that met it once takes the one-thread timing for

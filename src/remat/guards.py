@@ -836,12 +836,21 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             elif not generator(f"{label}{shown}", value) and depth < NESTED_HOLDERS and _is_holder(value) \
                     and not isinstance(holder, type):
                 holder_fields(f"{label}{shown}", value, at, depth + 1, lists, names, room)
-            elif lists and isinstance(value, (set, collections.deque)):
-                counted(f"{label}{shown}", value, at)
-            elif lists and isinstance(value, itertools.count):  # (its state shows only in its repr)
-                found.append((HeldValue(f"{label}{shown}", lambda m, a=at: repr(a(m)), lambda m, v: None), repr(value)))
+            elif lists:
+                counter(f"{label}{shown}", value, at)
         if lists and isinstance(holder, list):
             counted(label, holder, locate)
+
+    def counter(label: str, value: object, locate: Callable[[torch.nn.Module], object]) -> bool:
+        """A deque or set (its length) or an ``itertools.count`` (its state shows only in its
+        repr), for ``PythonState``; False for anything else."""
+        if isinstance(value, (set, collections.deque)):
+            counted(label, value, locate)
+        elif isinstance(value, itertools.count):
+            found.append((HeldValue(label, lambda m: repr(locate(m)), lambda m, v: None), repr(value)))
+        else:
+            return False
+        return True
 
     def counted(label: str, holder: object, locate: Callable[[torch.nn.Module], object]) -> None:
         """The length of a list, deque or set that holds no tensor (a stash the step's trace
@@ -904,13 +913,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             locate = lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING)  # noqa: E731
             if not key.startswith("_") and _is_holder(value) and not _metadata(module, key):
                 holder_fields(where, value, locate, lists=lengths)
-            elif key.startswith("_"):
-                continue
-            elif lengths and isinstance(value, (set, collections.deque)):
-                counted(where, value, locate)
-            elif lengths and isinstance(value, itertools.count):  # (its state shows only in its repr)
-                found.append((HeldValue(where, lambda m, a=locate: repr(a(m)), lambda m, v: None), repr(value)))
-            else:
+            elif not key.startswith("_") and not (lengths and counter(where, value, locate)):
                 callable_object(where, value, locate)
     classes = {type(module) for _, module in modules}
     for cls in sorted(classes, key=lambda c: c.__qualname__):

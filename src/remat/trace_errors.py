@@ -518,7 +518,7 @@ def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object, stashe
     sets them. Gradients are unaffected, so this warns."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from remat.guards import function_names
+    from remat.guards import _MODULE_INTERNALS, function_names
 
     found: list[str] = list(dict.fromkeys(stashed))
 
@@ -542,7 +542,7 @@ def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object, stashe
             for hook in getattr(module, table, {}).values():
                 scan(f"a forward hook of {_describe_module(model, path)}", hook)
         for key, value in vars(module).items():  # (a list the forward appends its outputs to)
-            if isinstance(value, (list, tuple, dict)) and not key.startswith("__"):
+            if isinstance(value, (list, tuple, dict)) and key not in _MODULE_INTERNALS:
                 look(f"model.{path}.{key}" if path else f"model.{key}", value)
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
