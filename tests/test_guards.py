@@ -891,3 +891,166 @@ def test_a_config_that_is_a_mapping_but_not_a_dict_is_guarded():
     model.cfg["inner"]["shift"] = 1.0
     with pytest.raises(TraceError, match=r"model.cfg\['inner'\]\['shift'\] is now 1.0 but was 0.5"):
         step(x)
+
+
+# ---------------------------------------------------------------------------- private fields, properties, sets, arrays
+class _Private(nn.Module):
+    """Values read through a property over a private field, a private config holder, a dict
+    keyed by tuples and a set deciding a branch; the loop's private bookkeeping beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self._scale = 1.0
+        self._cfg = {"temp": 1.0}
+        self._ns = __import__("types").SimpleNamespace(shift=0.0)
+        self.table = {(1, 2): 0.5}
+        self.active = {1, 3}
+        self._seen = set()  # (bookkeeping the loop keeps: forward never names it)
+        self._logged = 0
+
+    @property
+    def scale(self):
+        return self._scale
+
+    @scale.setter
+    def scale(self, value):
+        self._scale = value
+
+    def forward(self, x):
+        out = self.a(x) * self.scale / self._cfg["temp"] + self._ns.shift
+        out = out * self.table[(1, 2)]
+        return out * 2.0 if 3 in self.active else out
+
+
+def test_private_fields_properties_tuple_keys_and_sets_the_step_reads_are_guarded():
+    """Each of these, changed after tracing, ran with the old value (a property's private field
+    doubled: loss twice eager's), silently: private fields were left out, properties were not
+    followed, dicts were looked into under string and integer keys only and sets only counted."""
+    torch.manual_seed(0)
+    model, x = _Private(), torch.randn(4, 8)
+    loss_fn = lambda m, x: m(x).square().sum()  # noqa: E731
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    model._seen.add(7)  # (the loop's bookkeeping is not refused)
+    model._logged = 3
+    assert check_step(step, loss_fn, x).bitwise
+    for change, undo, message in [
+        (lambda: setattr(model, "_scale", 2.0), lambda: setattr(model, "_scale", 1.0),
+         r"the model \(_Private\) attribute '_scale' is now 2.0 but was 1.0"),
+        (lambda: setattr(model, "scale", 3.0), lambda: setattr(model, "scale", 1.0),  # (through the setter)
+         r"attribute '_scale' is now 3.0 but was 1.0"),
+        (lambda: model._cfg.update(temp=2.0), lambda: model._cfg.update(temp=1.0),
+         r"model._cfg\['temp'\] is now 2.0 but was 1.0"),
+        (lambda: setattr(model._ns, "shift", 1.0), lambda: setattr(model._ns, "shift", 0.0),
+         r"model._ns.shift is now 1.0 but was 0.0"),
+        (lambda: model.table.__setitem__((1, 2), 0.25), lambda: model.table.__setitem__((1, 2), 0.5),
+         r"model.table\[\(1, 2\)\] is now 0.25 but was 0.5"),
+        (lambda: model.active.discard(3), lambda: model.active.add(3), r"model.active is now \{1\} but was \{1, 3\}"),
+    ]:
+        change()
+        with pytest.raises(TraceError, match=message + r" when the step was traced.*trace again"):
+            step(x)
+        undo()
+    assert check_step(step, loss_fn, x).bitwise
+
+
+class _PropertyLoss:
+    """A loss object whose weight is a property over a private field."""
+
+    def __init__(self) -> None:
+        self._weight = 1.0
+        self._calls = 0  # (bookkeeping: its code never names it)
+
+    @property
+    def weight(self):
+        return self._weight
+
+    def __call__(self, m, x):
+        return m(x).square().mean() * self.weight
+
+
+def test_a_loss_objects_property_over_a_private_field_is_guarded():
+    torch.manual_seed(0)
+    model, x, loss_fn = nn.Linear(8, 4), torch.randn(4, 8), _PropertyLoss()
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    loss_fn._calls += 1
+    assert check_step(step, loss_fn, x).bitwise
+    loss_fn._weight = 2.0
+    with pytest.raises(TraceError, match=r"loss_fn._weight is now 2.0 but was 1.0 when the step was traced"):
+        step(x)
+
+
+class _NumpyHeld(nn.Module):
+    def __init__(self, size: int = 4) -> None:
+        super().__init__()
+        self.a = nn.Linear(size, size)
+        self.w_np = __import__("numpy").ones(size, dtype="float32")
+        self._gain = __import__("numpy").array([1.0])
+        self.losses_np = __import__("numpy").zeros(8)  # (a log the loop keeps: forward never names it)
+
+    def forward(self, x):
+        return self.a(x) * torch.from_numpy(self.w_np) * float(self._gain[0])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.w_np.__setitem__(0, 5.0), r"model.w_np is now array\(\[5., 1., 1., 1.\], dtype=float32\) but was "
+                                           r"array\(\[1., 1., 1., 1.\], dtype=float32\)"),
+    (lambda m: m._gain.__setitem__(0, 2.0), r"model._gain is now array\(\[2.\]\) but was array\(\[1.\]\)"),
+    (lambda m: setattr(m, "w_np", m.w_np * 2), r"model.w_np is now array\(\[2., 2., 2., 2.\], dtype=float32\) but was "
+                                                r"array\(\[1., 1., 1., 1.\], dtype=float32\)"),
+])
+def test_a_small_numpy_array_changed_after_tracing_is_refused(change, message):
+    """Changed in place after tracing, the step kept the traced values (loss 2x eager's), silently."""
+    torch.manual_seed(0)
+    model, x = _NumpyHeld(), torch.randn(4, 4)
+    loss_fn = lambda m, x: m(x).sum()  # noqa: E731
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    model.losses_np[0] = 1.5
+    assert check_step(step, loss_fn, x).bitwise
+    change(model)
+    with pytest.raises(TraceError, match=message + r" when the step was traced"):
+        step(x)
+
+
+def test_a_forward_changing_its_numpy_array_at_every_call_is_refused_and_put_back():
+    import numpy as np
+
+    class Drifting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.w_np = np.ones(4, dtype="float32")
+
+        def forward(self, x):
+            self.w_np += 1.0
+            return self.a(x) * torch.from_numpy(self.w_np)
+
+    model = Drifting()
+    array = model.w_np
+    with pytest.raises(TraceError, match=r"model.w_np changes each time the step runs"):
+        remat.optimize(model, (torch.randn(4, 4),), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all",
+                       cost_model=None)
+    assert model.w_np is array and (array == 1.0).all()  # (put back in place)
+
+
+def test_large_numpy_arrays_are_not_compared():
+    from remat import guards
+
+    model = _NumpyHeld(guards.SMALL_ARRAY + 1)
+    labels = [h.label for h, _ in guards.held_values(model)]
+    assert "model.w_np" not in labels and "model._gain" in labels and "model.losses_np" not in labels
+
+
+def test_values_four_holders_deep_are_guarded():
+    """A field four holders below a module's attribute (a config's model section's encoder's
+    attention settings) was not looked at: changed after tracing, it ran with the old value."""
+    model = nn.Linear(8, 4)
+    model.cfg = {"model": {"encoder": {"attention": {"scale": {"value": 1.0}}}}}
+    loss_fn = lambda m, x: m(x).sum() * m.cfg["model"]["encoder"]["attention"]["scale"]["value"]  # noqa: E731
+    x = torch.randn(4, 8)
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert check_step(step, loss_fn, x).bitwise
+    model.cfg["model"]["encoder"]["attention"]["scale"]["value"] = 2.0
+    with pytest.raises(TraceError, match=r"model.cfg\['model'\]\['encoder'\]\['attention'\]\['scale'\]\['value'\] "
+                                         r"is now 2.0 but was 1.0 when the step was traced"):
+        step(x)

@@ -11,14 +11,17 @@ has them, naming the module, the attribute and both values.
 Recorded per module: its name and class and a ``forward`` set on the instance (a submodule
 swapped for another class, a layer appended to a ``ModuleList``, a patched ``forward``: each
 ran the traced code), every public attribute holding a number, string, bool or None (or a tuple
-of them) or a function (``self.act_fn = F.gelu``), ``training``, and its forward and backward
+of them) or a function (``self.act_fn = F.gelu``), the private ones the step's code names
+(``_NamedBy``: ``self._scale`` behind a property ``scale`` that ``forward`` reads; private
+attributes nothing names are bookkeeping), ``training``, and its forward and backward
 hooks (the functions: one replaced by another ran the old one); per
 parameter, ``requires_grad``; per parameter and buffer, its shape, dtype, device and strides
 (the step's kernels were chosen for them: a weight stored transposed after tracing gave
 gradients a rounding apart, and one of another shape failed deep in a kernel). Recorded beside
 them: ``held_values``, the scalars and functions the step may read from outside module
 attributes (a config object's fields, a global schedule dict ``loss_fn`` names, a helper
-function it calls). Tensors' values are inputs of the
+function it calls), and by content the small numpy arrays and sets of scalars the step's code
+names (``SMALL_ARRAY``). Tensors' values are inputs of the
 step, not recorded here, with one exception: a tensor neither the model's nor the batch's
 whose value the step's Python reads (``loss * scaler.get_scale()``, which reads a GradScaler's
 scale with ``.item()``) left the number read built into the step (the scaler halved its scale
@@ -75,15 +78,53 @@ def _recordable(value: object) -> bool:
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
 
 
+#: numpy arrays of numbers or bools of at most this many elements, and sets of numbers,
+#: strings and the like of at most this many, held where the step may read them, are compared
+#: by content before each step (an array changed in place, a member removed from a set read as
+#: ``if 3 in self.active``): a copy is recorded when the step is traced. Larger ones are data,
+#: not settings, and are not compared (reading one again before each step would cost as much as
+#: a small step).
+SMALL_ARRAY = 4096
+
+
+def _small_array(value: object) -> bool:
+    """A numpy array of numbers or bools of at most ``SMALL_ARRAY`` elements."""
+    return isinstance(value, np.ndarray) and value.size <= SMALL_ARRAY and value.dtype.kind in "biufc"
+
+
+def _scalar_set(value: object) -> bool:
+    """A set or frozenset of at most ``SMALL_ARRAY`` numbers, strings, bools or None (or short
+    tuples of them)."""
+    return isinstance(value, (set, frozenset)) and len(value) <= SMALL_ARRAY and all(_recordable(v) for v in value)
+
+
+def _plain(value: object) -> bool:
+    """A number, string, bool or None (or a short tuple of them), or a function: compared as it
+    is (never changed in place)."""
+    return _recordable(value) or isinstance(value, _FUNCTIONS)
+
+
 def _guarded(value: object) -> bool:
     """Is ``value`` compared by the guards: a number, string, bool or None (or a short tuple of
-    them), or a function?"""
-    return _recordable(value) or isinstance(value, _FUNCTIONS)
+    them), a function, a small numpy array or a small set of such values (by content: recorded
+    as ``_snapshot``)?"""
+    return _plain(value) or _small_array(value) or _scalar_set(value)
+
+
+def _snapshot(value: object) -> object:
+    """What ``value`` is recorded as: a copy of an array or a set (changed in place, the copy
+    keeps the values traced), the value itself otherwise."""
+    return value.copy() if isinstance(value, (np.ndarray, set)) else value
 
 
 def _same(a: object, b: object) -> bool:
     if a is b:
         return True
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+                and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if isinstance(a, (set, frozenset)) and isinstance(b, (set, frozenset)):
+        return a == b
     if isinstance(a, _FUNCTIONS) and isinstance(b, _FUNCTIONS):
         return _callable_key(a) == _callable_key(b)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):  # (``OutsideReads``: NaN equals NaN)
@@ -340,6 +381,12 @@ def _changed(what: str, now: object, value: object, remedy: str = "") -> TraceEr
 
 
 def _value_shown(value: object) -> str:
+    if isinstance(value, (set, frozenset)):  # (in order: the two sets compare at a glance)
+        try:
+            members = sorted(value)
+        except TypeError:  # (of mixed kinds)
+            members = sorted(value, key=repr)
+        return "{" + ", ".join(map(repr, members)) + "}" if value else "an empty set"
     if isinstance(value, types.BuiltinFunctionType) and getattr(value, "__module__", None):
         return f"the function {value.__module__}.{value.__name__}"
     return f"the function {_hook_name(value)}" if isinstance(value, _FUNCTIONS) else repr(value)
@@ -363,9 +410,10 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
     """``model``'s (and ``loss_fn``'s) Python state as a traced step relies on it (see the module);
     ``reads``: ``OutsideReads.held()`` of its trace; ``onednn_off``: ``RnnWatch.onednn_off``."""
     attributes, hooks, modules = [], [], []
+    named = _NamedBy(model, loss_fn)
     for name, module in model.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
-            if (key == "training" or not key.startswith("_")) and _guarded(value):
+            if (key == "training" or not key.startswith("_") or named.private(module, key)) and _plain(value):
                 attributes.append((name, key, value))
         hooks.append((name, _hooks_of(module)))
         modules.append((name, type(module), _forward_key(module)))
@@ -524,9 +572,10 @@ def _reader(frame: types.FrameType | None) -> str | None:
 # ---------------------------------------------------------------------------- values held outside modules
 @dataclass(frozen=True)
 class HeldValue:
-    """A Python number, string, bool or None the step may read from outside the model's module
-    attributes: a field of an object a module holds (``self.config.temperature``), a public
-    class attribute of a module's class, or a global, closure variable or class attribute named
+    """A Python number, string, bool or None (or a function, a small numpy array or a small set
+    of scalars) the step may read from outside the model's module attributes (or by content
+    from one: ``model.w_np``): a field of an object a module holds (``self.config.temperature``),
+    a public class attribute of a module's class, or a global, closure variable or class attribute named
     by ``loss_fn`` or a module's ``forward`` (``sched["beta"]``, a loss weight annealed between
     steps). ``read(model)`` gives its value now (``_MISSING`` where gone); ``write`` puts one
     back. A traced step keeps the value it was traced with (a KL weight raised from 0 to 0.5
@@ -594,8 +643,9 @@ def _same_state(a: object, b: object) -> bool:
     return a == b
 
 
-#: How deep ``held_values`` looks into holders inside holders (``model.cfg.extra['temp']``).
-NESTED_HOLDERS = 3
+#: How deep ``held_values`` looks into holders inside holders (``model.cfg.extra['temp']``,
+#: ``model.cfg.model.encoder.attention['dropout']``).
+NESTED_HOLDERS = 4
 
 #: Fields of transformers' configs that record where a model came from, which no forward reads
 #: (``save_pretrained`` sets ``architectures``: a checkpoint between steps refused every later
@@ -639,22 +689,25 @@ def _mapping(value: object) -> bool:
             and not isinstance(value, (torch.nn.Module, torch.Tensor, type, str, bytes, np.ndarray)))
 
 
-def _entries(holder: object) -> list[tuple[object, str, object]]:
+def _entries(holder: object, private: frozenset[str] = frozenset()) -> list[tuple[object, str, object]]:
     """(key, shown, value) of the public entries of ``holder`` (at most 256): a mapping's items
-    under string or integer keys, a list's elements, an object's or a class's own public
-    attributes."""
+    under keys that are numbers, strings, bools, None, enum members or short tuples of them
+    (``self.table[(1, 2)]``), a list's elements, an object's or a class's own public attributes
+    and those of its private ones named in ``private`` (what its code reads: ``self._weight``),
+    never ``nn.Module``'s own."""
     if _mapping(holder):
         try:
             pairs = list(itertools.islice(holder.items(), 1024))
         except Exception:  # noqa: BLE001 - a config with a value it cannot resolve: nothing read here
             return []
-        items = [(k, f"[{k!r}]", v) for k, v in pairs if isinstance(k, (str, int))]
+        items = [(k, f"[{k!r}]", v) for k, v in pairs if _recordable(k)]
     elif isinstance(holder, (list, tuple)):
         items = [(i, f"[{i}]", v) for i, v in enumerate(holder[:256])]
     elif not hasattr(holder, "__dict__"):
         items = [(k, f".{k}", getattr(holder, k)) for k in _slots(holder)]
     else:
-        items = [(k, f".{k}", v) for k, v in vars(holder).items() if not k.startswith("_")]
+        items = [(k, f".{k}", v) for k, v in vars(holder).items() if not k.startswith("_") or (
+                 k in private and not (isinstance(holder, torch.nn.Module) and k in _MODULE_INTERNALS))]
     return items[:256]
 
 
@@ -691,6 +744,26 @@ def _put(holder: object, key: object, value: object) -> None:
         holder[key] = value
     else:
         setattr(holder, key, value)
+
+
+def _put_back(holder: object, key: object, value: object) -> None:
+    """``_put`` a recorded value back, into the array or set there when it is one of the same
+    kind (a forward that changed it in place leaves the object the model holds)."""
+    if not _in_place(_get(holder, key), value):
+        _put(holder, key, _snapshot(value))
+
+
+def _in_place(now: object, value: object) -> bool:
+    """Copy ``value`` (a recorded array or set) into ``now`` when ``now`` can take it in place."""
+    if isinstance(now, np.ndarray) and isinstance(value, np.ndarray) and now is not value \
+            and now.shape == value.shape and now.dtype == value.dtype and now.flags.writeable:
+        np.copyto(now, value)
+        return True
+    if isinstance(now, set) and isinstance(value, (set, frozenset)) and now is not value:
+        now.clear()
+        now.update(value)
+        return True
+    return False
 
 
 def _user_class(cls: type) -> bool:
@@ -766,6 +839,74 @@ def _code_strings(code: types.CodeType) -> frozenset[str]:
     return frozenset(out)
 
 
+def _member_function(member: object) -> types.FunctionType | None:
+    """The function a class member runs when the step reads or calls it: a method's, a static
+    or class method's, a property's getter, a cached property's."""
+    if isinstance(member, property):
+        member = member.fget
+    elif isinstance(member, functools.cached_property):
+        member = member.func
+    elif isinstance(member, (staticmethod, classmethod)):
+        member = member.__func__
+    return _function_of(member) if member is not None else None
+
+
+def _reached(cls: type, roots: frozenset[str]) -> frozenset[str]:
+    """``roots`` and the names and strings of the code of ``cls``'s methods and properties (in
+    its classes that are the user's) that the step may run, starting from those named in
+    ``roots`` and following those that code names in turn: ``forward`` reads ``self.scale``, a
+    property whose getter reads ``self._scale``, so ``_scale`` is named. An overridden member
+    counts in every class (``super().forward(x)``)."""
+    bases = [base for base in cls.__mro__ if base is not object and _user_class(base)]
+    names, todo = set(roots), list(roots)
+    while todo:
+        name = todo.pop()
+        for base in bases:
+            fn = _member_function(vars(base).get(name))
+            if fn is not None:
+                new = _code_strings(fn.__code__) - names
+                names |= new
+                todo += new
+    return frozenset(names)
+
+
+def _step_roots(model: torch.nn.Module, loss_fn: object) -> frozenset[str]:
+    """What the step's code outside the modules' classes names: ``forward``, and the names and
+    strings of ``loss_fn`` (a loss object's code too) and of the user's hooks (``m._scale`` read
+    in ``loss_fn``)."""
+    names = {"forward"}
+    found = _loss_object(loss_fn) if loss_fn is not None else None
+    functions = [loss_fn, found[1] if found is not None else None]
+    functions += [hook for module in model.modules() for hook in _hooks_of(module)]
+    for fn in functions:
+        f = _function_of(fn)
+        if f is not None and _user_module(f.__module__):
+            names |= _code_strings(f.__code__)
+    return frozenset(names)
+
+
+class _NamedBy:
+    """Which private attributes of the model's modules the step may read: those that the code of
+    their classes (the user's) reaches from ``forward`` and from what ``loss_fn`` and the user's
+    hooks name (``_reached``), or that ``loss_fn`` and the hooks name. Private attributes
+    nothing names are bookkeeping (``nn.Module``'s, transformers', a counter the loop keeps)
+    and are not guarded: refusing a step over them refused correct steps."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: object = None) -> None:
+        self.roots = _step_roots(model, loss_fn)
+        self._by_class: dict[type, frozenset[str]] = {}
+
+    def names(self, cls: type) -> frozenset[str]:
+        named = self._by_class.get(cls)
+        if named is None:
+            named = self._by_class[cls] = _reached(cls, self.roots) if _user_class(cls) else self.roots
+        return named
+
+    def private(self, module: torch.nn.Module, key: str) -> bool:
+        """Is ``key``, a private attribute of ``module``, one the step may read?"""
+        return key.startswith("_") and key not in _MODULE_INTERNALS and key in self.names(type(module))
+
+
 def _loss_object(loss_fn: object) -> tuple[object, types.FunctionType, str] | None:
     """(the object, the function its step runs, its label) of a ``loss_fn`` that is a callable
     object (a class with ``__call__``, a loss module outside the model) or a bound method
@@ -817,7 +958,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         if id(holder) in seen or (isinstance(holder, (list, tuple)) and len(holder) > LONG_LIST):
             return
         seen.add(id(holder))
-        for key, shown, value in _entries(holder):
+        for key, shown, value in _entries(holder, names or frozenset()):
             if room[0] <= 0:
                 return
             if (names is not None and isinstance(key, str) and key not in names) or _metadata(holder, key):
@@ -826,17 +967,18 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             def at(m, key=key):
                 return _get(locate(m), key)
 
-            if _guarded(value):
+            by_length = lists and isinstance(value, (set, collections.deque)) and counter(f"{label}{shown}", value, at)
+            if _guarded(value):  # (a set's content after its length: a count that moves is named as one)
                 def write(m, value, key=key):
                     h = locate(m)
                     if h is not _MISSING and value is not _MISSING:
-                        _put(h, key, value)
-                found.append((HeldValue(f"{label}{shown}", at, write), value))
+                        _put_back(h, key, value)
+                found.append((HeldValue(f"{label}{shown}", at, write), _snapshot(value)))
                 room[0] -= 1
             elif not generator(f"{label}{shown}", value) and depth < NESTED_HOLDERS and _is_holder(value) \
                     and not isinstance(holder, type):
                 holder_fields(f"{label}{shown}", value, at, depth + 1, lists, names, room)
-            elif lists:
+            elif lists and not by_length:
                 counter(f"{label}{shown}", value, at)
         if lists and isinstance(holder, list):
             counted(label, holder, locate)
@@ -876,7 +1018,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         if isinstance(value, (torch.nn.Module, type, *_FUNCTIONS)) or not hasattr(value, "__dict__") \
                 or call is None or not _user_class(type(value)):
             return False
-        holder_fields(label, value, locate, names=_code_strings(call.__code__))
+        holder_fields(label, value, locate, names=_reached(type(value), _code_strings(call.__code__)))
         named_by(f"{label}'s {type(value).__qualname__}", call)
         return True
 
@@ -890,13 +1032,14 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 label = f"{what}'s keyword {key!r}"
                 if _guarded(value):
                     found.append((HeldValue(label, lambda m, k=key, p=fn: p.keywords.get(k, _MISSING),
-                                            lambda m, v, k=key, p=fn: p.keywords.__setitem__(k, v)), value))
+                                            lambda m, v, k=key, p=fn: _put_back(p.keywords, k, v)), _snapshot(value)))
                 elif _holds_values(value, model):
                     holder_fields(label, value, lambda m, v=value: v)
         for kind, name, value, read, write in function_names(fn):
             label = f"{what}'s {kind} {name!r}"
             if _guarded(value) and not (kind == "global" and name.startswith("__")):
-                found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, w=write: w(v)), value))
+                found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, r=read, w=write: _in_place(r(), v)
+                                        or w(_snapshot(v))), _snapshot(value)))
                 if isinstance(value, types.FunctionType) and depth < 2 and _user_module(value.__module__):
                     named_by(label, value, depth + 1)  # (a helper it calls reads a global too)
             elif generator(label, value) or callable_object(label, value, lambda m, v=value: v):
@@ -905,15 +1048,23 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 holder_fields(label, value, lambda m, v=value: v)
 
     modules = list(model.named_modules())
+    named = _NamedBy(model, loss_fn)
     for name, module in modules:
         for key, value in vars(module).items():
             where = f"model.{name}.{key}" if name else f"model.{key}"
-            if generator(where, value):
+            if generator(where, value) or (key.startswith("_") and not named.private(module, key)):
                 continue
             locate = lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING)  # noqa: E731
-            if not key.startswith("_") and _is_holder(value) and not _metadata(module, key):
+            if _is_holder(value) and not _metadata(module, key):
                 holder_fields(where, value, locate, lists=lengths)
-            elif not key.startswith("_") and not (lengths and counter(where, value, locate)):
+                continue
+            by_length = lengths and counter(where, value, locate)  # (before a set's content, as above)
+            if (_small_array(value) or _scalar_set(value)) and key in named.names(type(module)):
+                # (only where the step's code names it: an array or a set the loop keeps beside the
+                # model, such as a log of losses or ids already seen, is its bookkeeping)
+                found.append((HeldValue(where, locate, lambda m, v, n=name, k=key: _put_back(_submodule(m, n), k, v)),
+                              _snapshot(value)))
+            elif not by_length:
                 callable_object(where, value, locate)
     classes = {type(module) for _, module in modules}
     for cls in sorted(classes, key=lambda c: c.__qualname__):
@@ -925,8 +1076,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             for base in cls.__mro__:  # (the helper methods forward calls: self.scale(x) reading a global)
                 if _user_class(base) and base is not object:
                     for key, member in vars(base).items():
-                        if isinstance(member, types.FunctionType) and key != "forward" and not key.startswith("__"):
-                            named_by(f"{base.__qualname__}.{key}", member)
+                        if isinstance(member, (types.FunctionType, property)) and key != "forward" \
+                                and not key.startswith("__"):
+                            named_by(f"{base.__qualname__}.{key}", _member_function(member))
     if loss_fn is not None:
         named_by("loss_fn", loss_fn)
         found_object = _loss_object(loss_fn)
@@ -935,7 +1087,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             # (not its bookkeeping, such as a meter the loop updates between steps), and what
             # that code names
             owner, fn, label = found_object
-            holder_fields(label, owner, lambda m, o=owner: o, names=_code_strings(fn.__code__), lists=lengths)
+            holder_fields(label, owner, lambda m, o=owner: o, names=_reached(type(owner), _code_strings(fn.__code__)),
+                          lists=lengths)
             if _user_module(fn.__module__) and label == "loss_fn":
                 named_by(f"loss_fn's {type(owner).__qualname__}", fn)
     for name, module in modules:  # (the user's hooks are the step's code too: a scale a hook's closure reads)
