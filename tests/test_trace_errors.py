@@ -559,3 +559,43 @@ def test_a_batch_of_another_layout_is_refused_and_one_differing_only_in_size_one
     assert verify.check_step(step, loss_fn, transposed.contiguous()).bitwise
     same = torch.randn(4, 8).as_strided((4, 1, 8), (8, 1, 1))  # only the size-1 dimension's stride differs
     assert verify.check_step(step, loss_fn, same).bitwise
+
+
+@pytest.mark.parametrize("where", ["loss_fn", "forward"])
+def test_backward_called_inside_the_step_is_refused_and_a_gradient_penalty_is_not(where):
+    # eager's gradients are that backward's plus the step's own: a traced step had half of them
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 3)
+
+        def forward(self, x):
+            out = self.fc(x)
+            if where == "forward":
+                out.sum().backward(retain_graph=True)
+            return out
+
+    def calls_backward(m, x, y):
+        loss = F.cross_entropy(m(x), y)
+        if where == "loss_fn":
+            loss.backward(retain_graph=True)
+        return loss
+
+    model = Inner()
+    with pytest.raises(TraceError, match=r"backward\(\) was called while the model and loss_fn ran.*return the loss "
+                                         r"from loss_fn without calling backward\(\).*torch\.autograd\.grad"):
+        remat.optimize(model, (x, y), calls_backward, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert torch.autograd.backward.__name__ == "backward"  # (put back)
+    where = "neither"
+
+    def penalty(m, x, y):  # autograd.grad inside the step is the step's own, and plans
+        x = x.clone().requires_grad_(True)
+        loss = F.cross_entropy(m(x), y)
+        (g,) = torch.autograd.grad(loss, x, create_graph=True)
+        return loss + g.pow(2).sum()
+
+    step = remat.optimize(model, (x, y), penalty, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert verify.check_step(step, penalty, x, y).bitwise

@@ -813,7 +813,7 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
         for t in wrt:
             t.requires_grad_(True)
         state = dict(zip(names, tensors[: n_train + n_frozen + n_buf]))
-        with autocast_cache(cache_enabled):
+        with autocast_cache(cache_enabled), _refusing_backward():
             loss = torch.func.functional_call(wrapper, state, tuple(batch))
         _check_loss(loss)
         marks["backward_start"] = _last_node_name()
@@ -852,6 +852,28 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def _refusing_backward() -> Iterator[None]:
+    """Refuse ``backward()`` called while the model and ``loss_fn`` run (``loss.backward()``
+    inside ``loss_fn``): eager's gradients would be those of that call added to those of the
+    step's own backward, the traced step's only the latter (half of eager's, silently, for a
+    ``loss_fn`` that called ``loss.backward()`` and returned ``loss``). ``torch.autograd.grad``
+    (a gradient penalty) is not affected."""
+    real = torch.autograd.backward
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise TraceError(
+            "backward() was called while the model and loss_fn ran (loss.backward() inside loss_fn?): the step "
+            "runs the backward pass itself, so return the loss from loss_fn without calling backward() on it "
+            "(for a gradient the loss itself needs, such as a gradient penalty, use torch.autograd.grad)")
+
+    torch.autograd.backward = refused
+    try:
+        yield
+    finally:
+        torch.autograd.backward = real
 
 
 def _phases(gm: fx.GraphModule, marks: dict[str, str | None]) -> dict[str, NodeKind]:
