@@ -599,3 +599,30 @@ def test_backward_called_inside_the_step_is_refused_and_a_gradient_penalty_is_no
 
     step = remat.optimize(model, (x, y), penalty, budget=1.0, method="checkpoint_all", cost_model=None)
     assert verify.check_step(step, penalty, x, y).bitwise
+
+
+def test_a_recurrent_modules_weights_list_is_its_parameters_after_tracing_and_not_warned_about():
+    # functional_call's swap refreshed nn.GRU's _flat_weights with fake tensors, which stayed there
+    import warnings
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = nn.GRU(16, 16, batch_first=True)  # (a multiple of 16: bitwise on every CPU)
+            self.out = nn.Linear(16, 3)
+
+        def forward(self, x):
+            h, _ = self.gru(x)
+            return self.out(h[:, -1])
+
+    torch.manual_seed(0)
+    model, x, y = Net(), torch.randn(4, 5, 16), torch.randint(0, 3, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no stash warning about _flat_weights)
+        step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    gru = model.gru
+    assert all(a is b for a, b in zip(gru._flat_weights, [gru.weight_ih_l0, gru.weight_hh_l0, gru.bias_ih_l0,
+                                                          gru.bias_hh_l0]))
+    assert float(gru._flat_weights[0].sum()) == float(gru.weight_ih_l0.sum())  # (a fake one raised)
+    assert verify.check_step(step, loss_fn, x, y).bitwise

@@ -983,7 +983,10 @@ def _module_attributes_kept(model: torch.nn.Module, stashed: list[str] | None = 
     set it). Left there, it was a fake tensor with a ``grad_fn`` on the user's model, which
     ``copy.deepcopy`` (and so ``check_step``) refused. Parameters and buffers are put back too:
     with a submodule registered under two names (``self.alias = self.mid``), ``functional_call``
-    swaps its tensors in twice and back once, and left the user's model with fake parameters."""
+    swaps its tensors in twice and back once, and left the user's model with fake parameters. A
+    recurrent module's ``_flat_weights`` (the list its kernel reads, refreshed when a weight is
+    swapped in) is rebuilt from the real weights: it kept the fakes, which ``gru._flat_weights[0]``
+    handed the user and the stash warning reported."""
     paths = {id(m): path for path, m in model.named_modules()}
     before = [(m, dict(m.__dict__)) for m in model.modules()]
     registered = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
@@ -995,6 +998,8 @@ def _module_attributes_kept(model: torch.nn.Module, stashed: list[str] | None = 
                 for name, value in was.items():
                     if table.get(name, _ABSENT) is not value:
                         table[name] = value
+            if isinstance(module, torch.nn.RNNBase):  # (its list of weights, which the swap refreshed with fakes)
+                module._init_flat_weights()
         for module, attributes in before:
             for name, value in list(module.__dict__.items()):
                 if isinstance(value, torch.Tensor) and attributes.get(name, _ABSENT) is not value:
