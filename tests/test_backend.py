@@ -1127,3 +1127,45 @@ def test_the_plan_cache_ignores_a_relative_xdg_cache_home(monkeypatch, tmp_path)
     assert default_cache_dir() == tmp_path / "xdg" / "remat" / "plans"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "remat" / "plans"
+
+
+def test_the_eager_measurement_runs_the_backward_of_logits_returned_beside_an_auxiliary_scalar():
+    """A region returning logits and a scalar computed beside them (a mixture of experts'
+    auxiliary loss) was measured as if the scalar were the whole loss: the logits' backward was
+    left out, and "100%" came out under the eager peak and was infeasible. The logits now get a
+    backward as they would without the scalar, while a scalar computed from the logits (a loss
+    a model returns with them) still stands for them."""
+    from remat.memory import _backward_roots, region_eager_peak
+
+    torch.manual_seed(0)
+    w1, head = nn.Parameter(torch.randn(64, 256)), nn.Parameter(torch.randn(256, 1000))
+    x = torch.randn(128, 64)
+
+    def region(w1, head, x, aux_shape):
+        h = torch.tanh(x @ w1)
+        aux = h.softmax(-1).pow(2).mean()
+        return h @ head, aux * torch.ones(aux_shape) if aux_shape else aux
+
+    beside = region_eager_peak(lambda *a: region(*a, ()), [w1, head, x]).peak_bytes
+    vector = region_eager_peak(lambda *a: region(*a, (2,)), [w1, head, x]).peak_bytes  # (no scalar: all outputs)
+    alone = region_eager_peak(lambda *a: (region(*a, ())[1],), [w1, head, x]).peak_bytes  # (the scalar's own)
+    assert abs(beside - vector) <= 64 and beside > alone + 128 * 1000 * 4, (beside, vector, alone)
+    with torch.enable_grad():
+        logits, aux = region(w1, head, x, ())
+        loss = logits.logsumexp(-1).mean()
+        assert _backward_roots([logits, aux]) == [aux, logits]
+        assert _backward_roots([loss, logits]) == [loss]  # (computed from the logits: they are its)
+
+
+def test_an_infeasible_fractional_budget_names_the_eager_peak_it_is_a_fraction_of():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(32, 64)
+    with pytest.warns(rb.RematFallbackWarning, match=r"is infeasible.*the budget is 5% of the region's eager peak, "
+                                                  r"[0-9.]+ [KM]iB"):
+        torch.compile(model, backend=make_backend(0.05, time_limit_s=10))(x).square().mean().backward()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"the budget is 5% of the region's eager peak"):
+        torch.compile(model, backend=make_backend(0.05, fallback=False, time_limit_s=10))(x).square().mean().backward()
+    torch._dynamo.reset()
