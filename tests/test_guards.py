@@ -3,6 +3,7 @@ changed (eager PyTorch would compute something else), naming what changed; uncha
 
 from __future__ import annotations
 
+import io
 import math
 import re
 
@@ -1054,3 +1055,153 @@ def test_values_four_holders_deep_are_guarded():
     with pytest.raises(TraceError, match=r"model.cfg\['model'\]\['encoder'\]\['attention'\]\['scale'\]\['value'\] "
                                          r"is now 2.0 but was 1.0 when the step was traced"):
         step(x)
+
+
+class _Epochs(torch.utils.data.Dataset):
+    """A dataset of the user's whose epoch the loop sets (a subclass of torch's: the loop's too)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.full((8,), float(i + self.epoch))
+
+
+class _SelfContained(nn.Module):
+    """A model holding its own training loop's objects: an optimizer, LR schedulers, a data
+    loader over a dataset of the user's, a progress bar where tqdm is installed, and a config."""
+
+    def __init__(self, bar: object = None) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.5)
+        self.plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(self.opt, patience=0)
+        self.loader = torch.utils.data.DataLoader(_Epochs(), batch_size=4, shuffle=True)
+        self.bar = bar
+        self.cfg = {"temperature": 1.0}
+
+    def forward(self, x):
+        return self.a(x) / self.cfg["temperature"]
+
+    def current_lr(self):  # (the loop's: logged between steps; no step code calls it)
+        return self.opt.param_groups[0]["lr"]
+
+
+class _ReadsLr(_SelfContained):
+    def forward(self, x):
+        return self.a(x) * self.opt.param_groups[0]["lr"]
+
+
+def _self_contained_pair(cls, **kwargs):
+    torch.manual_seed(0)
+    eager = cls(**kwargs)
+    torch.manual_seed(0)
+    traced = cls(**kwargs)
+    return eager, traced
+
+
+def _the_loops_work(model: _SelfContained, loss: torch.Tensor) -> None:
+    """What a training loop does to the objects between steps."""
+    model.opt.step()
+    model.sched.step()
+    model.plateau.step(loss.item() + 1.0)  # (a loss that never improves: the plateau halves the lr)
+    model.loader.dataset.epoch += 1
+    next(iter(model.loader))
+    if model.bar is not None:
+        model.bar.update(1)
+
+
+@pytest.mark.parametrize("with_bar", [False, True])
+def test_the_loops_objects_the_model_holds_change_between_steps_and_the_steps_are_eagers(with_bar):
+    """A model holding its optimizer and LR schedulers (the loop steps them: every group's lr
+    and the schedulers' epochs change), a data loader and a progress bar (its count and timings
+    change at every update): every later step was refused over values the step never reads."""
+    def bar():
+        tqdm = pytest.importorskip("tqdm")
+        return tqdm.tqdm(total=10, file=io.StringIO(), mininterval=0.0)
+
+    eager, model = _self_contained_pair(_SelfContained, **({"bar": bar()} if with_bar else {}))
+    if with_bar:
+        eager.bar = bar()
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    batches = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(3)]
+    step = remat.optimize(model, batches[0], loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    for x, y in batches:
+        eager.opt.zero_grad()
+        model.opt.zero_grad()
+        want = loss_fn(eager, x, y)
+        want.backward()
+        got = step(x, y)
+        assert torch.equal(got, want)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters(), strict=True))
+        _the_loops_work(eager, want)
+        _the_loops_work(model, got)
+    assert model.opt.param_groups[0]["lr"] < 0.1 and model.sched.last_epoch == 3
+    model.cfg["temperature"] = 2.0  # (what the model holds as a config is guarded as before)
+    with pytest.raises(TraceError, match=r"model.cfg\['temperature'\] is now 2.0 but was 1.0"):
+        step(*batches[0])
+
+
+def test_a_value_of_the_loops_objects_the_step_reads_is_guarded():
+    """A forward reading its optimizer's lr: changed by the scheduler, the traced step would
+    have kept the traced lr."""
+    eager, model = _self_contained_pair(_ReadsLr)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    model.loader.dataset.epoch += 1  # (what it does not read changes freely)
+    assert torch.equal(step(x, y), loss_fn(eager, x, y))
+    model.opt.step()
+    model.sched.step()
+    with pytest.raises(TraceError, match=r"model.opt.param_groups\[0\]\['lr'\] is now 0.05 but was 0.1 when the "
+                                         r"step was traced"):
+        step(x, y)
+
+
+def test_only_the_fields_the_step_names_of_the_loops_objects_are_held_values():
+    """The loop's objects give the fields the step's code names; configurations, whatever they
+    hold, give every field as before (a dataclass, a namespace, a class of the user's)."""
+    import dataclasses
+    import types
+
+    from remat import guards
+
+    @dataclasses.dataclass
+    class Settings:
+        unused: float = 1.0
+
+    model = _ReadsLr()
+    model.options, model.settings, model.ns = _Options(), Settings(), types.SimpleNamespace(unused=1.0)
+    model.options.unused = 1.0
+    labels = {h.label for h, _ in guards.held_values(model)}
+    assert "model.opt.param_groups[0]['lr']" in labels and "model.cfg['temperature']" in labels
+    assert {"model.options.unused", "model.settings.unused", "model.ns.unused"} <= labels
+    assert not any(label.startswith(("model.sched", "model.plateau", "model.loader")) for label in labels)
+    assert not any(label.startswith("model.opt.") and "['lr']" not in label for label in labels)
+    assert not any(h.label.startswith("model.opt.") for h, _ in guards.held_values(_SelfContained()))
+
+
+class _Counted(nn.Module):
+    """A forward that updates its progress bar: a traced step never would."""
+
+    def __init__(self, bar: object) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.bar = bar
+
+    def forward(self, x):
+        self.bar.update(1)
+        return self.a(x)
+
+
+def test_a_forward_changing_the_loops_object_is_refused():
+    tqdm = pytest.importorskip("tqdm")
+    model = _Counted(tqdm.tqdm(total=10, file=io.StringIO()))
+    with pytest.raises(TraceError, match=r"model.bar.\w+ changes each time the step runs"):
+        remat.optimize(model, (torch.randn(4, 8),), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all",
+                       cost_model=None)
+    assert model.bar.n == 0

@@ -21,7 +21,9 @@ gradients a rounding apart, and one of another shape failed deep in a kernel). R
 them: ``held_values``, the scalars and functions the step may read from outside module
 attributes (a config object's fields, a global schedule dict ``loss_fn`` names, a helper
 function it calls), and by content the small numpy arrays and sets of scalars the step's code
-names (``SMALL_ARRAY``). Tensors' values are inputs of the
+names (``SMALL_ARRAY``); of the training loop's own objects (an optimizer, an LR scheduler, a
+progress bar a module holds: ``_loops_class``), only the fields the step's code names, as the
+loop changes the rest between steps. Tensors' values are inputs of the
 step, not recorded here, with one exception: a tensor neither the model's nor the batch's
 whose value the step's Python reads (``loss * scaler.get_scale()``, which reads a GradScaler's
 scale with ``.item()``) left the number read built into the step (the scaler halved its scale
@@ -41,6 +43,7 @@ trace leaves the attributes and generators as they were before it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import functools
 import itertools
@@ -50,7 +53,7 @@ import os
 import random
 import sys
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -775,6 +778,64 @@ def _user_module(name: str | None) -> bool:
     return (name or "").split(".")[0] not in ("torch", "builtins", "transformers", "typing", "abc")
 
 
+def _installed(module: str | None) -> bool:
+    """Is ``module`` (a module's name) part of Python's standard library or of an installed
+    package (``_third_party``), rather than the user's own code?"""
+    top = (module or "").partition(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names or _third_party(top)
+
+
+@functools.lru_cache(maxsize=1024)
+def _third_party(top: str) -> bool:
+    """Is ``top`` (a top-level package's name) installed, under a ``site-packages`` or
+    ``dist-packages`` folder (torch, tqdm, transformers...)? A package that cannot be placed (one
+    without a file) counts as the user's."""
+    found = sys.modules.get(top)
+    where = getattr(found, "__file__", None) or next(iter(getattr(found, "__path__", None) or ()), None)
+    if not isinstance(where, str):
+        return False
+    folders = os.path.normpath(os.path.abspath(where)).split(os.sep)
+    return "site-packages" in folders or "dist-packages" in folders
+
+
+def _configuration(cls: type) -> bool:
+    """Is ``cls`` a configuration's class: a dataclass, a namespace (``types.SimpleNamespace``,
+    ``argparse.Namespace``), pydantic's ``BaseModel``, or a class named as one (``...Config``,
+    ``...Configuration``: transformers' ``PretrainedConfig``, other libraries' config classes),
+    or a subclass of one of these?"""
+    if dataclasses.is_dataclass(cls):
+        return True
+    for base in cls.__mro__:
+        name, module = base.__name__, base.__module__ or ""
+        if name.endswith(("Config", "Configuration")) or (name == "BaseModel" and module.startswith("pydantic")) \
+                or (name.endswith("Namespace") and module in ("types", "argparse")):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _loops_class(cls: type) -> bool:
+    """Is an object of ``cls`` the training loop's rather than a configuration: of a class of an
+    installed package or of Python's standard library (an optimizer, an LR scheduler, a data
+    loader, a sampler, a progress bar, a summary writer, a grad scaler, a queue), or of the user's
+    subclass of an installed package's class (a dataset or an optimizer of the user's), that is
+    not a configuration's (``_configuration``)? Such an object is guarded only for the fields the
+    step's code names (``_walk``)."""
+    if _configuration(cls):
+        return False
+    if _installed(cls.__module__):
+        return True
+    tops = {(base.__module__ or "").partition(".")[0] for base in cls.__mro__[1:]}
+    return any(top not in sys.stdlib_module_names and top != "typing_extensions" and _third_party(top) for top in tops)
+
+
+def _the_loops(value: object) -> bool:
+    """Is ``value``, a holder, an object of the training loop's (``_loops_class``), not a
+    container, a module or a class?"""
+    return not isinstance(value, (dict, list, tuple, type, torch.nn.Module)) and not _mapping(value) \
+        and _loops_class(type(value))
+
+
 def _code_names(code: types.CodeType) -> set[str]:
     names = set(code.co_names)
     for const in code.co_consts:
@@ -851,13 +912,17 @@ def _member_function(member: object) -> types.FunctionType | None:
     return _function_of(member) if member is not None else None
 
 
-def _reached(cls: type, roots: frozenset[str]) -> frozenset[str]:
+def _reached(cls: type, roots: frozenset[str], own: bool = False) -> frozenset[str]:
     """``roots`` and the names and strings of the code of ``cls``'s methods and properties (in
     its classes that are the user's) that the step may run, starting from those named in
     ``roots`` and following those that code names in turn: ``forward`` reads ``self.scale``, a
     property whose getter reads ``self._scale``, so ``_scale`` is named. An overridden member
-    counts in every class (``super().forward(x)``)."""
-    bases = [base for base in cls.__mro__ if base is not object and _user_class(base)]
+    counts in every class (``super().forward(x)``). ``own``: only the classes of the user's own
+    code are followed, not those of installed packages (``_installed``)."""
+    bases = [base for base in cls.__mro__
+             if base is not object and _user_class(base) and not (own and _installed(base.__module__))]
+    if not bases:
+        return frozenset(roots)
     names, todo = set(roots), list(roots)
     while todo:
         name = todo.pop()
@@ -907,6 +972,43 @@ class _NamedBy:
         return key.startswith("_") and key not in _MODULE_INTERNALS and key in self.names(type(module))
 
 
+def _step_strings(named: _NamedBy, classes: Iterable[type], loss_fn: object, hooks: Iterable[object],
+                  more: Iterable[str] = ()) -> frozenset[str]:
+    """The names and strings of the step's code (``more`` added): ``loss_fn``'s and the user's
+    hooks' (``named.roots``), those of the members of the modules' classes that these and
+    ``forward`` reach (``_NamedBy.names``), and those of the user's functions any of this code
+    names, two levels down (``forward`` calling a helper that reads ``m.opt.param_groups[0]['lr']``).
+    Methods of the user's classes that no step code reaches (a helper the loop calls to log the
+    lr) are not the step's."""
+    strings = set(named.roots).union(more)
+    counted: set[int] = set()
+
+    def count(fn: object, depth: int = 0) -> None:
+        f = _function_of(fn)
+        if f is None or id(f.__code__) in counted:
+            return
+        counted.add(id(f.__code__))
+        strings.update(_code_strings(f.__code__))
+        if depth < 2:
+            for _kind, _name, value, _read, _write in function_names(f):
+                if isinstance(value, types.FunctionType) and _user_module(value.__module__):
+                    count(value, depth + 1)
+
+    for cls in classes:
+        names = named.names(cls)
+        strings.update(names)
+        if _user_class(cls):  # (the helpers its members that the step reaches call)
+            for base in (b for b in cls.__mro__ if b is not object and _user_class(b)):
+                for key in names & vars(base).keys():
+                    count(_member_function(vars(base)[key]))
+    found = _loss_object(loss_fn) if loss_fn is not None else None
+    for fn in (loss_fn, found[1] if found is not None else None, *hooks):
+        f = _function_of(fn)
+        if f is not None and _user_module(f.__module__):
+            count(f)
+    return frozenset(strings)
+
+
 def _loss_object(loss_fn: object) -> tuple[object, types.FunctionType, str] | None:
     """(the object, the function its step runs, its label) of a ``loss_fn`` that is a callable
     object (a class with ``__call__``, a loss module outside the model) or a bound method
@@ -930,17 +1032,30 @@ def _loss_object(loss_fn: object) -> tuple[object, types.FunctionType, str] | No
     return owner, fn, label
 
 
-def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = False
+def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = False, every_field: bool = False
           ) -> tuple[list[tuple[HeldValue, object]], list[tuple[str, object]]]:
     """``held_values``, and (label, generator) of every random generator of ``_GENERATORS``
     found where they are looked for: module attributes (private ones too), holders, and the
     globals and closure variables the step's functions name. ``lengths``: also the length of
     each list of the model's own that holds no tensor (``PythonState``: a forward appending to
-    one at every call is a counter; between steps, the loop may append to it freely)."""
+    one at every call is a counter; between steps, the loop may append to it freely).
+
+    The training loop's objects (``_loops_class``: an optimizer, an LR scheduler, a data loader,
+    a progress bar a module holds) change between steps as the loop runs, and the step does not
+    read them: walked whole, they refused every later step (the lr a scheduler set, a bar's
+    count). Their fields are held values only where the step's code names them: walked last,
+    with the names and strings of the step's code (``_step_strings``) and of the code of the
+    object's own class where it is the user's, so ``self.opt.param_groups[0]['lr']`` read in a
+    forward is guarded. ``every_field``: walked whole all the same (``PythonState``: a forward
+    that updates its progress bar changes it at every call, which a traced step never would)."""
     found: list[tuple[HeldValue, object]] = []
     generators: list[tuple[str, object]] = []
     seen: set[int] = set()
     in_model = {id(m) for m in model.modules()}
+    #: (label, holder, locate, depth, lists) of the loop's objects found, walked last
+    loops: list[tuple[str, object, Callable[[torch.nn.Module], object], int, bool]] = []
+    #: the names and strings of the code of the loss and callable objects found
+    strings: set[str] = set()
 
     def generator(label: str, value: object) -> bool:
         if isinstance(value, _GENERATORS):
@@ -956,6 +1071,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         at most ``HELD_PER_HOLDER`` in all; ``names``: only keys its code can read."""
         room = [HELD_PER_HOLDER] if room is None else room
         if id(holder) in seen or (isinstance(holder, (list, tuple)) and len(holder) > LONG_LIST):
+            return
+        if names is None and not every_field and _the_loops(holder):
+            loops.append((label, holder, locate, depth, lists))  # (its names are known once all code is walked)
             return
         seen.add(id(holder))
         for key, shown, value in _entries(holder, names or frozenset()):
@@ -1018,7 +1136,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         if isinstance(value, (torch.nn.Module, type, *_FUNCTIONS)) or not hasattr(value, "__dict__") \
                 or call is None or not _user_class(type(value)):
             return False
-        holder_fields(label, value, locate, names=_reached(type(value), _code_strings(call.__code__)))
+        names = _reached(type(value), _code_strings(call.__code__))
+        strings.update(names)
+        holder_fields(label, value, locate, names=names)
         named_by(f"{label}'s {type(value).__qualname__}", call)
         return True
 
@@ -1087,8 +1207,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             # (not its bookkeeping, such as a meter the loop updates between steps), and what
             # that code names
             owner, fn, label = found_object
-            holder_fields(label, owner, lambda m, o=owner: o, names=_reached(type(owner), _code_strings(fn.__code__)),
-                          lists=lengths)
+            names = _reached(type(owner), _code_strings(fn.__code__))
+            strings.update(names)
+            holder_fields(label, owner, lambda m, o=owner: o, names=names, lists=lengths)
             if _user_module(fn.__module__) and label == "loss_fn":
                 named_by(f"loss_fn's {type(owner).__qualname__}", fn)
     for name, module in modules:  # (the user's hooks are the step's code too: a scale a hook's closure reads)
@@ -1096,6 +1217,11 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             fn = _function_of(hook)
             if fn is not None and _user_module(fn.__module__):
                 named_by(f"a hook of {_where(name, module)}", hook)
+    if loops:
+        step_names = _step_strings(named, classes, loss_fn, [hook for _, m in modules for hook in _hooks_of(m)],
+                                   strings)
+        for label, holder, locate, depth, lists in loops:
+            holder_fields(label, holder, locate, depth, lists, names=_reached(type(holder), step_names, own=True))
     return found, generators
 
 
@@ -1130,7 +1256,7 @@ class PythonState:
 
     @classmethod
     def of(cls, model: torch.nn.Module, loss_fn: object = None) -> PythonState:
-        held, generators = _walk(model, loss_fn, lengths=True)
+        held, generators = _walk(model, loss_fn, lengths=True, every_field=True)
         return cls(_scalar_attributes(model), random.getstate(), np.random.get_state(), tuple(held), loss_fn,
                    tuple((label, g, _generator_state(g)) for label, g in generators))
 
