@@ -124,6 +124,8 @@ def test_an_oversubscribed_cpu_is_timed_on_one_thread_too(monkeypatch, caplog):
     assert "2-thread matmul ran 1600x slower than on one thread" in message
     assert "3 ops were also timed on one thread" in message
     assert "CostModel.ESTIMATE" in message and "torch.set_num_threads" in message
+    # (ESTIMATE's rates are measured per process too: the remedy names how to keep them fixed)
+    assert "machine_rates(cache_path=...)" in message and "do not depend on the load" not in message
 
 
 def test_a_quiet_cpu_keeps_its_thread_count_timing_and_says_nothing(monkeypatch, caplog):

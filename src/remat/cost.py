@@ -300,8 +300,10 @@ def profile(
         log.warning(
             "the CPU is oversubscribed: a %d-thread matmul ran %.0fx slower than on one thread (other processes "
             "are busy on its cores), so %d ops were also timed on one thread and the faster kept; plan on a quiet "
-            "machine, with fewer threads (torch.set_num_threads), or with cost_model=CostModel.ESTIMATE for costs "
-            "that do not depend on the load", threads, timer.contention.worst, timer.retimed)
+            "machine, with fewer threads (torch.set_num_threads), or with cost_model=CostModel.ESTIMATE, which "
+            "measures a few machine rates once instead of timing every op (less exposed to the load; "
+            "remat.cost.machine_rates(cache_path=...) keeps them the same across processes)", threads,
+            timer.contention.worst, timer.retimed)
     _save_cache(cache_path, _PROFILE_CACHE)
     return timer.costs
 
