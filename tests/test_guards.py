@@ -1205,3 +1205,104 @@ def test_a_forward_changing_the_loops_object_is_refused():
         remat.optimize(model, (torch.randn(4, 8),), lambda m, x: m(x).sum(), budget=1.0, method="checkpoint_all",
                        cost_model=None)
     assert model.bar.n == 0
+
+
+CALLS: list = []
+OUTPUTS: list = []
+SEEN = __import__("collections").deque()
+TICKS = __import__("itertools").count(1)
+READ = [1.0, 2.0]
+
+
+class _AppendsToGlobals(nn.Module):
+    """A forward counting its calls in a module-level list, deque or ``itertools.count`` (a
+    warm-up ramp), through a helper method for the deque."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 3)
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "list":
+            CALLS.append(1)
+            OUTPUTS.append(self.a(x))  # (a stash: warned about, not a counter, put back when refused)
+            n = len(CALLS)
+        elif self.kind == "deque":
+            n = self.seen()
+        elif self.kind == "count":
+            n = next(TICKS)
+        else:
+            n = READ[1]
+        return self.a(x) * min(1.0, n / 10)
+
+    def seen(self):
+        SEEN.append(len(SEEN))
+        return len(SEEN)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("list", r"len\(_AppendsToGlobals.forward's global 'CALLS'\) changes each time the step runs \(1 -> 2 -> 3 over "
+             r"two traces\)"),
+    ("deque", r"len\(_AppendsToGlobals.seen's global 'SEEN'\) changes each time the step runs \(0 -> 1 -> 2"),
+    ("count", r"_AppendsToGlobals.forward's global 'TICKS' changes each time the step runs \('count\(1\)' -> "
+              r"'count\(2\)' -> 'count\(3\)'"),
+    ("closure", r"len\(loss_fn's closure variable 'calls'\) changes each time the step runs \(0 -> 1 -> 2"),
+])
+def test_a_global_or_closure_list_the_step_appends_to_is_a_counter_refused_and_put_back(kind, message):
+    """A forward appending to a module-level list and reading its length as a warm-up ramp:
+    the traced step kept the traced call's length (losses 1.620, 1.620, 1.620 against eager's
+    1.651, 1.702, 1.769), silently, as did a list in ``loss_fn``'s closure; a list the model
+    holds was refused already."""
+    CALLS[:] = [0]
+    OUTPUTS.clear()
+    SEEN.clear()
+    calls = []
+
+    def loss_fn(m, x):
+        if kind == "closure":
+            calls.append(1)
+        return m(x).sum() * min(1.0, (len(calls) + 1) / 10)
+
+    with pytest.raises(TraceError, match=message + r".*keep such state in a tensor buffer"):
+        remat.optimize(_AppendsToGlobals(kind), (torch.randn(4, 8),), loss_fn, budget=1.0, method="checkpoint_all",
+                       cost_model=None)
+    assert CALLS == [0] and OUTPUTS == [] and len(SEEN) == 0 and calls == []  # (put back as they were)
+
+
+def test_a_global_list_the_loop_appends_to_between_steps_is_not_refused():
+    """Lengths are compared only while the step is traced: between steps the loop may append to
+    a list the step reads from, as to one the model holds."""
+    READ[:] = [1.0, 2.0]
+    model = _AppendsToGlobals("read")
+    loss_fn = lambda m, x: m(x).sum()  # noqa: E731
+    x = torch.randn(4, 8)
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    READ.append(3.0)
+    assert check_step(step, loss_fn, x).bitwise
+    READ[1] = 4.0  # (what it reads is guarded as before)
+    with pytest.raises(TraceError, match=r"_AppendsToGlobals.forward's global 'READ'\[1\] is now 4.0 but was 2.0"):
+        step(x)
+    READ[:] = [1.0, 2.0]
+
+
+def test_a_transformers_config_given_its_models_dtype_by_save_pretrained_is_not_refused(tmp_path):
+    """``save_pretrained`` sets ``config.dtype`` from None to the name of the parameters' dtype
+    ('float32'), the same meaning: every later step was refused. Any other change is refused."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    torch.manual_seed(0)
+    model = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2,
+                                           attention_types=[[["global", "local"], 1]], max_position_embeddings=16))
+    assert model.config.dtype is None
+    ids = torch.randint(0, 64, (2, 8))
+    loss_fn = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    step = remat.optimize(model, (ids,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    model.save_pretrained(tmp_path)
+    assert model.config.dtype == "float32"
+    assert check_step(step, loss_fn, ids).bitwise
+    model.config.dtype = torch.float32
+    step(ids)
+    model.config.dtype = "bfloat16"
+    with pytest.raises(TraceError, match=r"model.config.dtype is now 'bfloat16' but was None"):
+        step(ids)

@@ -509,6 +509,42 @@ def test_a_list_of_the_model_the_forward_appends_tensors_to_is_warned_about_not_
     assert model.outputs == []
 
 
+STASHED: list = []
+LOGGED: dict = {}
+
+
+class _StashesInGlobals(nn.Module):
+    """A forward stashing an activation in a module-level list, and a helper method logging
+    one in a module-level dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        STASHED.append(h)
+        self.log(h)
+        return self.c(h)
+
+    def log(self, h):
+        LOGGED["h"] = h.detach()
+
+
+def test_a_tensor_the_forward_stores_in_a_global_is_warned_about():
+    """Activations a forward stashed in a global list or dict stayed the trace's fake tensors
+    (reading one failed), with no warning: only what ``loss_fn`` names was looked at."""
+    STASHED.clear()
+    LOGGED.clear()
+    with pytest.warns(UserWarning, match=r"_StashesInGlobals.forward's global 'STASHED'\[0\], "
+                                         r"_StashesInGlobals.log's global 'LOGGED'\['h'\] hold tensors the training "
+                                         r"step made while it was traced; .*step\(\) will never update them"):
+        remat.optimize(_StashesInGlobals(), (torch.randn(4, 8), torch.randint(0, 4, (4,))),
+                       lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0, method="checkpoint_all", cost_model=None)
+    STASHED.clear()
+    LOGGED.clear()
+
+
 class _KeepsItsOutput(nn.Sequential):
     def forward(self, x):
         out = super().forward(x)

@@ -587,6 +587,9 @@ class HeldValue:
     label: str
     read: Callable[[torch.nn.Module], object]
     write: Callable[[torch.nn.Module, object], None]
+    #: for a list's, deque's or set's length (``PythonState``): does it now hold a tensor (a
+    #: stash the trace filled, which is warned about, rather than a counter)?
+    stash: Callable[[torch.nn.Module], bool] | None = None
 
 
 def _is_holder(value: object) -> bool:
@@ -662,6 +665,28 @@ def _metadata(holder: object, key: object) -> bool:
     if not module.startswith("transformers"):
         return False
     return key in _TRANSFORMERS_METADATA or type(getattr(holder, str(key), None)).__name__ == "GenerationConfig"
+
+
+def _unset_dtype(holder: object, key: object) -> bool:
+    """Is ``holder.key`` the ``dtype`` (or ``torch_dtype``) of a transformers config? Unset (None),
+    it means the model's own dtype; ``save_pretrained`` sets it to that dtype's name ('float32'),
+    which means the same (``_read_unset_dtype``): a checkpoint between steps refused every later
+    step (GPT-Neo's forward names ``config.dtype``)."""
+    return key in ("dtype", "torch_dtype") and (type(holder).__module__ or "").startswith("transformers") \
+        and _configuration(type(holder))
+
+
+def _read_unset_dtype(read: Callable[[torch.nn.Module], object], dtypes: frozenset[torch.dtype],
+                      model: torch.nn.Module) -> object:
+    """``read(model)``, a transformers config's ``dtype`` traced unset (None), as None where it
+    now names the dtype of the model's floating parameters when traced (``dtypes``, by name or as
+    a ``torch.dtype``), as ``save_pretrained`` sets it; any other value as it is (refused)."""
+    now = read(model)
+    if isinstance(now, torch.dtype) and now in dtypes:
+        return None
+    if isinstance(now, str) and any(now == str(d).removeprefix("torch.") for d in dtypes):
+        return None
+    return now
 
 
 class _Length:
@@ -1038,7 +1063,10 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     found where they are looked for: module attributes (private ones too), holders, and the
     globals and closure variables the step's functions name. ``lengths``: also the length of
     each list of the model's own that holds no tensor (``PythonState``: a forward appending to
-    one at every call is a counter; between steps, the loop may append to it freely).
+    one at every call is a counter; between steps, the loop may append to it freely), and of
+    each list, deque or set (and the state of each ``itertools.count``) that is a global or a
+    closure variable the step's functions name (a forward appending to a module-level ``CALLS``
+    and reading ``len(CALLS)``).
 
     The training loop's objects (``_loops_class``: an optimizer, an LR scheduler, a data loader,
     a progress bar a module holds) change between steps as the loop runs, and the step does not
@@ -1056,6 +1084,10 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     loops: list[tuple[str, object, Callable[[torch.nn.Module], object], int, bool]] = []
     #: the names and strings of the code of the loss and callable objects found
     strings: set[str] = set()
+
+    @functools.cache
+    def parameter_dtypes() -> frozenset[torch.dtype]:
+        return frozenset(p.dtype for p in model.parameters() if p.is_floating_point())
 
     def generator(label: str, value: object) -> bool:
         if isinstance(value, _GENERATORS):
@@ -1091,6 +1123,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                     h = locate(m)
                     if h is not _MISSING and value is not _MISSING:
                         _put_back(h, key, value)
+                if value is None and _unset_dtype(holder, key):  # (save_pretrained's, read as unset)
+                    at = functools.partial(_read_unset_dtype, at, parameter_dtypes())
                 found.append((HeldValue(f"{label}{shown}", at, write), _snapshot(value)))
                 room[0] -= 1
             elif not generator(f"{label}{shown}", value) and depth < NESTED_HOLDERS and _is_holder(value) \
@@ -1126,8 +1160,12 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             elif isinstance(value, int) and isinstance(h, collections.deque):
                 while len(h) > value:
                     h.pop()
+        def stash(m):  # (filled with tensors by the trace: warned about, not a counter to trace again)
+            h = locate(m)
+            return isinstance(h, (list, set, collections.deque)) and any(isinstance(v, torch.Tensor) for v in h)
+
         found.append((HeldValue(f"len({label})", lambda m: len(h) if isinstance(h := locate(m), (list, set,
-                      collections.deque)) else _MISSING, write_length), len(holder)))
+                      collections.deque)) else _MISSING, write_length, stash), len(holder)))
 
     def callable_object(label: str, value: object, locate: Callable[[torch.nn.Module], object]) -> bool:
         """A callable object of the user's (a focal loss, a schedule): a holder for the names its
@@ -1157,15 +1195,19 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                     holder_fields(label, value, lambda m, v=value: v)
         for kind, name, value, read, write in function_names(fn):
             label = f"{what}'s {kind} {name!r}"
+            # (a global or closure deque, set or itertools.count, for PythonState: a step adding to
+            # one at every call is a counter, as one of the model's is; a list's length below)
+            by_length = lengths and isinstance(value, (set, collections.deque, itertools.count)) \
+                and counter(label, value, lambda m, v=value: v)
             if _guarded(value) and not (kind == "global" and name.startswith("__")):
                 found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, r=read, w=write: _in_place(r(), v)
                                         or w(_snapshot(v))), _snapshot(value)))
                 if isinstance(value, types.FunctionType) and depth < 2 and _user_module(value.__module__):
                     named_by(label, value, depth + 1)  # (a helper it calls reads a global too)
-            elif generator(label, value) or callable_object(label, value, lambda m, v=value: v):
+            elif by_length or generator(label, value) or callable_object(label, value, lambda m, v=value: v):
                 continue
             elif _holds_values(value, model):
-                holder_fields(label, value, lambda m, v=value: v)
+                holder_fields(label, value, lambda m, v=value: v, lists=lengths)
 
     modules = list(model.named_modules())
     named = _NamedBy(model, loss_fn)
@@ -1260,9 +1302,11 @@ class PythonState:
         return cls(_scalar_attributes(model), random.getstate(), np.random.get_state(), tuple(held), loss_fn,
                    tuple((label, g, _generator_state(g)) for label, g in generators))
 
-    def held_changes(self, model: torch.nn.Module) -> list[tuple[HeldValue, object, object]]:
-        """(value, before, now) for each ``HeldValue`` that differs."""
-        return [(h, before, now) for h, before in self.held if not _same(now := h.read(model), before)]
+    def held_changes(self, model: torch.nn.Module, stashes: bool = True) -> list[tuple[HeldValue, object, object]]:
+        """(value, before, now) for each ``HeldValue`` that differs; ``stashes=False``: not the
+        lengths of lists (deques, sets) that now hold tensors (``HeldValue.stash``)."""
+        return [(h, before, now) for h, before in self.held if not _same(now := h.read(model), before)
+                and (stashes or h.stash is None or not h.stash(model))]
 
     def changes(self, model: torch.nn.Module) -> list[tuple[str, str, object, object]]:
         """(module name, attribute, value before, value now) for each attribute that differs;
@@ -1322,7 +1366,7 @@ class PythonState:
                 f"torch.bernoulli: remat replays torch's generator), or draw outside the step and pass "
                 f"the values in the batch"
             )
-        if not self.changes(model) and not self.held_changes(model):
+        if not self.changes(model) and not self.held_changes(model, stashes=False):
             return None
         settled = PythonState.of(model, self.loss_fn)
         try:
@@ -1331,7 +1375,7 @@ class PythonState:
             self.restore(model)
             raise
         moving = settled.changes(model)
-        moving_held = settled.held_changes(model)
+        moving_held = settled.held_changes(model, stashes=False)
         drew = settled.drew()
         if not moving and not moving_held and drew is None:
             return result

@@ -10,6 +10,7 @@ import platform
 import re
 import sys
 import traceback
+import types
 import warnings
 from collections.abc import Sequence
 
@@ -511,18 +512,25 @@ def _rng_error(what: str) -> TraceError:
 
 def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object, stashed: Sequence[str] = ()) -> None:
     """Warn where the step's Python stored a tensor of the trace outside the model: a metric
-    ``loss_fn`` keeps for logging (``metrics["acc"] = ...``), a forward hook's stash. A traced
+    ``loss_fn`` keeps for logging (``metrics["acc"] = ...``), a forward hook's stash, an
+    activation the user's module classes' code appends to a global list or logs in a global
+    dict (the globals and closure variables of ``forward`` and their other methods). A traced
     step runs no Python, so those stay the trace's fake tensors, never updated (reading one
     fails with an error about fake tensors). ``stashed``: module attributes the forward set to a
     tensor (``self.last = out.detach()``), which tracing put back as they were, so step() never
     sets them. Gradients are unaffected, so this warns."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from remat.guards import _MODULE_INTERNALS, function_names
+    from remat.guards import _MODULE_INTERNALS, _member_function, _user_class, function_names
 
     found: list[str] = list(dict.fromkeys(stashed))
+    looked: set[int] = set()  # (a global several functions name is looked into once)
 
     def look(label: str, value: object, depth: int = 0) -> None:
+        if depth == 0:
+            if id(value) in looked:
+                return
+            looked.add(id(value))
         if isinstance(value, FakeTensor):
             found.append(label)
         elif depth == 0 and isinstance(value, dict):
@@ -544,6 +552,17 @@ def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object, stashe
         for key, value in vars(module).items():  # (a list the forward appends its outputs to)
             if isinstance(value, (list, tuple, dict)) and key not in _MODULE_INTERNALS:
                 look(f"model.{path}.{key}" if path else f"model.{key}", value)
+    # the globals and closure variables the user's module classes' code names (a forward appending
+    # its activations to a module-level list, a helper method logging one in a global dict)
+    classes = {type(module) for module in model.modules()}
+    for cls in sorted(classes, key=lambda c: c.__qualname__):
+        for base in cls.__mro__:
+            if base is object or not _user_class(base):
+                continue
+            for key, member in vars(base).items():
+                if isinstance(member, (types.FunctionType, property)) and (key == "forward" or not
+                                                                            key.startswith("__")):
+                    scan(f"{base.__qualname__}.{key}", _member_function(member))
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         warnings.warn(
