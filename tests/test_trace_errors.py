@@ -662,3 +662,61 @@ def test_a_recurrent_modules_weights_list_is_its_parameters_after_tracing_and_no
                                                           gru.bias_hh_l0]))
     assert float(gru._flat_weights[0].sum()) == float(gru.weight_ih_l0.sum())  # (a fake one raised)
     assert verify.check_step(step, loss_fn, x, y).bitwise
+
+
+def test_a_plain_tensor_deciding_a_branch_gets_the_remedy_that_plans():
+    # "register it (register_buffer)" led to a second refusal (a value read); float(tensor) plans
+    class Gate(nn.Module):
+        def __init__(self, as_number):
+            super().__init__()
+            self.fc, self.threshold, self.as_number = nn.Linear(6, 3), torch.tensor(0.5), as_number
+
+        def forward(self, x):
+            h = self.fc(x)
+            if (float(self.threshold) if self.as_number else self.threshold) > 0.3:
+                h = h * 2
+            return h
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    with pytest.raises(TraceError, match=r"its value decides a Python branch.*read it as a number \(float\(tensor\)"):
+        remat.optimize(Gate(False), (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    model = Gate(True)
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert verify.check_step(step, loss_fn, x, y).bitwise
+    model.threshold = torch.tensor(0.1)  # (the other branch: the step refuses to run the old one)
+    with pytest.raises(TraceError, match="threshold"):
+        step(x, y)
+
+
+def test_an_in_place_transpose_of_a_view_names_the_out_of_place_form():
+    # eager runs it; PyTorch's tracing gives its backward a gradient of the wrong shape (torch
+    # 2.13); the message said to check that the step runs eagerly, which it does
+    class Net(nn.Module):
+        def __init__(self, in_place):
+            super().__init__()
+            self.l1, self.l2, self.in_place = nn.Linear(8, 8), nn.Linear(8, 3), in_place
+
+        def forward(self, x):
+            h = self.l1(x).view(x.shape[0], 2, 4)
+            if self.in_place:
+                h.transpose_(1, 2)
+            else:
+                h = h.transpose(1, 2)
+            h.mul_(2.0)
+            return self.l2(h.transpose(1, 2).reshape(x.shape[0], 8))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    loss_fn(Net(True), x, y).backward()  # (eager runs it)
+    try:
+        traced = remat.optimize(Net(True), (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    except TraceError as exc:
+        assert "use the out-of-place form (h = h.transpose(1, 2))" in str(exc)
+        assert "runs eagerly and uses only traceable" not in str(exc)
+    else:  # (a PyTorch that traces it must then train as eager)
+        assert verify.check_step(traced, loss_fn, x, y).bitwise
+    step = remat.optimize(Net(False), (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert verify.check_step(step, loss_fn, x, y).bitwise

@@ -41,6 +41,7 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
         cause = cause.__cause__ or cause.__context__
     modules = {id(m): name for name, m in model.named_modules()}
     module_desc, module, user_line = None, None, None
+    user_source = ""  # the code of the user's line
     in_loss_fn = False  # the innermost frame of the user's code is loss_fn's own
     loss_code = getattr(loss_fn, "__code__", None)
     module_names: frozenset[str] = frozenset()  # the names the module's failing method uses
@@ -67,6 +68,7 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
                 if filename.startswith("<") and _source_line(filename, lineno) is None:
                     continue  # generated code (``<string>``): no line to show
                 user_line = _line_shown(filename, lineno)
+                user_source = _source_line(filename, lineno) or ""
                 callee = None
             elif user_line is not None and callee is None:
                 callee = _public_function(frame)
@@ -168,6 +170,14 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
                 "such as class weights); pass it in the batch, or register it on the model (register_buffer) "
                 "and read it there, so that remat traces it as an input of the step"
             )
+        elif _BRANCH.search(user_source):
+            remedy = (
+                "the model reads a tensor that is not registered on it (a plain tensor attribute such as "
+                "self.threshold = torch.tensor(0.5), one kept in a list, dict or closure, or a global), and here its "
+                "value decides a Python branch, which a traced step cannot take anew from a tensor (registered as "
+                "a buffer, it would be refused as a value read); read it as a number (float(tensor), or keep a "
+                "Python float), which remat records and checks before each step, refusing a step after it changes"
+            )
         else:
             remedy = (
                 "the model reads a tensor that is not registered on it (a plain tensor attribute such as "
@@ -175,6 +185,13 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
                 "parameter); register it (register_buffer, an nn.Parameter attribute or an nn.ModuleList) so that "
                 "remat traces it as an input of the step"
             )
+    elif "returned an invalid gradient" in str(exc):
+        # (torch 2.13: ``h.transpose_(1, 2); h.mul_(2.0)`` on a view; torch.compile fails the same way)
+        what = f"{type(exc).__name__}: {_first_line(exc)}"
+        remedy = ("a backward that runs eagerly went wrong while traced: PyTorch's tracing mishandles an in-place "
+                  "view op (transpose_, t_, swapdims_, squeeze_, unsqueeze_, as_strided_) on a view followed by "
+                  "another in-place op, and torch.compile fails on it the same way; use the out-of-place form "
+                  "(h = h.transpose(1, 2))")
     else:
         what = f"{type(exc).__name__}: {_first_line(exc)}"
         remedy = "check that loss_fn(model, *batch) runs eagerly and uses only traceable tensor operations"
@@ -220,6 +237,11 @@ def _first_line(exc: BaseException, limit: int = 400) -> str:
     if len(line) <= limit:
         return line
     return line[:limit].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."
+
+
+#: a line of Python whose value decides a branch: ``if``, ``elif``, ``while``, ``assert`` or a
+#: conditional expression
+_BRANCH = re.compile(r"^\s*(if|elif|while|assert)\b|\bif\b.+\belse\b")
 
 
 def _source_line(filename: str, lineno: int) -> str | None:
