@@ -206,7 +206,7 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
 
     cpus = os.cpu_count() or 1
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--busy", type=int, default=cpus, help=f"spinning processes of the load (default {cpus}: "
                                                                "one per core)")
-    parser.add_argument("--threads", type=int, default=2,
+    parser.add_argument("--threads", type=thread_count(2, " (one thread cannot stall)"), default=2,
                         help="profiling threads (default 2)")
     parser.add_argument("--budgets", default=BUDGETS, help=f"fractions of checkpoint-all (default {BUDGETS})")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per plan (default 10)")
@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         parser.error(f"unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
-    if args.rounds < 1 or args.busy < 1 or args.threads < 2:
-        parser.error("--rounds and --busy must be at least 1, --threads at least 2 (one thread cannot stall)")
+    if args.rounds < 1 or args.busy < 1:
+        parser.error("--rounds and --busy must be at least 1")
     try:
         fractions = [float(f) for f in args.budgets.split(",")]
     except ValueError:

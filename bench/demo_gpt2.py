@@ -92,11 +92,11 @@ def markdown(results: dict) -> str:
 
 
 def main() -> int:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--time-limit", type=float, default=20.0, help="MILP / LP time limit per solve (s)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=thread_count(), default=1)
     args = parser.parse_args()
     results = run(args)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -179,11 +179,11 @@ def _summary(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per milp solve")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=thread_count(), default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     chosen = [m for m in args.models.split(",") if m]

@@ -70,12 +70,12 @@ def check_model(name: str, batch: int, positions, time_limit_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--batch", type=int, default=None, help="one batch size for every model")
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per milp solve")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=thread_count(), default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     unknown = [m for m in args.models.split(",") if m and m not in MODELS]

@@ -620,7 +620,7 @@ def plot(results: dict, suffix: str = "", folder: Path = PLOTS) -> list[Path]:
 
 # ---------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
     parser = Parser(prog="vs_pytorch.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller batch, fewer budgets and rounds; own JSON")
@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fresh", action="store_true",
                         help="measure the selected variants again even if they are stored (their entries are replaced)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5, quick 2)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=thread_count(), default=1)
     parser.add_argument("--out", type=Path, default=None,
                         help="the results file (default bench/results/vs_pytorch.json); its plots go next to it")
     parser.add_argument("--replot", action="store_true", help="only redraw the plots and print the table from the JSON")

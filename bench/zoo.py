@@ -391,13 +391,13 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(ARCHITECTURES),
                         help=f"comma-separated subset of {', '.join(ARCHITECTURES)}")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="float32, bfloat16 or both")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per milp solve")
-    parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
+    parser.add_argument("--threads", type=thread_count(), default=2, help="intra-op threads")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--fresh", action="store_true", help="measure again what is stored")
     args = parser.parse_args(argv)

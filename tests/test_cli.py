@@ -670,3 +670,112 @@ def test_train_loop_example_refuses_bad_usage_in_one_line(argv, message):
                           capture_output=True, text=True, timeout=120)
     _one_line_usage_error(done.returncode, done.stderr)
     assert message in done.stderr and done.stdout == ""
+
+
+# ---------------------------------------------------------------- --threads, --graph sizes, -v after the command
+@pytest.mark.parametrize("threads", ["0", "-1"])
+@pytest.mark.parametrize("experiment", ["sweep", "max-batch"])
+def test_bench_threads_below_one_is_bad_usage(capsys, tmp_path, experiment, threads):
+    """torch.set_num_threads(0) raised a RuntimeError traceback (exit code 1) after tracing."""
+    out = tmp_path / "b.json"
+    code, stdout, err = run(capsys, "bench", experiment, "--threads", threads, "--models", "mlp:4", "--out", str(out),
+                            "--no-report")
+    _one_line_usage_error(code, err)
+    assert (f"remat bench {experiment}: error: argument --threads: {threads} is not a usable number of threads; "
+            f"give --threads at least 1 (see") in err, err
+    assert stdout == "" and not out.exists()
+
+
+@pytest.mark.parametrize("script, least", [("busy_cpu", 2), ("demo_gpt2", 1), ("holdout", 1), ("spot_checks", 1),
+                                           ("step_overhead", 1), ("vs_pytorch", 1), ("zoo", 1)])
+def test_every_bench_scripts_threads_option_refuses_too_few_in_one_line(script, least):
+    for threads in ("0", "-3", str(least - 1)):
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--threads", threads],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        _one_line_usage_error(done.returncode, done.stderr)
+        assert f"argument --threads: {threads} is not a usable number of threads" in done.stderr, done.stderr
+        assert f"give --threads at least {least}" in done.stderr
+
+
+def test_threads_options_share_one_argument_type():
+    """Every --threads of the command and of bench/ is read by ``thread_count`` (no plain int)."""
+    sources = [ROOT / "src" / "remat" / "cli_args.py", *sorted((ROOT / "bench").glob("*.py"))]
+    declared = [(path.name, line) for path in sources for line in path.read_text().splitlines()
+                if re.search(r"add_argument\(\s*\"--threads\"", line)]
+    assert len(declared) >= 8, declared
+    assert all("type=thread_count(" in line for _, line in declared), declared
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("unet:100000", "the depth D must be at most 1000 (4003 nodes; larger graphs take too long or too much memory "
+                    "to plan); e.g. unet:1000"),
+    ("chain:801", "the layer count N must be at most 800 (1601 nodes"),
+    ("random:2001:7", "the forward node count N must be at most 2000 (4001 nodes; larger graphs take too long or too "
+                      "much memory to plan); e.g. random:2000:7"),
+    ("random:99999999999999999999", "must be at most 2000"),
+    ("chain:0", "graph 'chain:0': the layer count N must be at least 1; e.g. chain:8"),
+    ("unet:-4", "graph 'unet:-4': the depth D must be at least 1"),
+    ("random:-1:3", "the forward node count N must be at least 1"),
+    ("random:30:7:1", "is not a built-in graph; use chain:N (N up to 800), unet:D (D up to 1000) or random:N:SEED "
+                      "(N up to 2000"),
+])
+@pytest.mark.parametrize("command", [["solve", "--budget", "50%"], ["sweep"]])
+def test_graph_sizes_are_checked_before_any_work(capsys, tmp_path, command, spec, message):
+    """unet:100000 asked numpy for 149 GiB (a traceback, exit code 1)."""
+    out = tmp_path / "s.json"
+    started = time.monotonic()
+    code, stdout, err = run(capsys, *command, "--graph", spec, *(["--out", str(out)] if command == ["sweep"] else []))
+    _one_line_usage_error(code, err)
+    assert f"argument --graph: graph {spec!r}" in err and message in err, err
+    assert stdout == "" and not out.exists() and time.monotonic() - started < 10
+
+
+def test_the_largest_graph_sizes_are_accepted_and_documented(capsys):
+    from remat.builders import graph_from_spec
+    from remat.cli_args import GRAPH_SIZES
+
+    for kind, (_, most, (a, b)) in GRAPH_SIZES.items():
+        args = build_parser().parse_args(["solve", "--graph", f"{kind}:{most}", "--budget", "50%"])
+        assert args.graph == f"{kind}:{most}"
+        assert graph_from_spec(args.graph).n == a * most + b
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(["sweep", "--graph", f"{kind}:{most + 1}"])
+        assert exc.value.code == 2
+        assert f"at most {most}" in capsys.readouterr().err
+    for command in ("solve", "sweep"):
+        assert main([command, "--help"]) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert ("N is at most 800 for chain and 2000 for random, D at most 1000: larger graphs take too long or too "
+                "much memory to plan") in text
+
+
+VERBOSE_COMMANDS = [["solve", "--graph", "chain:8", "--budget", "50%"], ["sweep", "--graph", "chain:8"], ["demo"],
+                    ["methods"], ["bench", "sweep", "--models", "mlp"]]
+
+
+@pytest.mark.parametrize("command", VERBOSE_COMMANDS, ids=lambda c: c[0])
+def test_verbosity_flags_work_before_and_after_the_command(command):
+    def verbosity(*argv):
+        return build_parser().parse_args(list(argv)).verbose
+
+    assert verbosity(*command) == 0
+    assert verbosity("-vv", *command) == 2 and verbosity("-v", *command) == 1
+    assert verbosity(*command, "-vv") == 2 and verbosity(*command, "-v") == 1
+    assert verbosity(*command, "--verbose") == 1 and verbosity(*command[:1], "-v", *command[1:]) == 1
+    assert verbosity("-v", *command, "-v") == 2  # counted wherever given
+    if command[0] == "bench":  # (the benchmark's own options do not see it)
+        assert build_parser().parse_args([*command, "-vv", "--no-report"]).options == [*command[2:], "--no-report"]
+
+
+def test_verbosity_after_the_command_runs_and_is_in_every_help(capsys):
+    code, out, err = run(capsys, "solve", "--graph", "chain:8", "--budget", "100%", "--method", "checkpoint_all",
+                         "-vv", "--json")
+    assert code == 0 and json.loads(out)["method"] == "checkpoint_all", err
+    code, _, err = run(capsys, "bench", "sweep", "-vv", "--threads", "0", "--no-report")
+    _one_line_usage_error(code, err)
+    for path in [[]] + [path for path, _ in _subcommands(build_parser())]:
+        assert main([*path, "--help"]) == 0
+        text = capsys.readouterr().out
+        assert "-v, --verbose" in text and "log progress (-vv for debug)" in text, path
+    assert main(["bench", "--help"]) == 0
+    assert "--no-report, and -v/-vv as before the command" in " ".join(capsys.readouterr().out.split())

@@ -206,15 +206,101 @@ def positive_int(text: str) -> int:
     return value
 
 
+def thread_count(minimum: int = 1, why: str = "") -> Callable[[str], object]:
+    """The argparse type of every ``--threads`` option (torch's intra-op threads): a whole
+    number, at least ``minimum`` (``why``: " (the reason)", when above 1). torch refuses 0 and
+    negatives with a traceback once the work has started; this refuses them as bad usage."""
+
+    def threads(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a whole number of threads; e.g. --threads {minimum}") from None
+        if value < minimum:
+            raise ValueError(f"{value} is not a usable number of threads; give --threads at least {minimum}{why}")
+        return value
+
+    return arg_type(threads)
+
+
+#: ``--graph KIND:SIZE[:SEED]``: each built-in graph, what its SIZE counts, and the largest SIZE
+#: taken. Planning time and memory grow with the square of the node count (a plan is an n x n
+#: matrix, the MILP has n^2 variables): at about 4,000 nodes every method plans within a minute
+#: or two (the MILP and LP stop at their time limits) in under 1 GB, and unet:100000 asked for
+#: 149 GiB. chain:N is capped lower: revolve (griewank, also tried as a MILP warm start)
+#: recurses once per snapshot slot, up to N deep, within Python's recursion limit of 1,000.
+GRAPH_SIZES: dict[str, tuple[str, int, tuple[int, int]]] = {  # kind: (SIZE, largest, nodes = a*SIZE + b)
+    "chain": ("the layer count N", 800, (2, 1)),
+    "unet": ("the depth D", 1000, (4, 3)),
+    "random": ("the forward node count N", 2000, (2, 1)),
+}
+GRAPH_FORMS = (f"chain:N (N up to {GRAPH_SIZES['chain'][1]}), unet:D (D up to {GRAPH_SIZES['unet'][1]}) or "
+               f"random:N:SEED (N up to {GRAPH_SIZES['random'][1]}; SEED 0 if left out)")
+GRAPH_HELP = (f"a built-in graph: chain:N (N layers), unet:D (depth D) or random:N:SEED (N forward nodes, "
+              f"random with SEED); N is at most {GRAPH_SIZES['chain'][1]} for chain and "
+              f"{GRAPH_SIZES['random'][1]} for random, D at most {GRAPH_SIZES['unet'][1]}: larger graphs take "
+              f"too long or too much memory to plan")
+
+
+def graph_spec(text: str) -> str:
+    """A ``--graph`` spec, checked before any work: a built-in graph, whole numbers, and a size
+    from 1 to that graph's largest in ``GRAPH_SIZES``."""
+    kind, *parts = text.split(":")
+    if kind not in GRAPH_SIZES or not 1 <= len(parts) <= (2 if kind == "random" else 1):
+        raise ValueError(f"graph {text!r} is not a built-in graph; use {GRAPH_FORMS}, e.g. chain:32")
+    try:
+        size = [int(part) for part in parts][0]
+    except ValueError:
+        raise ValueError(f"graph {text!r}: sizes must be integers; use {GRAPH_FORMS}") from None
+    what, most, (a, b) = GRAPH_SIZES[kind]
+    if size < 1:
+        raise ValueError(f"graph {text!r}: {what} must be at least 1; e.g. {kind}:8")
+    if size > most:
+        raise ValueError(f"graph {text!r}: {what} must be at most {most} ({a * most + b} nodes; larger graphs "
+                         f"take too long or too much memory to plan); e.g. {':'.join([kind, str(most), *parts[1:]])}")
+    return text
+
+
+#: Where a subcommand counts the -v given after it (argparse would overwrite the count of the
+#: -v given before it with it); ``CommandParser`` adds it to ``verbose``.
+_VERBOSE_AFTER = "verbose_after_command"
+#: The verbosity flags `remat bench EXPERIMENT` takes among the benchmark's own options.
+_BENCH_VERBOSE = re.compile(r"^(-v+|--verbose)$")
+
+
+def add_verbosity(p: argparse.ArgumentParser, dest: str = "verbose") -> None:
+    p.add_argument("-v", "--verbose", dest=dest, action="count", default=0, help="log progress (-vv for debug)")
+
+
+class CommandParser(Parser):
+    """The ``remat`` parser: ``-v`` counts wherever it is given, before or after the command
+    (``remat -v solve -v`` is ``-vv``), and among ``remat bench EXPERIMENT``'s options."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed = super().parse_args(args, namespace)
+        parsed.verbose += vars(parsed).pop(_VERBOSE_AFTER, 0)
+        if getattr(parsed, "command", None) == "bench" and parsed.options:
+            flags = [o for o in parsed.options if _BENCH_VERBOSE.match(o)]
+            parsed.verbose += sum(1 if o == "--verbose" else len(o) - 1 for o in flags)
+            parsed.options = [o for o in parsed.options if not _BENCH_VERBOSE.match(o)]
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="remat", description="Optimal tensor rematerialization for PyTorch.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv for debug)")
+    parser = CommandParser(prog="remat", description="Optimal tensor rematerialization for PyTorch.")
+    add_verbosity(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("solve", help="plan one graph or model with one method under one budget",
-                       description="Plan one graph or model with one method under one budget; print a table "
-                                   "(or --json). Exit code 1 when no plan fits (the message gives the smallest "
-                                   "budget that does).")
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        """A subcommand; it takes -v after its name too (listed after -h in its help)."""
+        p = sub.add_parser(name, **kwargs)
+        add_verbosity(p, _VERBOSE_AFTER)
+        return p
+
+    p = command("solve", help="plan one graph or model with one method under one budget",
+                description="Plan one graph or model with one method under one budget; print a table "
+                            "(or --json). Exit code 1 when no plan fits (the message gives the smallest "
+                            "budget that does).")
     add_target(p)
     p.add_argument("--budget", required=True, type=arg_type(budget_text),
                    help="bytes (1500000, 2GiB, 512MB), a fraction (0.6) or a percentage (60%%) of the "
@@ -226,11 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "against eager PyTorch")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
-    p = sub.add_parser("sweep", help="several methods over a range of budgets; JSON and a plot",
-                       description="Plan one graph with several methods over a range of budgets. Each point is "
-                                   "written to --out as soon as it is solved; Ctrl-C stops at once and a rerun of "
-                                   "the same command resumes (points of the same graph, method, options and remat "
-                                   "version are read back, not solved again).")
+    p = command("sweep", help="several methods over a range of budgets; JSON and a plot",
+                description="Plan one graph with several methods over a range of budgets. Each point is "
+                            "written to --out as soon as it is solved; Ctrl-C stops at once and a rerun of "
+                            "the same command resumes (points of the same graph, method, options and remat "
+                            "version are read back, not solved again).")
     add_target(p, models=False)
     p.add_argument("--methods", default=None,
                    help="comma-separated methods (default: every method `remat methods` lists)")
@@ -241,9 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None,
                    help="where to draw the plot (.png, .pdf, .svg; default: --out with .png)")
 
-    p = sub.add_parser("demo", help="optimize a real model with six methods; table, JSON and plot",
-                       description="Trace a real model, plan it with several methods at several budgets, run "
-                                   "every plan and check its gradients against eager PyTorch.")
+    p = command("demo", help="optimize a real model with six methods; table, JSON and plot",
+                description="Trace a real model, plan it with several methods at several budgets, run "
+                            "every plan and check its gradients against eager PyTorch.")
     p.add_argument("--model", default="gpt2-tiny",
                    help="built-in model or package.module:function (default %(default)s)")
     p.add_argument("--batch", type=arg_type(positive_int), default=DEMO_BATCH, help="batch size (default %(default)s)")
@@ -258,16 +344,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/demo.json",
                    help="where to write the JSON (the plot goes next to it, .png; default %(default)s)")
 
-    sub.add_parser("methods", help="list the planning methods", description="List the planning methods.")
+    command("methods", help="list the planning methods", description="List the planning methods.")
 
-    p = sub.add_parser(
+    p = command(
         "bench", help="run a paper benchmark from bench/ (sweep, max-batch), then regenerate BENCHMARKS.md",
         description="Run bench/budget_sweep.py (sweep) or bench/max_batch.py (max-batch) with the options "
                     "that follow, then regenerate BENCHMARKS.md (skip with --no-report). Needs a source "
                     "checkout. `remat bench sweep --help` lists the benchmark's options.")
     p.add_argument("experiment", nargs="?", choices=tuple(BENCH_SCRIPTS), help="which benchmark")
     p.add_argument("options", nargs=argparse.REMAINDER,
-                   help="the benchmark's own options (e.g. --models vgg16 --time-limit 30), and --no-report")
+                   help="the benchmark's own options (e.g. --models vgg16 --time-limit 30), --no-report, and "
+                        "-v/-vv as before the command")
     return parser
 
 
@@ -281,8 +368,8 @@ def default_sweep_methods() -> str:
 
 
 def add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
-    p.add_argument("--graph", help="a built-in graph: chain:N, unet:D, random:N:SEED (no default: "
-                                   + ("give --graph or --model)" if models else "required)"))
+    p.add_argument("--graph", type=arg_type(graph_spec),
+                   help=GRAPH_HELP + (" (no default: give --graph or --model)" if models else " (no default: required)"))
     if models:
         p.add_argument("--model", help="a built-in model (mlp, cnn, gpt2-tiny, the paper's vgg16 ... segnet, "
                        "gpt2-small, gpt2-medium) or package.module:function (no default: give --graph or --model)")
@@ -328,7 +415,8 @@ def add_bench_options(p: argparse.ArgumentParser, *, methods: Sequence[str], tim
     p.add_argument("--options", default=None,
                    help="extra solver options as JSON: {method: {option: value}} (default: none)")
     p.add_argument("--out", type=Path, default=out, help=f"the JSON results (default {out_shown})")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads while tracing (default %(default)s)")
+    p.add_argument("--threads", type=thread_count(), default=1,
+                   help="torch intra-op threads while tracing (default %(default)s)")
 
 
 def solver_options(method: str, args: argparse.Namespace) -> dict[str, object]:
