@@ -779,3 +779,24 @@ def test_verbosity_after_the_command_runs_and_is_in_every_help(capsys):
         assert "-v, --verbose" in text and "log progress (-vv for debug)" in text, path
     assert main(["bench", "--help"]) == 0
     assert "--no-report, and -v/-vv as before the command" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_smallest_budget_stated_by_one_run_plans_in_the_next(capsys, tmp_path, monkeypatch):
+    """The smallest budget comes from time-limited searches: stated by one run, it was refused by
+    the next (which found a larger one in its time). The command line keeps the least-peak plan
+    under $XDG_CACHE_HOME/remat/least-peak, and the next run plans that budget at once."""
+    from remat.solvers import prepared
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    prepared.clear()
+    # (random:16:2: the exact least-peak search proves 85 MiB in seconds; in half a second, 86 MiB)
+    code, out, err = run(capsys, "solve", "--graph", "random:16:2", "--budget", "1", "--time-limit", "30", "--json")
+    assert code == 1, err
+    stated = json.loads(out)["min_budget_bytes"]
+    assert len(list((tmp_path / "remat" / "least-peak").glob("*.json"))) == 1
+    prepared.clear()  # (a new process)
+    code, out, err = run(capsys, "solve", "--graph", "random:16:2", "--budget", str(stated), "--time-limit", "0.5",
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out)["peak_bytes"] <= stated
+    prepared.clear()

@@ -716,3 +716,43 @@ def test_the_lowered_starts_are_valid_plans_each_below_its_start_and_a_descent_t
         alone = lower_peak(graph, start.as_plan(graph), budget_bytes=budget, time_limit_s=30.0)
         if alone.peak_bytes <= budget:
             assert any(c.name.startswith(start.name) and c.peak_bytes <= budget for c in found)
+
+
+def test_a_least_peak_plan_kept_on_disk_plans_the_stated_smallest_budget_in_a_later_process(tmp_path):
+    """The smallest budget comes from time-limited searches: stated by one process, it was refused
+    by the next (which found a larger one in its time). Kept on disk (as the command line does)
+    and read back into a cold planner, it plans at once; a file that is not such a record, or
+    whose order is not a plan of the graph, is not used."""
+    import json
+
+    from remat.backend_cache import load_least_peak, store_least_peak
+    from remat.coarsen import fold_aliases
+    from remat.solvers import prepared
+
+    # (the exact least-peak search proves 85 MiB in seconds; in 0.05 s the search finds 86 MiB)
+    graph = fold_aliases(random_training_graph(16, seed=2, bytes_unit=2**20)).coarse
+    prepared.clear()
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        solve(graph, 1, method="milp", time_limit_s=30)
+    stated = caught.value.min_budget_bytes
+    store_least_peak(tmp_path)
+    (key,) = [p.stem for p in tmp_path.glob("*.json")]
+    assert key == graph.fingerprint(costs=False)
+    (tmp_path / "junk.json").write_text("not json")
+    (tmp_path / "other.json").write_text(json.dumps({"format": "remat.least_peak_plan", "stages": [0],
+                                                     "nodes": [0]}))  # (no peak: malformed)
+    prepared.clear()  # (a new process)
+    assert load_least_peak(tmp_path) == 1
+    assert minimum_budget(graph, time_limit_s=0.05).budget_bytes <= stated
+    result = solve(graph, stated, method="milp", time_limit_s=0.5)
+    assert result.peak_bytes <= stated
+    # an order that is not a plan of the graph (a node before its inputs) is ignored
+    record = json.loads((tmp_path / f"{key}.json").read_text())
+    record["nodes"] = record["nodes"][::-1]
+    prepared.clear()
+    assert prepared.add_least_peak_record(key, record)
+    from remat.solvers.milp import _replays
+
+    assert not _replays(graph, np.asarray(record["nodes"]))
+    assert minimum_budget(graph, time_limit_s=0.05).budget_bytes >= graph.fixed_bytes  # (plans without it)
+    prepared.clear()

@@ -154,3 +154,60 @@ def replay(graph: Graph, record: dict, budget_bytes: int) -> Plan | None:
     if not sim.ok or sim.peak_bytes > budget_bytes:
         return None
     return plan
+
+
+# ---------------------------------------------------------------------------- least-peak plans
+#: How many graph structures' least-peak plans the command line keeps on disk (the most recent).
+LEAST_PEAK_FILES = 16
+LEAST_PEAK_FORMAT = "remat.least_peak_plan"
+
+
+def least_peak_dir() -> Path:
+    """``$XDG_CACHE_HOME/remat/least-peak``, beside the backend's plans (``default_cache_dir``)."""
+    return default_cache_dir().parent / "least-peak"
+
+
+def load_least_peak(directory: Path) -> int:
+    """Hand the least-peak plans kept under ``directory`` to the planner (the most recent
+    ``LEAST_PEAK_FILES``), so that the smallest budget an earlier process stated for a graph
+    plans in this one: that budget comes from time-limited searches, which a later call with
+    the same time limit may not repeat (a 30-node graph's stated 61 MiB was refused at the next
+    call, which found 63 MiB). A plan is measured and simulated on the graph before it is used
+    (``milp._replays``); an unreadable file is skipped. Returns how many were read."""
+    from remat.solvers.prepared import add_least_peak_record
+
+    try:
+        files = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime)[-LEAST_PEAK_FILES:]
+    except OSError:
+        return 0
+    read = 0
+    for path in files:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("format") == LEAST_PEAK_FORMAT \
+                and add_least_peak_record(path.stem, record):
+            read += 1
+    return read
+
+
+def store_least_peak(directory: Path, known: dict[str, dict] | None = None) -> None:
+    """Write the planner's least-peak plans that are new or lower than ``known`` (what
+    ``least_peak_records`` gave before) under ``directory``, atomically (a failed write only
+    warns), and drop the oldest files beyond ``LEAST_PEAK_FILES``."""
+    from remat.solvers.prepared import least_peak_records
+
+    known = known or {}
+    try:
+        for key, record in least_peak_records().items():
+            if key in known and known[key]["peak_bytes"] <= record["peak_bytes"]:
+                continue
+            directory.mkdir(parents=True, exist_ok=True)
+            write_atomically(directory / f"{key}.json",
+                             json.dumps({"format": LEAST_PEAK_FORMAT, **record}, separators=(",", ":")))
+        files = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        for path in files[:-LEAST_PEAK_FILES]:
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not keep the least-peak plans under %s: %s", directory, exc)

@@ -512,6 +512,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
 COMMANDS = {"solve": cmd_solve, "sweep": cmd_sweep, "demo": cmd_demo, "methods": cmd_methods, "bench": cmd_bench}
 
 
+@contextlib.contextmanager
+def _least_peak_kept(keep: bool):
+    """With ``keep``, the least-peak plans of earlier runs are handed to the planner first, and
+    those this run finds are kept for the next (``backend_cache.least_peak_dir``): the smallest
+    budget an error states comes from time-limited searches, and asked for in a new process with
+    the same time limit it was refused (the next search found a larger one)."""
+    if not keep:
+        yield
+        return
+    from remat.backend_cache import least_peak_dir, load_least_peak, store_least_peak
+    from remat.solvers.prepared import least_peak_records
+
+    directory = least_peak_dir()
+    load_least_peak(directory)
+    known = least_peak_records()
+    try:
+        yield
+    finally:
+        store_least_peak(directory, known)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -523,7 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         resolve_target(args)
         check_backend(getattr(args, "backend", None))  # (one not installed: before any work)
-        return COMMANDS[args.command](args)
+        with _least_peak_kept(args.command in ("solve", "sweep")):
+            return COMMANDS[args.command](args)
     except (UsageError, UnsupportedGraphError) as exc:
         err.print(_labelled("error:", str(exc)), highlight=False)
         return EXIT_USAGE

@@ -736,7 +736,9 @@ def _minimum_budget(graph: Graph, prep: PreparedGraph, backend: MilpBackend, tim
     if prep.lowest is not None:  # the least-peak plan returned at any budget so far (the exact model's, say)
         known.append(prep.lowest)
     earlier = least_peak_plan(graph)
-    if earlier is not None:  # found on this structure with other costs: the same model traced before
+    if earlier is not None and _replays(graph, earlier.nodes):
+        # found on this structure with other costs: the same model traced before (or planned by
+        # an earlier process, whose record a command line kept)
         label = "least-peak plan of an earlier trace"
         known.append(Candidate.of_plan(label, graph, measure_order(graph, earlier.stages, earlier.nodes, label)))
     best = min(known, key=lambda c: (c.peak_bytes, c.cost))
@@ -780,6 +782,17 @@ def _minimum_budget(graph: Graph, prep: PreparedGraph, backend: MilpBackend, tim
              "proven" if proven else "not proven", lower)
     return _new_minimum(graph, prep, MinimumBudget(best.peak_bytes, proven, best.schedule, lower,
                                                    graph.n <= exact_max_nodes), best)
+
+
+def _replays(graph: Graph, nodes: np.ndarray) -> bool:
+    """Is computing ``nodes`` in order a plan of ``graph`` the simulator accepts (a least-peak
+    plan read from a file is checked before it is trusted)?"""
+    if not nodes.size or int(nodes.max()) >= graph.n or int(nodes.min()) < 0:
+        return False
+    try:
+        return simulate(graph, plan_from_order(graph, nodes.tolist())).ok
+    except RematError:
+        return False
 
 
 def _new_minimum(graph: Graph, prep: PreparedGraph, minimum: MinimumBudget, plan: Candidate) -> MinimumBudget:

@@ -151,6 +151,41 @@ def remember_least_peak(graph: Graph, plan: BaselinePlan) -> None:
             _LEAST_PEAK.popitem(last=False)
 
 
+def least_peak_records() -> dict[str, dict]:
+    """The least-peak plans kept, by structure fingerprint, as plain data (``stages``, ``nodes``:
+    the compute order; ``peak_bytes``): what a command line saves so that the smallest budget
+    it stated plans in the next process too (``add_least_peak_record``)."""
+    with _LOCK:
+        return {key: {"stages": plan.stages.tolist(), "nodes": plan.nodes.tolist(), "peak_bytes": int(plan.peak_bytes)}
+                for key, plan in _LEAST_PEAK.items()}
+
+
+def add_least_peak_record(key: str, record: dict) -> bool:
+    """Keep a record of ``least_peak_records`` as the least-peak plan of the structure ``key``
+    (unless one of no higher peak is kept). Its order is measured on the first graph of that
+    structure that asks for it; a malformed record is ignored (False)."""
+    from remat.solvers.baselines import BaselinePlan
+
+    import numpy as np
+
+    try:
+        stages = np.asarray(record["stages"], dtype=np.int32)
+        nodes = np.asarray(record["nodes"], dtype=np.int32)
+        peak = int(record["peak_bytes"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if stages.ndim != 1 or stages.shape != nodes.shape or not nodes.size or nodes.min() < 0 or peak <= 0:
+        return False
+    plan = BaselinePlan("least-peak plan of an earlier run", stages, nodes, peak, float("nan"))
+    with _LOCK:
+        kept = _LEAST_PEAK.get(key)
+        if kept is None or peak < kept.peak_bytes:
+            _LEAST_PEAK[key] = plan
+            while len(_LEAST_PEAK) > LEAST_PEAK_STRUCTURES:
+                _LEAST_PEAK.popitem(last=False)
+    return True
+
+
 def clear() -> None:
     """Forget every prepared graph and least-peak plan (tests use it to measure cold starts)."""
     with _LOCK:
