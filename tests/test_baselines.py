@@ -354,3 +354,25 @@ def test_nested_reaches_below_one_level_plans_recomputing_at_most_once_per_level
     sim = simulate(g, plan.schedule(g).lower(g))
     assert sim.ok and (sim.peak_bytes, sim.total_cost) == (plan.peak_bytes, plan.cost)
     assert max(sim.compute_counts) <= 3 and sim.peak_bytes < one_level
+
+
+def test_a_revolve_schedule_deeper_than_pythons_recursion_limit_is_built():
+    # a snapshot per layer, split one layer at a time: one level per layer, past the recursion
+    # limit for a chain of a thousand layers (a 1000-layer chain's griewank raised RecursionError)
+    import sys
+
+    from remat.solvers.baselines import RevolveTable, _revolve_keep
+
+    layers = sys.getrecursionlimit() + 100
+    g = chain_graph(layers, bytes_per_node=1)
+    split = np.zeros((layers + 1, layers), dtype=np.int64)
+    split[:, 0] = np.arange(layers + 1)  # (no slot: nothing to snapshot)
+    split[1:, 1:] = 1  # snapshot the lowest layer, reverse the rest with a slot less
+    split[1, :] = 1
+    table = RevolveTable(np.zeros_like(split), split)
+    keep = _revolve_keep(g, layers, layers - 1, table)
+    # the top layer's gradient (the first) keeps the whole forward pass; every other layer's
+    # keeps the snapshots of the layers up to its own
+    assert keep[2 * layers - (layers - 1), :layers].all()
+    for layer in range(layers - 1):
+        assert keep[2 * layers - layer, : layer + 1].all(), layer

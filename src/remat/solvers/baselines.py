@@ -592,18 +592,21 @@ def _revolve_keep(graph: Graph, layers: int, slots: int, table: RevolveTable) ->
         keep[t, :layers] = snapshots is None
         keep[t, sorted(snapshots or ())] = True
 
-    def reverse(base: int, l: int, s: int, live: frozenset[int], first: frozenset[int] | None) -> None:
-        # Layers base+1..base+l, top first; ``live``: the snapshots held (base among them).
+    # Reversals still to do: layers base+1..base+l, top first, with s slots; ``live``: the
+    # snapshots held (base among them). Each layer's stage is its own row of ``keep``, so the
+    # order they are done in does not matter: a stack, not recursion, which a chain of a
+    # thousand layers with as many slots took past Python's recursion limit.
+    todo: list[tuple[int, int, int, frozenset[int], frozenset[int] | None]] = [(-1, layers, slots, frozenset(), None)]
+    while todo:
+        base, l, s, live, first = todo.pop()
         while l > 0:
             j = int(table.split[l, s])
             if j == l:
                 reuse(base + l, first)
             else:
-                reverse(base + j, l - j, s - 1, live | {base + j}, first)
+                todo.append((base + j, l - j, s - 1, live | {base + j}, first))
                 reuse(base + j, live | {base + j})
             l, first = j - 1, live
-
-    reverse(-1, layers, slots, frozenset(), None)
     return keep
 
 
