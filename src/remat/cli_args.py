@@ -228,7 +228,7 @@ def thread_count(minimum: int = 1, why: str = "") -> Callable[[str], object]:
 #: matrix, the MILP has n^2 variables): at about 4,000 nodes every method plans within a minute
 #: or two (the MILP and LP stop at their time limits) in under 1 GB, and unet:100000 asked for
 #: 149 GiB. chain:N is capped lower: revolve (griewank, also tried as a MILP warm start)
-#: recurses once per snapshot slot, up to N deep, within Python's recursion limit of 1,000.
+#: measures a schedule per snapshot count, up to N of them (chain:800: 36 s for griewank).
 GRAPH_SIZES: dict[str, tuple[str, int, tuple[int, int]]] = {  # kind: (SIZE, largest, nodes = a*SIZE + b)
     "chain": ("the layer count N", 800, (2, 1)),
     "unet": ("the depth D", 1000, (4, 3)),
