@@ -134,16 +134,19 @@ def test_check_step_measures_no_peak_and_eager_step_does(monkeypatch):
     nn = torch.nn
     model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(3, 4)
     calls = {"eager": 0, "profiled": 0}
-    eager_calls = []  # (a list it appends to: a counter loss_fn read and wrote would be refused)
+    eager_calls = []
 
-    def loss_fn(m, x):
-        eager_calls.append(None)
+    def traced(m, x):
         return m(x).square().mean()
+
+    def loss_fn(m, x):  # (the same loss, counting its eager runs: a step that counted would be refused)
+        eager_calls.append(None)
+        return traced(m, x)
 
     def counted() -> dict:
         return {**calls, "eager": len(eager_calls)}
 
-    step = remat.optimize(model, x, loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    step = remat.optimize(model, x, traced, budget=1.0, method="checkpoint_all", cost_model=None)
     real_profiler_peak = memory._profiler_peak
 
     def profiler_peak(*args):
