@@ -359,6 +359,8 @@ class RematBackend:
             if isinstance(exc, _NotPlanned) and exc.budget_bytes is not None and self._eager_peak is not None \
                     and self.budget.fraction is not None:  # (what the fraction was of: the unoptimized peak is stated)
                 meant = f"the budget is {self.budget.fraction:.0%} of the region's eager peak, {format_bytes(self._eager_peak)}"
+                if exc.min_budget_bytes is not None:
+                    meant += f", and the smallest feasible one {exc.min_budget_bytes / self._eager_peak:.0%} of it"
                 exc = _NotPlanned(f"{exc}; {meant}", exc.min_budget_bytes, budget_bytes=exc.budget_bytes,
                                   method=exc.method, detail=f"{exc.detail}; {meant}" if exc.detail else meant)
             if not self.fallback:

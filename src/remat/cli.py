@@ -241,7 +241,8 @@ def _solve_model(args: argparse.Namespace, graph: Graph, budget: int, options: d
             planned = run_interruptibly(lambda: plan_graph(graph, budget, method=args.method, **options))
         except InfeasibleBudgetError as exc:
             least = exc.min_budget_bytes
-            needs = "" if least is None else (f"; {args.model} at batch {args.batch} needs at least "
+            by = "" if args.method == "milp" else f"with method {args.method!r}, "  # (another may need less)
+            needs = "" if least is None else (f"; {by}{args.model} at batch {args.batch} needs at least "
                                               f"{format_bytes(least)} ({least / reference:.1%} of checkpoint-all)")
             if args.json:
                 _print_infeasible(args, graph, budget, least)
