@@ -1306,3 +1306,185 @@ def test_a_transformers_config_given_its_models_dtype_by_save_pretrained_is_not_
     model.config.dtype = "bfloat16"
     with pytest.raises(TraceError, match=r"model.config.dtype is now 'bfloat16' but was None"):
         step(ids)
+
+
+# ---------------------------------------------------------------------------- settings the step reads elsewhere
+_conf = __import__("types").ModuleType("_remat_user_conf")  # (a config module of the user's: import myconf)
+_conf.KL_WEIGHT, _conf.CLASS_W, _conf.STEP, _conf.LOG = 0.0, [1.0, 1.0, 1.0, 1.0], 0, []
+__import__("sys").modules["_remat_user_conf"] = _conf
+
+
+class _ReadsConfModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.a(x) * _conf.CLASS_W[0]
+
+
+def _conf_loss(m, x):
+    return m(x).sum() + _conf.KL_WEIGHT * m(x).pow(2).mean() * math.cos(0.0)
+
+
+def test_a_config_module_of_the_users_is_guarded_for_the_fields_the_step_names():
+    torch.manual_seed(0)
+    model, x = _ReadsConfModule(), torch.randn(4, 8)
+    step = remat.optimize(model, (x,), _conf_loss, budget=1.0, method="checkpoint_all", cost_model=None)
+    _conf.STEP += 1  # (fields no step code names: the loop's)
+    _conf.LOG.append(1.0)
+    assert check_step(step, _conf_loss, x).bitwise
+    for change, undo, message in [
+        (lambda: setattr(_conf, "KL_WEIGHT", 0.1), lambda: setattr(_conf, "KL_WEIGHT", 0.0),
+         r"loss_fn's module _remat_user_conf.KL_WEIGHT is now 0.1 but was 0.0"),
+        (lambda: _conf.CLASS_W.__setitem__(0, 2.0), lambda: _conf.CLASS_W.__setitem__(0, 1.0),
+         r"_ReadsConfModule.forward's module _remat_user_conf.CLASS_W\[0\] is now 2.0 but was 1.0"),
+    ]:
+        change()
+        with pytest.raises(TraceError, match=message + ".*trace again"):
+            step(x)
+        undo()
+    assert check_step(step, _conf_loss, x).bitwise
+
+
+def _env_loss(m, x):
+    return m(x).sum() * float(__import__("os").environ.get("REMAT_TEST_BETA", "1"))
+
+
+def test_environment_variables_the_step_reads_are_guarded(monkeypatch):
+    monkeypatch.setenv("REMAT_TEST_BETA", "1")
+    torch.manual_seed(0)
+    model, x = nn.Linear(8, 4), torch.randn(4, 8)
+    step = remat.optimize(model, (x,), _env_loss, budget=1.0, method="checkpoint_all", cost_model=None)
+    monkeypatch.setenv("REMAT_TEST_OTHER", "2")  # (one the step never names)
+    assert check_step(step, _env_loss, x).bitwise
+    monkeypatch.setenv("REMAT_TEST_BETA", "0.5")
+    with pytest.raises(TraceError, match=r"loss_fn's os.environ\['REMAT_TEST_BETA'\] is now '0.5' but was '1'"):
+        step(x)
+    monkeypatch.delenv("REMAT_TEST_BETA")
+    with pytest.raises(TraceError, match=r"os.environ\['REMAT_TEST_BETA'\] is no longer set"):
+        step(x)
+
+
+def _impl(sched, m, x, y):
+    return F.cross_entropy(m(x), y) + sched["beta"] * m(x).pow(2).mean()
+
+
+def test_default_arguments_and_partials_positional_arguments_are_guarded():
+    import functools
+
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(8, 4), torch.randn(4, 8), torch.randint(0, 4, (4,))
+    cfg, sched = {"w": 0.0}, {"beta": 0.0}
+    with_default = lambda m, x, y, cfg=cfg: F.cross_entropy(m(x), y) + cfg["w"] * m(x).pow(2).mean()  # noqa: E731
+    with_partial = functools.partial(_impl, sched)
+    for loss_fn, holder, message in [(with_default, cfg, r"loss_fn's default 'cfg'\['w'\] is now 0.1 but was 0.0"),
+                                     (with_partial, sched, r"loss_fn's argument 0\['beta'\] is now 0.1 but was 0.0")]:
+        step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+        key = next(iter(holder))
+        holder[key] = 0.1
+        with pytest.raises(TraceError, match=message):
+            step(x, y)
+        holder[key] = 0.0
+        assert check_step(step, loss_fn, x, y).bitwise
+
+
+CLASS_WEIGHTS = [1.0] * 100
+
+
+def _weighted_loss(m, x, y):
+    return F.cross_entropy(m(x), y, weight=torch.tensor(CLASS_WEIGHTS))
+
+
+def test_a_long_list_of_numbers_is_compared_by_content():
+    from remat import guards
+
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(8, 100), torch.randn(4, 8), torch.randint(0, 100, (4,))
+    model.losses = [0.5] * 70  # (a log the loop appends to: appending is not refused)
+    step = remat.optimize(model, (x, y), _weighted_loss, budget=1.0, method="checkpoint_all", cost_model=None)
+    model.losses.append(0.25)
+    assert check_step(step, _weighted_loss, x, y).bitwise
+    CLASS_WEIGHTS[7] = 2.0
+    try:
+        with pytest.raises(TraceError, match=r"loss_fn's global 'CLASS_WEIGHTS'\[7\] is now 2.0 but was 1.0"):
+            step(x, y)
+    finally:
+        CLASS_WEIGHTS[7] = 1.0
+    model.mixed = [1.0, "a"] * 40  # (longer than LONG_LIST and not only numbers: not looked into)
+    model.long = [1.0] * (guards.SMALL_ARRAY + 1)
+    labels = [h.label for h, _ in guards.held_values(model)]
+    assert not any(label.startswith(("model.mixed", "model.long")) for label in labels)
+
+
+class _Sched:
+    def __init__(self) -> None:
+        self._beta = 0.0
+        self._calls = 0  # (no property reads it: bookkeeping)
+
+    @property
+    def beta(self):
+        return self._beta
+
+    @beta.setter
+    def beta(self, value):
+        self._beta = value
+
+
+class _WithSched(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.sched = _Sched()
+
+    def forward(self, x):
+        return self.a(x) * (1 + self.sched.beta)
+
+
+def test_a_property_over_a_private_field_of_an_object_the_model_holds_is_guarded():
+    torch.manual_seed(0)
+    model, x = _WithSched(), torch.randn(4, 8)
+    loss_fn = lambda m, x: m(x).sum()  # noqa: E731
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    model.sched._calls += 1
+    assert check_step(step, loss_fn, x).bitwise
+    model.sched.beta = 0.5
+    with pytest.raises(TraceError, match=r"model.sched._beta is now 0.5 but was 0.0"):
+        step(x)
+
+
+GRL = {"lam": 1.0}
+
+
+class _Reverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -GRL["lam"] * g
+
+
+class _Reversed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(_Reverse.apply(self.a(x)))
+
+
+def test_a_global_a_custom_autograd_functions_backward_reads_is_guarded():
+    torch.manual_seed(0)
+    model, x = _Reversed(), torch.randn(4, 8)
+    loss_fn = lambda m, x: m(x).pow(2).sum()  # noqa: E731
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    GRL["lam"] = 0.5
+    try:
+        with pytest.raises(TraceError, match=r"_Reversed.forward's global '_Reverse'.backward's global 'GRL'\['lam'\] "
+                                             r"is now 0.5 but was 1.0"):
+            step(x)
+    finally:
+        GRL["lam"] = 1.0
+    assert check_step(step, loss_fn, x).bitwise

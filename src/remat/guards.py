@@ -377,8 +377,13 @@ def _hook_name(hook: object) -> str:
 
 
 def _changed(what: str, now: object, value: object, remedy: str = "") -> TraceError:
+    if isinstance(now, list) and isinstance(value, list) and len(value) > LONG_LIST:  # (named by its first change)
+        i = next((i for i, (a, b) in enumerate(zip(now, value)) if not _same(a, b)), min(len(now), len(value)))
+        what = f"{what}[{i}]"
+        now, value = (now[i] if i < len(now) else _MISSING), (value[i] if i < len(value) else _MISSING)
     shown = "is no longer set" if now is _MISSING else f"is now {_value_shown(now)}"
-    return TraceError(f"{what} {shown} but was {_value_shown(value)} when the step was traced; a traced step keeps "
+    was = "unset" if value is _MISSING else _value_shown(value)
+    return TraceError(f"{what} {shown} but was {was} when the step was traced; a traced step keeps "
                       f"the values it may have read, so where it reads this one it would compute with the old value: "
                       f"trace again (remat.optimize) after changing it{remedy}")
 
@@ -915,6 +920,47 @@ HELD_PER_HOLDER = 256
 LONG_LIST = 64
 
 
+def _number_list(value: object) -> bool:
+    """A list or tuple of at most ``SMALL_ARRAY`` ints and floats (class weights for many
+    classes), compared by content as one value where it is longer than ``LONG_LIST``."""
+    return len(value) <= SMALL_ARRAY and all(type(v) in (int, float) for v in value)
+
+
+def _read_prefix(locate: Callable[[torch.nn.Module], object], length: int, model: torch.nn.Module) -> object:
+    """The first ``length`` entries of the list ``locate`` finds, as a list: those the step was
+    traced with (the loop may append to it, as to a short one, whose entries are guarded each)."""
+    now = locate(model)
+    return list(now[:length]) if isinstance(now, (list, tuple)) else now
+
+
+def _write_prefix(locate: Callable[[torch.nn.Module], object], model: torch.nn.Module, value: object) -> None:
+    now = locate(model)
+    if isinstance(now, list) and isinstance(value, list):
+        now[:len(value)] = value
+
+
+@functools.lru_cache(maxsize=1024)
+def _behind_properties(cls: type) -> frozenset[str]:
+    """The private fields the public properties of a class of the user's read (``self._beta``
+    behind ``beta``): its objects' settings, guarded where a module holds one (private fields
+    no property reads are bookkeeping)."""
+    if not _user_class(cls) or _installed(cls.__module__):
+        return frozenset()
+    public = frozenset(key for base in cls.__mro__ if base is not object and _user_class(base)
+                       for key, member in vars(base).items()
+                       if isinstance(member, (property, functools.cached_property)) and not key.startswith("_"))
+    return frozenset(name for name in _reached(cls, public) if name.startswith("_") and not name.startswith("__"))
+
+
+def _code_constants(code: types.CodeType) -> frozenset[str]:
+    """The string constants of ``code`` and the code nested in it (``os.environ['BETA']``)."""
+    out = {c for c in code.co_consts if isinstance(c, str)}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _code_constants(const)
+    return frozenset(out)
+
+
 def _code_strings(code: types.CodeType) -> frozenset[str]:
     """The names and string constants of ``code`` and the code nested in it: what it can read
     as an attribute (``self.alpha``) or a key (``self.weights['a']``)."""
@@ -1102,13 +1148,22 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         """The held values of ``holder`` and of the holders in it (``NESTED_HOLDERS`` deep),
         at most ``HELD_PER_HOLDER`` in all; ``names``: only keys its code can read."""
         room = [HELD_PER_HOLDER] if room is None else room
-        if id(holder) in seen or (isinstance(holder, (list, tuple)) and len(holder) > LONG_LIST):
+        if id(holder) in seen:
+            return
+        if isinstance(holder, (list, tuple)) and len(holder) > LONG_LIST:
+            if _number_list(holder):  # (class weights for many classes: one value, compared by content)
+                seen.add(id(holder))
+                found.append((HeldValue(label, functools.partial(_read_prefix, locate, len(holder)),
+                                        functools.partial(_write_prefix, locate)), list(holder)))
+                room[0] -= 1
             return
         if names is None and not every_field and _the_loops(holder):
             loops.append((label, holder, locate, depth, lists))  # (its names are known once all code is walked)
             return
         seen.add(id(holder))
-        for key, shown, value in _entries(holder, names or frozenset()):
+        private = names or (_behind_properties(type(holder)) if hasattr(holder, "__dict__")
+                            and not isinstance(holder, (type, torch.nn.Module)) else frozenset())
+        for key, shown, value in _entries(holder, private):
             if room[0] <= 0:
                 return
             if (names is not None and isinstance(key, str) and key not in names) or _metadata(holder, key):
@@ -1186,6 +1241,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             return
         seen.add(id(f.__code__))
         if isinstance(fn, functools.partial):  # (its arguments are the step's values too)
+            for i, value in enumerate(fn.args):
+                if _holds_values(value, model) and not _guarded(value):
+                    holder_fields(f"{what}'s argument {i}", value, lambda m, v=value: v)
             for key, value in fn.keywords.items():
                 label = f"{what}'s keyword {key!r}"
                 if _guarded(value):
@@ -1193,8 +1251,21 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                                             lambda m, v, k=key, p=fn: _put_back(p.keywords, k, v)), _snapshot(value)))
                 elif _holds_values(value, model):
                     holder_fields(label, value, lambda m, v=value: v)
+        code, functions = f.__code__, []
+        defaults = f.__defaults__ or ()  # (``lambda m, x, cfg=cfg: ...``: a holder given as a default)
+        for name, value in (*zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults),
+                            *(f.__kwdefaults__ or {}).items()):
+            if not _guarded(value) and _holds_values(value, model):
+                holder_fields(f"{what}'s default {name!r}", value, lambda m, v=value: v)
+        if not _code_names(code).isdisjoint(("environ", "getenv")):
+            environment(what, _code_constants(code))
         for kind, name, value, read, write in function_names(fn):
             label = f"{what}'s {kind} {name!r}"
+            if isinstance(value, types.ModuleType):
+                user_module(f"{what}'s module {value.__name__}", value, read, _code_strings(code), depth)
+                continue
+            if isinstance(value, type) and issubclass(value, torch.autograd.Function) and _user_class(value):
+                functions.append((label, value))  # (its code runs in the step: walked after its fields)
             # (a global or closure deque, set or itertools.count, for PythonState: a step adding to
             # one at every call is a counter, as one of the model's is; a list's length below)
             by_length = lengths and isinstance(value, (set, collections.deque, itertools.count)) \
@@ -1208,7 +1279,53 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 continue
             elif _holds_values(value, model):
                 holder_fields(label, value, lambda m, v=value: v, lists=lengths)
+        for label, cls in functions:
+            for key in ("forward", "setup_context", "backward", "jvp"):
+                member = _member_function(vars(cls).get(key))
+                if member is not None:
+                    named_by(f"{label}.{key}", member, depth)
 
+    def user_module(label: str, module: types.ModuleType, read: Callable[[], object], names: frozenset[str],
+                    depth: int) -> None:
+        """The fields of a Python module of the user's (``import myconf``: not the standard
+        library's or an installed package's) that the code naming it names (``names``)."""
+        if _installed(module.__name__) or not _user_module(module.__name__) \
+                or module.__name__.partition(".")[0] == "remat":
+            return
+        fields = vars(module)
+        for key in sorted(names & fields.keys()):
+            value = fields[key]
+            if key.startswith("_") or (id(module), key) in module_fields or isinstance(value, types.ModuleType):
+                continue
+            module_fields.add((id(module), key))
+            where = f"{label}.{key}"
+
+            def at(m, r=read, key=key):
+                return getattr(h, key, _MISSING) if isinstance(h := r(), types.ModuleType) else _MISSING
+
+            if _guarded(value):
+                found.append((HeldValue(where, at, lambda m, v, r=read, key=key: _in_place(getattr(r(), key, None), v)
+                                        or setattr(r(), key, _snapshot(v))), _snapshot(value)))
+                if isinstance(value, types.FunctionType) and depth < 2 and _user_module(value.__module__):
+                    named_by(where, value, depth + 1)
+            elif not (generator(where, value) or callable_object(where, value, at)) and _holds_values(value, model):
+                if isinstance(value, type) and issubclass(value, torch.autograd.Function):
+                    continue
+                holder_fields(where, value, at, lists=lengths)
+
+    def environment(what: str, strings: frozenset[str]) -> None:
+        """The environment variables a function that reads ``os.environ`` (or ``os.getenv``) names
+        in its string constants: those set now, and those unset that look like one (``BETA``)."""
+        for key in sorted(strings):
+            if key in environ_keys or not (key in os.environ or (key.isidentifier() and key.isupper())):
+                continue
+            environ_keys.add(key)
+            found.append((HeldValue(f"{what}'s os.environ[{key!r}]", lambda m, k=key: os.environ.get(k, _MISSING),
+                                    lambda m, v, k=key: os.environ.pop(k, None) if v is _MISSING
+                                    else os.environ.__setitem__(k, v)), os.environ.get(key, _MISSING)))
+
+    module_fields: set[tuple[int, str]] = set()
+    environ_keys: set[str] = set()
     modules = list(model.named_modules())
     named = _NamedBy(model, loss_fn)
     for name, module in modules:
