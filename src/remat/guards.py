@@ -204,14 +204,12 @@ class ModuleState:
                         f"call {call}.{mode}() or trace again (remat.optimize)"
                     )
                 if not _same(now, value):
-                    raise _changed(f"{_where(name, module)} attribute {key!r}", now, value)
+                    raise _changed(f"{_where(name, module)} attribute {key!r}", now, value, _ELSEWHERE)
         for held, value in self.held:
             now = held.read(model)
             if not _same(now, value):
                 raise _changed(held.label, now, value, ", or pass a value that changes between steps in the "
-                                                       "batch, as a tensor; a value the step never reads (a log, a "
-                                                       "counter the loop keeps) belongs outside what the model and "
-                                                       "loss_fn hold")
+                                                       "batch, as a tensor" + _ELSEWHERE)
         for name, recorded in self.hooks:
             module = modules.get(name)
             now = _hooks_of(module) if module is not None else ()
@@ -374,6 +372,12 @@ def _hook_name(hook: object) -> str:
     name = getattr(hook, "__qualname__", None) or type(hook).__name__
     line = getattr(getattr(hook, "__code__", None), "co_firstlineno", None)
     return f"{name} at {os.path.basename(code)}:{line}" if code and line else name
+
+
+#: The remedy of a changed value the step may never read (a module attribute is guarded whether
+#: or not the step reads it: ``model.global_step += 1`` in the loop refused the next step).
+_ELSEWHERE = ("; a value the step never reads (a log, a counter the loop keeps, such as a global step) belongs "
+              "outside what the model and loss_fn hold")
 
 
 def _changed(what: str, now: object, value: object, remedy: str = "") -> TraceError:
