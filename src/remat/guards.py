@@ -968,11 +968,7 @@ def _code_constants(code: types.CodeType) -> frozenset[str]:
 def _code_strings(code: types.CodeType) -> frozenset[str]:
     """The names and string constants of ``code`` and the code nested in it: what it can read
     as an attribute (``self.alpha``) or a key (``self.weights['a']``)."""
-    out = set(code.co_names) | {c for c in code.co_consts if isinstance(c, str)}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            out |= _code_strings(const)
-    return frozenset(out)
+    return frozenset(_code_names(code)) | _code_constants(code)
 
 
 def _member_function(member: object) -> types.FunctionType | None:
@@ -1010,18 +1006,25 @@ def _reached(cls: type, roots: frozenset[str], own: bool = False) -> frozenset[s
     return frozenset(names)
 
 
+def _step_functions(loss_fn: object, hooks: Iterable[object]) -> list[types.FunctionType]:
+    """The functions of the user's that the step runs outside the modules' classes: ``loss_fn``
+    (a loss object's method too) and the user's hooks."""
+    found = _loss_object(loss_fn) if loss_fn is not None else None
+    out = []
+    for fn in (loss_fn, found[1] if found is not None else None, *hooks):
+        f = _function_of(fn)
+        if f is not None and _user_module(f.__module__):
+            out.append(f)
+    return out
+
+
 def _step_roots(model: torch.nn.Module, loss_fn: object) -> frozenset[str]:
     """What the step's code outside the modules' classes names: ``forward``, and the names and
     strings of ``loss_fn`` (a loss object's code too) and of the user's hooks (``m._scale`` read
     in ``loss_fn``)."""
     names = {"forward"}
-    found = _loss_object(loss_fn) if loss_fn is not None else None
-    functions = [loss_fn, found[1] if found is not None else None]
-    functions += [hook for module in model.modules() for hook in _hooks_of(module)]
-    for fn in functions:
-        f = _function_of(fn)
-        if f is not None and _user_module(f.__module__):
-            names |= _code_strings(f.__code__)
+    for f in _step_functions(loss_fn, [hook for module in model.modules() for hook in _hooks_of(module)]):
+        names |= _code_strings(f.__code__)
     return frozenset(names)
 
 
@@ -1076,11 +1079,8 @@ def _step_strings(named: _NamedBy, classes: Iterable[type], loss_fn: object, hoo
             for base in (b for b in cls.__mro__ if b is not object and _user_class(b)):
                 for key in names & vars(base).keys():
                     count(_member_function(vars(base)[key]))
-    found = _loss_object(loss_fn) if loss_fn is not None else None
-    for fn in (loss_fn, found[1] if found is not None else None, *hooks):
-        f = _function_of(fn)
-        if f is not None and _user_module(f.__module__):
-            count(f)
+    for f in _step_functions(loss_fn, hooks):
+        count(f)
     return frozenset(strings)
 
 
@@ -1308,8 +1308,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 return getattr(h, key, _MISSING) if isinstance(h := r(), types.ModuleType) else _MISSING
 
             if _guarded(value):
-                found.append((HeldValue(where, at, lambda m, v, r=read, key=key: _in_place(getattr(r(), key, None), v)
-                                        or setattr(r(), key, _snapshot(v))), _snapshot(value)))
+                found.append((HeldValue(where, at, lambda m, v, r=read, key=key: _put_back(r(), key, v)),
+                              _snapshot(value)))
                 if isinstance(value, types.FunctionType) and depth < 2 and _user_module(value.__module__):
                     named_by(where, value, depth + 1)
             elif not (generator(where, value) or callable_object(where, value, at)) and _holds_values(value, model):
