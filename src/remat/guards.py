@@ -53,7 +53,7 @@ import os
 import random
 import sys
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -983,6 +983,20 @@ def _member_function(member: object) -> types.FunctionType | None:
     return _function_of(member) if member is not None else None
 
 
+def user_members(cls: type) -> Iterator[tuple[str, str, types.FunctionType]]:
+    """(class name, member name, function) of the methods and property getters that ``cls``'s
+    classes of the user's define (dunder methods aside): the code of a module's class that the
+    step may run besides ``forward``'s own callers, which the guards and the stash warning read."""
+    for base in cls.__mro__:
+        if base is object or not _user_class(base):
+            continue
+        for key, member in vars(base).items():
+            if isinstance(member, (types.FunctionType, property)) and not key.startswith("__"):
+                fn = _member_function(member)
+                if fn is not None:
+                    yield base.__qualname__, key, fn
+
+
 def _reached(cls: type, roots: frozenset[str], own: bool = False) -> frozenset[str]:
     """``roots`` and the names and strings of the code of ``cls``'s methods and properties (in
     its classes that are the user's) that the step may run, starting from those named in
@@ -1356,12 +1370,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 holder_fields(f"class {base.__qualname__}", base, lambda m, b=base: b)
         if _user_class(cls):
             named_by(f"{cls.__qualname__}.forward", cls.forward)
-            for base in cls.__mro__:  # (the helper methods forward calls: self.scale(x) reading a global)
-                if _user_class(base) and base is not object:
-                    for key, member in vars(base).items():
-                        if isinstance(member, (types.FunctionType, property)) and key != "forward" \
-                                and not key.startswith("__"):
-                            named_by(f"{base.__qualname__}.{key}", _member_function(member))
+            for owner, key, fn in user_members(cls):  # (the helper methods forward calls: self.scale(x))
+                if key != "forward":
+                    named_by(f"{owner}.{key}", fn)
     if loss_fn is not None:
         named_by("loss_fn", loss_fn)
         found_object = _loss_object(loss_fn)

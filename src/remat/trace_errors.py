@@ -10,7 +10,6 @@ import platform
 import re
 import sys
 import traceback
-import types
 import warnings
 from collections.abc import Sequence
 
@@ -543,7 +542,7 @@ def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object, stashe
     sets them. Gradients are unaffected, so this warns."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from remat.guards import _MODULE_INTERNALS, _member_function, _user_class, function_names
+    from remat.guards import _MODULE_INTERNALS, function_names, user_members
 
     found: list[str] = list(dict.fromkeys(stashed))
     looked: set[int] = set()  # (a global several functions name is looked into once)
@@ -578,13 +577,8 @@ def warn_of_stored_trace_tensors(model: torch.nn.Module, loss_fn: object, stashe
     # its activations to a module-level list, a helper method logging one in a global dict)
     classes = {type(module) for module in model.modules()}
     for cls in sorted(classes, key=lambda c: c.__qualname__):
-        for base in cls.__mro__:
-            if base is object or not _user_class(base):
-                continue
-            for key, member in vars(base).items():
-                if isinstance(member, (types.FunctionType, property)) and (key == "forward" or not
-                                                                            key.startswith("__")):
-                    scan(f"{base.__qualname__}.{key}", _member_function(member))
+        for owner, key, fn in user_members(cls):
+            scan(f"{owner}.{key}", fn)
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         warnings.warn(
