@@ -141,12 +141,18 @@ def least_peak_plan(graph: Graph) -> BaselinePlan | None:
 
 def remember_least_peak(graph: Graph, plan: BaselinePlan) -> None:
     """Keep ``plan`` as its structure's least-peak plan unless one of no higher peak is kept."""
-    key = graph.fingerprint(costs=False)
+    _keep_least_peak(graph.fingerprint(costs=False), plan, recent=True)
+
+
+def _keep_least_peak(key: str, plan: BaselinePlan, *, recent: bool) -> None:
+    """Keep ``plan`` under the structure ``key`` unless one of no higher peak is kept there;
+    ``recent``: the structure is the most recently planned (kept longest)."""
     with _LOCK:
         kept = _LEAST_PEAK.get(key)
         if kept is None or plan.peak_bytes < kept.peak_bytes:
             _LEAST_PEAK[key] = plan
-        _LEAST_PEAK.move_to_end(key)
+        if recent:
+            _LEAST_PEAK.move_to_end(key)
         while len(_LEAST_PEAK) > LEAST_PEAK_STRUCTURES:
             _LEAST_PEAK.popitem(last=False)
 
@@ -164,9 +170,9 @@ def add_least_peak_record(key: str, record: dict) -> bool:
     """Keep a record of ``least_peak_records`` as the least-peak plan of the structure ``key``
     (unless one of no higher peak is kept). Its order is measured on the first graph of that
     structure that asks for it; a malformed record is ignored (False)."""
-    from remat.solvers.baselines import BaselinePlan
-
     import numpy as np
+
+    from remat.solvers.baselines import BaselinePlan
 
     try:
         stages = np.asarray(record["stages"], dtype=np.int32)
@@ -176,13 +182,8 @@ def add_least_peak_record(key: str, record: dict) -> bool:
         return False
     if stages.ndim != 1 or stages.shape != nodes.shape or not nodes.size or nodes.min() < 0 or peak <= 0:
         return False
-    plan = BaselinePlan("least-peak plan of an earlier run", stages, nodes, peak, float("nan"))
-    with _LOCK:
-        kept = _LEAST_PEAK.get(key)
-        if kept is None or peak < kept.peak_bytes:
-            _LEAST_PEAK[key] = plan
-            while len(_LEAST_PEAK) > LEAST_PEAK_STRUCTURES:
-                _LEAST_PEAK.popitem(last=False)
+    _keep_least_peak(key, BaselinePlan("least-peak plan of an earlier run", stages, nodes, peak, float("nan")),
+                     recent=False)
     return True
 
 
