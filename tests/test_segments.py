@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from remat import InfeasibleBudgetError, NodeKind
 from remat.builders import chain_graph, random_training_graph, unet_graph
-from remat.cuts import Cut, cut_tiers, light_cuts, pass_cuts
+from remat.cuts import Cut, block_cuts, cut_tiers, light_cuts, pass_cuts
 from remat.solvers import solve
 from reference import transformer_like
 
@@ -97,12 +97,26 @@ def test_cut_tiers_are_nested_and_distinct():
     assert tiers[-1] == cuts and cut_tiers(()) == []
 
 
-@pytest.mark.parametrize("graph", [chain_graph(12, bytes_per_node=1), unet_graph(3, base_bytes=8)])
-def test_graphs_without_light_cuts_still_get_checkpoint_all(graph):
-    # a chain's crossing bytes are flat and a U-Net's rise then fall: no local minimum, so the
-    # only plan is checkpoint-all
+@pytest.mark.parametrize(("graph", "least", "cost"), [(chain_graph(12, bytes_per_node=1), 7, 32.0),
+                                                     (unet_graph(3, base_bytes=8), 33, 26.0)], ids=["chain12", "unet3"])
+def test_graphs_without_light_cuts_use_every_cut(graph, least, cost):
+    # A chain's crossing bytes are flat and a U-Net's rise then fall: no cut stands out, so every
+    # cut of the pass is a candidate boundary, and segments reaches below checkpoint-all's peak
+    # (it used to plan nothing else). On the chain it finds the exact optimum at its least budget
+    # (test_chain's known optimum: 32 at 7).
     assert light_cuts(graph) == ()
+    assert block_cuts(graph) == pass_cuts(graph)[:-1]
     r = solve(graph, 10**9, method="segments")
     assert r.cost == graph.total_cost
-    with pytest.raises(InfeasibleBudgetError, match="checkpoint-all"):
-        solve(graph, r.peak_bytes - 1, method="segments")
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, 1, method="segments")
+    assert info.value.min_budget_bytes == least < solve(graph, 10**9, method="checkpoint_all").peak_bytes
+    low = solve(graph, least, method="segments")
+    assert low.peak_bytes <= least and low.cost == cost and max(low.sim.compute_counts) == 2
+
+
+def test_every_cut_of_a_long_uniform_chain_is_thinned_evenly():
+    g = chain_graph(200, bytes_per_node=1)
+    cuts = block_cuts(g, at_most=64)
+    assert len(cuts) <= 64 and cuts[0].node == 0 and cuts[-1].node >= 190
+    assert len({b.node - a.node for a, b in zip(cuts, cuts[1:])}) == 1

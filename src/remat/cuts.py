@@ -75,6 +75,24 @@ def light_cuts(graph: Graph, kind: NodeKind = NodeKind.FORWARD) -> tuple[Cut, ..
     )
 
 
+def block_cuts(graph: Graph, kind: NodeKind = NodeKind.FORWARD, *, at_most: int | None = None) -> tuple[Cut, ...]:
+    """The block boundaries of a pass: its light cuts, or, when none stands out (a uniform
+    chain, whose every inner cut is equally light), every cut of it but the last, every k-th
+    of them when there are more than ``at_most``.
+
+    >>> from remat.builders import chain_graph
+    >>> [c.node for c in block_cuts(chain_graph(9, bytes_per_node=1), at_most=4)]
+    [0, 2, 4, 6]
+    """
+    cuts = light_cuts(graph, kind)
+    if cuts:
+        return cuts
+    cuts = pass_cuts(graph, kind)[:-1]
+    if at_most is not None and len(cuts) > at_most:
+        cuts = cuts[::-(-len(cuts) // at_most)]
+    return cuts
+
+
 def cut_tiers(cuts: tuple[Cut, ...]) -> list[tuple[Cut, ...]]:
     """The cuts no heavier than each of ``TIER_QUANTILES`` of their bytes, distinct tiers only,
     lightest first.

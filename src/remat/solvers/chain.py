@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from remat.cuts import Cut, light_cuts, pass_cuts
+from remat.cuts import Cut, block_cuts
 from remat.errors import SolverError
 from remat.graph import Graph, Node, NodeKind
 from remat.schedule import order_memory
@@ -762,9 +762,9 @@ def _segment_key(graph: Graph, members: np.ndarray, stages: list[int]) -> tuple:
 
 
 def _chain_cuts(graph: Graph) -> tuple[Cut, ...]:
-    """The light cuts of the forward pass (every cut of it when none stands out), the lightest
-    ``MAX_SEGMENTS`` of them when there are more, in order."""
-    cuts = light_cuts(graph) or pass_cuts(graph)[:-1]
+    """The block boundaries of the forward pass (``block_cuts``), the lightest ``MAX_SEGMENTS``
+    of them when there are more, in order."""
+    cuts = block_cuts(graph, at_most=MAX_SEGMENTS)
     if len(cuts) > MAX_SEGMENTS:
         lightest = sorted(range(len(cuts)), key=lambda k: (cuts[k].bytes, k))[:MAX_SEGMENTS]
         cuts = tuple(cuts[k] for k in sorted(lightest))

@@ -1,6 +1,6 @@
 """segments: keep only what crosses some of the forward pass's light cuts (``remat.cuts``:
-block boundaries found from the graph) and recompute the segments between them once in the
-backward pass. This is what ``torch.utils.checkpoint`` on every block (or every k-th block, or
+block boundaries found from the graph; every cut of a uniform chain, where none stands out) and
+recompute the segments between them once in the backward pass. This is what ``torch.utils.checkpoint`` on every block (or every k-th block, or
 every other block) of a network does, found from the graph instead of from the model's code.
 
 For each tier of cuts (``cut_tiers``), it tries every k-th cut at every offset (k up to
@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from remat.cuts import Cut, cut_tiers, light_cuts, pass_cuts
+from remat.cuts import Cut, block_cuts, cut_tiers
 from remat.graph import Graph, NodeKind
 from remat.solvers.base import SolveResult, register
 from remat.solvers.baselines import (
@@ -36,6 +36,9 @@ from remat.solvers.baselines import (
     remembered,
 )
 
+#: On a pass without light cuts (a uniform chain), ``segments`` and ``nested`` use every cut of
+#: it, every k-th when there are more than this many (``remat.cuts.block_cuts``).
+UNIFORM_MAX_CUTS = 64
 #: Strides tried: every k-th cut of a tier for k = 1..MAX_STRIDE, at every offset.
 MAX_STRIDE = 8
 #: Thresholds of Chen's greedy rule tried per tier.
@@ -154,7 +157,7 @@ def _measure_all(graph: Graph) -> list:
     consider(in_forward, "checkpoint-all")
     read_later = [any(u not in in_forward for u in graph.users[i]) for i in range(graph.n)]
     total = sum(graph.nodes[i].out_bytes for i in forward)
-    for level, tier in enumerate(cut_tiers(light_cuts(graph))):
+    for level, tier in enumerate(cut_tiers(block_cuts(graph, at_most=UNIFORM_MAX_CUTS))):
         by_node = {c.node: c for c in tier}
         for k in range(1, min(MAX_STRIDE, len(tier)) + 1):
             for offset in range(k):
@@ -177,8 +180,6 @@ def _measure_all(graph: Graph) -> list:
 # ---------------------------------------------------------------------------- nested
 #: Coarse strides tried for the outer levels of ``nested``: every a-th cut of a tier.
 NESTED_STRIDES = (2, 3, 4, 6, 8, 12, 16)
-#: On a graph without light cuts, ``nested`` uses at most this many of its pass's cuts.
-NESTED_MAX_CUTS = 64
 
 
 @register("nested")
@@ -209,10 +210,7 @@ def _nested_plans(graph: Graph, budget_bytes: int) -> list:
 def _measure_nested(graph: Graph) -> list:
     forward = graph.ids_of_kind(NodeKind.FORWARD)
     plans = {"all": chen_plan(graph, forward, "checkpoint-all")}
-    tiers = cut_tiers(light_cuts(graph))
-    if not tiers:  # no block boundary stands out (a uniform chain): every position is a cut
-        cuts = pass_cuts(graph)[:-1]
-        tiers = [cuts[::max(1, -(-len(cuts) // NESTED_MAX_CUTS))]] if cuts else []
+    tiers = cut_tiers(block_cuts(graph, at_most=UNIFORM_MAX_CUTS))
     for t, tier in enumerate(tiers):
         every = tuple(range(len(tier)))
         candidates = [(((), every), "nothing kept from the forward pass, every cut recomputed")]
