@@ -1163,6 +1163,56 @@ def test_a_value_of_the_loops_objects_the_step_reads_is_guarded():
         step(x, y)
 
 
+class _ReadsLastLr(_SelfContained):
+    def forward(self, x):
+        return self.a(x) * self.sched.get_last_lr()[0]
+
+
+def test_a_value_the_step_reads_through_a_loops_objects_method_is_guarded():
+    """A forward calling its scheduler's ``get_last_lr()``: the method only reads (its field
+    ``_last_lr`` is guarded), while ``sched.step()``, which changes the scheduler, is the loop's.
+    The traced step had kept the first lr: losses 1.0106 and 1.0090 in eager, 1.0259 and 1.0173
+    traced."""
+    from remat import guards
+
+    eager, model = _self_contained_pair(_ReadsLastLr)
+    labels = {h.label for h, _ in guards.held_values(model)}
+    # (names are matched by name, not by path: the plateau scheduler's get_last_lr reads its own
+    # _last_lr, guarded too though this forward calls only sched's)
+    assert {"model.sched._last_lr[0]", "model.plateau._last_lr[0]"} <= labels
+    assert not any(label.startswith(("model.sched.last_epoch", "model.opt.")) for label in labels)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    model.opt.step()  # (the lr stays: what the step reads did not change)
+    assert torch.equal(step(x, y), loss_fn(eager, x, y))
+    model.sched.step()
+    with pytest.raises(TraceError, match=r"model.sched._last_lr\[0\] is now 0.05 but was 0.1 when the step was "
+                                         r"traced"):
+        step(x, y)
+
+
+def test_only_methods_that_only_read_are_followed_into_installed_code():
+    from remat import guards
+
+    assert guards._reads_only(torch.optim.lr_scheduler.LRScheduler.get_last_lr.__code__)
+    assert not guards._reads_only(torch.optim.lr_scheduler.StepLR.step.__code__)
+    assert not guards._reads_only(torch.optim.SGD.zero_grad.__code__)
+
+    class Holder:
+        def read(self):
+            return self._value
+
+        def bump(self):
+            self._value += 1
+
+        def log(self, v):
+            self._seen.append(v)
+
+    assert guards._reads_only(Holder.read.__code__)
+    assert not guards._reads_only(Holder.bump.__code__) and not guards._reads_only(Holder.log.__code__)
+
+
 def test_only_the_fields_the_step_names_of_the_loops_objects_are_held_values():
     """The loop's objects give the fields the step's code names; configurations, whatever they
     hold, give every field as before (a dataclass, a namespace, a class of the user's)."""

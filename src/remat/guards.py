@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import dis
 import enum
 import functools
 import itertools
@@ -997,27 +998,52 @@ def user_members(cls: type) -> Iterator[tuple[str, str, types.FunctionType]]:
                     yield base.__qualname__, key, fn
 
 
-def _reached(cls: type, roots: frozenset[str], own: bool = False) -> frozenset[str]:
+def _reached(cls: type, roots: frozenset[str], own: bool = False, readers: bool = False) -> frozenset[str]:
     """``roots`` and the names and strings of the code of ``cls``'s methods and properties (in
     its classes that are the user's) that the step may run, starting from those named in
     ``roots`` and following those that code names in turn: ``forward`` reads ``self.scale``, a
     property whose getter reads ``self._scale``, so ``_scale`` is named. An overridden member
     counts in every class (``super().forward(x)``). ``own``: only the classes of the user's own
-    code are followed, not those of installed packages (``_installed``)."""
+    code are followed, not those of installed packages (``_installed``). ``readers``: the
+    methods of every other class of ``cls`` are followed too where they only read
+    (``_reads_only``): ``sched.get_last_lr()`` reads ``sched._last_lr``, ``sched.step()``
+    changes what it reads and is the loop's, not the step's."""
     bases = [base for base in cls.__mro__
              if base is not object and _user_class(base) and not (own and _installed(base.__module__))]
-    if not bases:
+    others = [base for base in cls.__mro__ if base is not object and base not in bases] if readers else []
+    if not bases and not others:
         return frozenset(roots)
     names, todo = set(roots), list(roots)
     while todo:
         name = todo.pop()
-        for base in bases:
+        for base in bases + others:
             fn = _member_function(vars(base).get(name))
-            if fn is not None:
+            if fn is not None and (base in bases or _reads_only(fn.__code__)):
                 new = _code_strings(fn.__code__) - names
                 names |= new
                 todo += new
     return frozenset(names)
+
+
+#: Methods that change the object they are called on (a list's, a dict's, a set's, a training
+#: loop object's): code calling one is not a reader (``_reads_only``).
+_CHANGING = frozenset({"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "add",
+                       "discard", "setdefault", "step", "zero_grad", "reset", "load_state_dict", "__setitem__",
+                       "__setattr__", "__delitem__", "__delattr__", "setattr", "delattr"})
+_STORES = frozenset({"STORE_ATTR", "DELETE_ATTR", "STORE_SUBSCR", "DELETE_SUBSCR", "STORE_SLICE",
+                     "STORE_GLOBAL", "DELETE_GLOBAL"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads_only(code: types.CodeType) -> bool:
+    """Does ``code`` (and the code nested in it) only read: set no attribute, item or global,
+    and name none of the methods that change an object (``_CHANGING``)? Such a method of a
+    training loop's object (``get_last_lr``) is one the step may run to read a value."""
+    if _CHANGING & set(code.co_names):
+        return False
+    if any(ins.opname in _STORES for ins in dis.get_instructions(code)):
+        return False
+    return all(_reads_only(c) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
 def _step_functions(loss_fn: object, hooks: Iterable[object]) -> list[types.FunctionType]:
@@ -1395,7 +1421,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         step_names = _step_strings(named, classes, loss_fn, [hook for _, m in modules for hook in _hooks_of(m)],
                                    strings)
         for label, holder, locate, depth, lists in loops:
-            holder_fields(label, holder, locate, depth, lists, names=_reached(type(holder), step_names, own=True))
+            holder_fields(label, holder, locate, depth, lists,
+                          names=_reached(type(holder), step_names, own=True, readers=True))
     return found, generators
 
 
