@@ -1539,3 +1539,57 @@ def test_a_global_a_custom_autograd_functions_backward_reads_is_guarded():
     finally:
         GRL["lam"] = 1.0
     assert check_step(step, loss_fn, x).bitwise
+
+
+class _ScaleByName(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self._scale_main, self.which = 2.0, "main"
+        self._calls = 0  # (bookkeeping: guarded too, as any private field of this class)
+
+    def forward(self, x):
+        return self.a(x) * getattr(self, "_scale_" + self.which)
+
+
+class _WeightByName:
+    def __init__(self):
+        self._w_ce, self.kind = 1.0, "ce"
+
+    def __call__(self, model, x, y):
+        return F.cross_entropy(model(x), y) * getattr(self, "_w_" + self.kind)
+
+
+def test_private_fields_read_by_names_built_at_run_time_are_guarded():
+    """``getattr(self, '_scale_' + self.which)``: no code names ``_scale_main``, so it was not
+    guarded, and the traced step kept 2.0 after the loop set 5.0 (loss 1.2273 against eager's
+    1.6515). A class whose reached code reads attributes by computed names has every private
+    field guarded; a loss object's too."""
+    torch.manual_seed(0)
+    model, x, y = _ScaleByName(), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert torch.equal(step(x, y), loss_fn(model, x, y))
+    model._scale_main = 5.0
+    with pytest.raises(TraceError, match=r"attribute '_scale_main' is now 5.0 but was 2.0"):
+        step(x, y)
+
+    weigh = _WeightByName()
+    step = remat.optimize(nn.Linear(8, 4), (x, y), weigh, budget=1.0, method="checkpoint_all", cost_model=None)
+    weigh._w_ce = 0.5
+    with pytest.raises(TraceError, match=r"_w_ce is now 0.5 but was 1.0"):
+        step(x, y)
+
+
+def test_private_fields_are_all_read_only_where_names_are_built_at_run_time(monkeypatch):
+    from remat import guards
+
+    model = _ScaleByName()
+    named = guards._NamedBy(model)
+    assert named.private(model, "_scale_main") and named.private(model, "_calls")
+    assert not named.private(model, "_parameters")  # (nn.Module's own)
+    plain = _ReadsLr()
+    plain._calls = 0
+    assert not guards._NamedBy(plain).private(plain, "_calls")  # (no built names: bookkeeping)
+    monkeypatch.setattr(guards, "_DYNAMIC", frozenset())  # (the rule off: the field read by a built name is missed)
+    assert not guards._NamedBy(model).private(model, "_scale_main")

@@ -1068,6 +1068,10 @@ def _step_roots(model: torch.nn.Module, loss_fn: object) -> frozenset[str]:
     return frozenset(names)
 
 
+#: Names in code that read an object's attributes by names built at run time.
+_DYNAMIC = frozenset({"getattr", "__dict__", "vars", "__getattribute__", "attrgetter"})
+
+
 class _NamedBy:
     """Which private attributes of the model's modules the step may read: those that the code of
     their classes (the user's) reaches from ``forward`` and from what ``loss_fn`` and the user's
@@ -1086,8 +1090,13 @@ class _NamedBy:
         return named
 
     def private(self, module: torch.nn.Module, key: str) -> bool:
-        """Is ``key``, a private attribute of ``module``, one the step may read?"""
-        return key.startswith("_") and key not in _MODULE_INTERNALS and key in self.names(type(module))
+        """Is ``key``, a private attribute of ``module``, one the step may read? Every one is
+        where the code reached reads attributes by names built at run time (``getattr(self,
+        '_scale_' + self.which)``, ``self.__dict__[name]``, ``vars(self)``: ``_DYNAMIC``)."""
+        if not key.startswith("_") or key in _MODULE_INTERNALS:
+            return False
+        names = self.names(type(module))
+        return key in names or (_user_class(type(module)) and not _DYNAMIC.isdisjoint(names))
 
 
 def _step_strings(named: _NamedBy, classes: Iterable[type], loss_fn: object, hooks: Iterable[object],
@@ -1207,6 +1216,10 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         seen.add(id(holder))
         private = names or (_behind_properties(type(holder)) if hasattr(holder, "__dict__")
                             and not isinstance(holder, (type, torch.nn.Module)) else frozenset())
+        if names is not None and _user_class(type(holder)) and not _loops_class(type(holder)) \
+                and not _DYNAMIC.isdisjoint(names):
+            names = None  # (its code reads fields by names built at run time: every field)
+            private = frozenset(k for k in getattr(holder, "__dict__", ()) if isinstance(k, str))
         for key, shown, value in _entries(holder, private):
             if room[0] <= 0:
                 return
