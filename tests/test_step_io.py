@@ -393,6 +393,66 @@ def test_hooks_on_parameters_run_as_in_eager():
     assert all(torch.equal(a, b) for a, b in zip(fired["planned"], fired["eager"]))
 
 
+class _Tied(nn.Module):
+    """An embedding shared with the output head (its gradient has two parts) and a BatchNorm
+    whose running statistics the forward updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix, self.norm = nn.Embedding(20, 16), nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+    def forward(self, ids):
+        h = self.norm(torch.tanh(self.mix(self.emb(ids))).transpose(1, 2)).transpose(1, 2)
+        return h @ self.emb.weight.t()
+
+
+def _lm(m, ids):
+    return F.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+
+
+@pytest.mark.parametrize("build", [_mlp, _Tied], ids=["mlp", "tied"])
+def test_parameter_hooks_run_in_eagers_order_one_parameter_at_a_time(build):
+    """An optimizer stepping in the backward (a post-accumulate hook per parameter) whose lr
+    reads another parameter, and a tensor hook reading another parameter's .grad: the step ran
+    every hook after every gradient, in the parameters' order (the first layer's first), where
+    eager runs each as its gradient is done (the head's first), so every parameter but one
+    ended other than eager's, silently. Each hook also sees the running statistics the forward
+    updated, as in eager."""
+    torch.manual_seed(0)
+    eager = build()
+    planned = copy.deepcopy(eager)
+    if build is _mlp:
+        batch, loss_fn, head = (torch.randn(32, 16), torch.randint(0, 3, (32,))), _loss, lambda m: m[4].weight
+    else:
+        batch, loss_fn, head = (torch.randint(0, 20, (4, 6)),), _lm, lambda m: m.mix.weight
+    step = _recomputing_step(planned, batch) if build is _mlp else remat.optimize(
+        planned, batch, loss_fn, budget="100%", method="checkpoint_all", cost_model=None)
+    seen = {"eager": [], "planned": []}
+    for model, name in ((eager, "eager"), (planned, "planned")):
+        names = {p: n for n, p in model.named_parameters()}
+
+        def reads_another(grad, model=model, name=name):
+            seen[name].append(head(model).grad is not None)
+
+        def steps(p, model=model, name=name, names=names):
+            seen[name].append(names[p])
+            stats = model.norm.running_mean.sum() if build is _Tied else 0.0
+            with torch.no_grad():
+                p.add_(p.grad, alpha=-0.1 / (1.0 + float(head(model).norm()) + float(stats)))
+            p.grad = None
+
+        for p in model.parameters():
+            p.register_hook(reads_another)
+            p.register_post_accumulate_grad_hook(steps)
+    for _ in range(2):
+        loss_fn(eager, *batch).backward()
+        step(*batch)
+    assert seen["planned"] == seen["eager"] and len(seen["eager"]) == 4 * len(list(eager.parameters()))
+    for (key, p), q in zip(eager.named_parameters(), planned.parameters(), strict=True):
+        assert torch.equal(p, q), key
+    assert step.traced.grad_order[0] != next(iter(dict(planned.named_parameters())))  # (the head's first)
+
+
 def test_a_step_under_inference_mode_or_no_grad_is_refused_and_writes_nothing():
     """Eager's backward raises under ``torch.inference_mode()``; the step ran and left every
     ``.grad`` an inference tensor, so the next step failed accumulating into it."""

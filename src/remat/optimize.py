@@ -204,17 +204,17 @@ class TrainingStep:
         outputs = self.traced.unpack(self.planned(*flat))
         params = view.parameters
         with torch.no_grad():
-            handed: set[int] = set()  # the storages of the gradients handed out as .grad so far
-            written = []
-            for key, grad in outputs.grads.items():
-                if grad is not None:
-                    _accumulate(params[key], grad_through_hooks(params[key], grad), handed)
-                    written.append(params[key])
-            for key, value in outputs.updates.items():
+            for key, value in outputs.updates.items():  # (eager's come in its forward, before any hook)
                 targets[key].copy_(value)
-            for param in written:  # (after the step's own updates, as eager's come after its forward)
-                for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-                    hook(param)
+            handed: set[int] = set()  # the storages of the gradients handed out as .grad so far
+            # one parameter at a time, as eager's backward: a hook sees the .grad and values eager's would
+            for key in _in_backward_order(outputs.grads, self.traced.grad_order):
+                grad = outputs.grads[key]
+                if grad is not None:
+                    param = params[key]
+                    _accumulate(param, grad_through_hooks(param, grad), handed)
+                    for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                        hook(param)
         roots = [(batch[batch_index(key)], grad) for key, grad in outputs.input_grads.items() if grad is not None]
         if roots:  # as loss.backward() reaches them: into a leaf's .grad, or on into the graph that made it
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
@@ -456,6 +456,12 @@ def _describe(args: tuple[object, ...]) -> str:
     if not args:
         return "no batch"
     return f"{len(args)} argument(s): " + ", ".join(one(a) for a in args)
+
+
+def _in_backward_order(grads: Mapping[str, object], order: Sequence[str]) -> list[str]:
+    """The keys of ``grads`` in ``order``, those ``order`` lacks after them (in their own order)."""
+    listed = set(order)
+    return [*(k for k in order if k in grads), *(k for k in grads if k not in listed)]
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor, handed: set[int]) -> None:

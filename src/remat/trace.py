@@ -172,6 +172,11 @@ class TracedStep:
     #: the keys of a dict batch, in the order of the step's batch tensors (None: a tuple batch);
     #: ``flat_inputs`` and ``answers_for`` then take dicts with these keys, in any order
     batch_keys: tuple[str, ...] | None = None
+    #: the trainable parameters whose gradients the step computes, in the order eager's
+    #: backward finishes them (recorded by hooks while the step is traced): the order the step
+    #: accumulates them into ``.grad`` and runs their hooks in, one parameter at a time, so a hook
+    #: sees the values and ``.grad`` eager's would
+    grad_order: tuple[str, ...] = ()
 
     @property
     def branch_answers(self) -> tuple[bool, ...]:
@@ -437,9 +442,10 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng, \
             recording_branches(real_batch, len(params) + len(buffers), branches) as branch_points, \
             OutsideReads() as reads:
+        finished: list[int] = []  # (indices into trainable, in the order the backward finished them)
         try:
             gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name,
-                                   stashed)
+                                   stashed, finished)
         except BaseException:  # a refused trace changes nothing of the user's Python state
             before.restore(model)
             raise
@@ -449,8 +455,9 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
             stashed.clear()
             branch_points.clear()
             reads.clear()
+            finished.clear()
             return _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes,
-                                     kinds_by_name, stashed)
+                                     kinds_by_name, stashed, finished)
 
         gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
         rng.check()
@@ -492,6 +499,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
         batch_spec=tuple(TensorSpec.of(t) for t in batch),
         module_state=module_state(model, loss_fn, reads.held(model, loss_fn), rnns.onednn_off),
         branch_points=branch_points,
+        grad_order=tuple(dict.fromkeys(trainable[i] for i in finished)),
     )
     traced.flat_inputs(model, batch)  # (the example as a step would take it: a batch (x, x) that it modifies is refused)
     if cost_model is not None:
@@ -790,7 +798,8 @@ def _refuse_checkpoint_writes(model: torch.nn.Module, writes: list[tuple[str, tu
         )
 
 
-def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_inputs, flat, kinds_by_name, stashed=None):
+def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_inputs, flat, kinds_by_name, stashed=None,
+                      grad_order=None):
     wrapper = _Wrapper(model, loss_fn)
     n_train, n_frozen, n_buf = len(trainable), len(frozen), len(buffer_keys)
     names = ["model." + k for k in trainable + frozen + buffer_keys]
@@ -812,6 +821,9 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
         wrt = [*tensors[:n_train], *(batch[i] for i in grad_inputs)]  # (the batch's as eager: leaves)
         for t in wrt:
             t.requires_grad_(True)
+        if grad_order is not None:  # (the order eager's backward finishes the parameters' gradients in)
+            for i, t in enumerate(wrt[:n_train]):
+                t.register_hook(lambda grad, i=i: grad_order.append(i))
         state = dict(zip(names, tensors[: n_train + n_frozen + n_buf]))
         with autocast_cache(cache_enabled), _refusing_backward():
             loss = torch.func.functional_call(wrapper, state, tuple(batch))
