@@ -228,7 +228,8 @@ def thread_count(minimum: int = 1, why: str = "") -> Callable[[str], object]:
 #: matrix, the MILP has n^2 variables): at about 4,000 nodes every method plans within a minute
 #: or two (the MILP and LP stop at their time limits) in under 1 GB, and unet:100000 asked for
 #: 149 GiB. chain:N is capped lower: revolve (griewank, also tried as a MILP warm start)
-#: measures a schedule per snapshot count, up to N of them (chain:800: 36 s for griewank).
+#: measures a schedule per snapshot count tried (chain:800: 92 of them and a bisection, and
+#: the revolve table, about 5 s).
 GRAPH_SIZES: dict[str, tuple[str, int, tuple[int, int]]] = {  # kind: (SIZE, largest, nodes = a*SIZE + b)
     "chain": ("the layer count N", 800, (2, 1)),
     "unet": ("the depth D", 1000, (4, 3)),
@@ -398,8 +399,9 @@ def resolve_target(args: argparse.Namespace) -> None:
 def add_solver_options(p: argparse.ArgumentParser, *, time_limit_s: float | None = None) -> None:
     """--time-limit (default ``time_limit_s``; None: each method's own) and --backend."""
     p.add_argument("--time-limit", type=arg_type(time_limit), default=time_limit_s,
-                   help="MILP / LP time limit in seconds (positive; default "
-                        + ("%(default)g)" if time_limit_s is not None else "each method's own, 60 for milp and lp_round)"))
+                   help="seconds the MILP / LP search may take (positive; default "
+                        + ("%(default)g" if time_limit_s is not None else "each method's own, 60 for milp and lp_round")
+                        + "); measuring a large graph's known plans and its lower bound comes first, on top")
     p.add_argument("--backend", default=None, choices=[b.value for b in MilpBackend],
                    help="MILP backend (default highs)")
 
@@ -410,8 +412,8 @@ def add_bench_options(p: argparse.ArgumentParser, *, methods: Sequence[str], tim
     the JSON goes and torch's threads while tracing."""
     p.add_argument("--methods", default=",".join(methods),
                    help=f"comma-separated methods (see `remat methods`; default {', '.join(methods)})")
-    p.add_argument("--time-limit", type=float, default=time_limit_s,
-                   help="seconds per lp_round / milp solve (default %(default)g)")
+    p.add_argument("--time-limit", type=arg_type(time_limit), default=time_limit_s,
+                   help="seconds per lp_round / milp solve (positive; default %(default)g)")
     p.add_argument("--options", default=None,
                    help="extra solver options as JSON: {method: {option: value}} (default: none)")
     p.add_argument("--out", type=Path, default=out, help=f"the JSON results (default {out_shown})")

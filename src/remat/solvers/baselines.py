@@ -567,17 +567,24 @@ def revolve_table(steps: int, slots: int) -> RevolveTable:
     >>> [int(t.forward_steps[6, s]) for s in range(3)]
     [21, 11, 9]
     """
-    cost = np.zeros((steps + 1, slots + 1), dtype=np.int64)
-    split = np.zeros((steps + 1, slots + 1), dtype=np.int64)
-    for s in range(slots + 1):
-        for l in range(1, steps + 1):
-            cost[l, s], split[l, s] = l + cost[l - 1, s], l
-            if s >= 1 and l >= 2:
+    kind = np.int32 if steps < 60_000 else np.int64  # (T <= l(l+1)/2; half the memory traffic)
+    cost = np.zeros((steps + 1, slots + 1), dtype=kind)
+    split = np.zeros((steps + 1, slots + 1), dtype=kind)
+    # Row l needs only rows below it, so each row is solved for every slot count at once (a
+    # 1000-layer chain: 10^3 array operations, not 10^6).
+    for l in range(1, steps + 1):
+        cost[l], split[l] = l + cost[l - 1], l
+        if l >= 2 and slots >= 1:
+            cost[l, l - 1:], split[l, l - 1:] = l, 1  # (s >= l - 1: snapshot every layer, l steps)
+            m = min(slots, l - 2)  # (the slot counts below that)
+            if m >= 1:
                 j = np.arange(1, l)
-                options = j + cost[l - j, s - 1] + cost[j - 1, s]
-                best = int(np.argmin(options))
-                if options[best] < cost[l, s]:
-                    cost[l, s], split[l, s] = options[best], j[best]
+                options = j[:, None] + cost[l - j, :m] + cost[j - 1, 1:m + 1]  # [j - 1, s - 1]
+                best = np.argmin(options, axis=0)  # (the first least: the lowest split)
+                least = options[best, np.arange(m)]
+                better = least < cost[l, 1:m + 1]
+                cost[l, 1:m + 1][better] = least[better]
+                split[l, 1:m + 1][better] = best[better] + 1
     return RevolveTable(forward_steps=cost, split=split)
 
 
@@ -641,6 +648,41 @@ def _griewank_plans(graph: Graph, budget_bytes: int, slots: int | None = None) -
     # More than L-1 slots change nothing: with L-1 every layer but the top is already a snapshot.
     most = layers - 1 if slots is None else min(slots, layers - 1)
     table = remembered(graph, ("revolve table",), lambda: revolve_table(layers, layers - 1))
-    tried = range(most + 1) if slots is None else (most,)
-    return [remembered(graph, ("revolve", s), lambda s=s: measure_kept(
-        graph, _revolve_keep(graph, layers, s, table), f"revolve with {s} snapshot slots")) for s in tried]
+
+    def measured(s: int) -> BaselinePlan:
+        return remembered(graph, ("revolve", s), lambda: measure_kept(
+            graph, _revolve_keep(graph, layers, s, table), f"revolve with {s} snapshot slots"))
+
+    if slots is not None:
+        return [measured(most)]
+    counts = _slot_counts(most)
+    plans = [measured(s) for s in counts]
+    # More slots: a higher peak and fewer recomputations. Between the most slots tried that fit
+    # and the next count tried, bisect for the most that fit.
+    fit = [k for k in range(len(counts) - 1) if plans[k].peak_bytes <= budget_bytes < plans[k + 1].peak_bytes]
+    if fit:
+        low, high = counts[fit[-1]], counts[fit[-1] + 1]
+        while high - low > 1:
+            middle = (low + high) // 2
+            plans.append(measured(middle))
+            low, high = (middle, high) if plans[-1].peak_bytes <= budget_bytes else (low, middle)
+    return plans
+
+
+#: Chains of up to this many layers try every slot count; longer ones try 0..ALL_SLOTS_UP_TO
+#: and then about SLOT_GROWTH times more at each step (a 800-layer chain: 92 counts, not 800;
+#: measuring all of them took most of a minute), and bisect between the two around the budget.
+ALL_SLOTS_UP_TO = 64
+SLOT_GROWTH = 1.1
+
+
+def _slot_counts(most: int) -> list[int]:
+    """The slot counts ``griewank`` measures for every budget (see ``ALL_SLOTS_UP_TO``).
+
+    >>> _slot_counts(3), len(_slot_counts(799)), _slot_counts(799)[-1]
+    ([0, 1, 2, 3], 92, 799)
+    """
+    counts = list(range(min(most, ALL_SLOTS_UP_TO) + 1))
+    while counts[-1] < most:
+        counts.append(min(most, max(counts[-1] + 1, int(counts[-1] * SLOT_GROWTH))))
+    return counts
