@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import remat
 from remat.cli import build_parser, main
 
 
@@ -51,7 +52,7 @@ def test_infeasible_budget_exits_1_and_names_the_minimum(capsys):
         (["solve", "--graph", "chain:4", "--budget", "lots", "--method", "checkpoint_all"], "not understood"),
         (["solve", "--graph", "chain:4", "--budget", "1GiB", "--method", "magic"], "unknown method 'magic'"),
         (["sweep", "--graph", "chain:4", "--budgets", "10%:90%:x"], "COUNT must be an integer"),
-        (["sweep", "--graph", "chain:4", "--budgets", "10%:90%:0"], "COUNT must be at least 1"),
+        (["sweep", "--graph", "chain:4", "--budgets", "10%:90%:0"], "COUNT is how many budgets LOW to HIGH, both included, so at least 2"),
         (["sweep", "--graph", "chain:4", "--budgets", ","], "lists no budget"),
         (["sweep", "--graph", "chain:4", "--budgets", "10%:20%"], "a range is LOW:HIGH:COUNT, e.g. 30%:100%:8"),
         (["sweep", "--graph", "chain:4", "--methods", "checkpoint_all,nope"], "unknown method 'nope'"),
@@ -170,6 +171,34 @@ def test_sweep_solves_a_damaged_entry_of_its_json_again(capsys, tmp_path, caplog
     assert plans(_sweep_points(path)) == plans(first)
     code, _, err = run(capsys, *argv)
     assert code == 0 and "4 of 4 points read back" in err
+
+
+def test_sweep_solves_an_entry_with_impossible_numbers_again(capsys, tmp_path, caplog):
+    """An entry whose result says cost 'abc' and a peak of -7 B was read back as it was."""
+    path = tmp_path / "s.json"
+    argv = ["sweep", "--graph", "chain:8", "--methods", "checkpoint_all", "--budgets", "100%,1GB", "--out", str(path)]
+    assert run(capsys, *argv)[0] == 0
+    data = json.loads(path.read_text())
+    data["results"][0]["result"]["result"].update(cost="abc", peak_bytes=-7)
+    data["results"][1]["result"]["result"]["peak_bytes"] = 10**15  # (above its budget)
+    path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="remat.sweep"):
+        code, _, err = run(capsys, *argv)
+    assert code == 0 and "read back" not in err
+    messages = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(messages) == 2
+    assert "a peak (-7) that is not a number of bytes within the budget" in messages[0]
+    assert "a cost ('abc') that is not a positive number" in messages[0]
+    assert "a peak (1000000000000000)" in messages[1]
+
+
+def test_sweep_budget_ranges_are_checked(capsys):
+    for budgets, message in (("50%:100%:1", "COUNT is how many budgets LOW to HIGH, both included, so at least 2"),
+                             ("30%:100%:100000", "at most 500 budgets")):
+        code, _, err = run(capsys, "sweep", "--graph", "chain:8", "--budgets", budgets)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"remat {remat.__version__}"
 
 
 def _interruptible(argv: list[str]) -> subprocess.Popen:
@@ -803,3 +832,11 @@ def test_the_smallest_budget_stated_by_one_run_plans_in_the_next(capsys, tmp_pat
     assert code == 0, err
     assert json.loads(out)["peak_bytes"] <= stated
     prepared.clear()
+
+
+def test_a_smallest_budget_shows_alike_in_every_row_of_a_sweep(capsys, tmp_path):
+    """recompute_all on unet:8 needs 100.018% of checkpoint-all's peak: the rows below 100%
+    said 'needs 100.0%', the 100% row 'needs 100.02%'."""
+    code, out, _ = run(capsys, "sweep", "--graph", "unet:8", "--methods", "recompute_all", "--budgets", "30%:100%:8",
+                       "--out", str(tmp_path / "s.json"))
+    assert code == 0 and out.count("needs 100.02%") == 8 and "needs 100.0%" not in out

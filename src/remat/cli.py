@@ -398,7 +398,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             progress.stop()
             err.print(f"interrupted: {len(done)} of {total} points are in {out_path}; run the same command again "
-                      f"to resume", highlight=False)
+                      f"to resume" if done else f"interrupted before the first point was done: nothing was written "
+                      f"to {out_path}", highlight=False)
             raise _Interrupted from None
     store.save()  # the graph's record in meta, also when every point was already there
     resumed = sum(p.read_back for p in points)
@@ -423,19 +424,23 @@ def _print_sweep(graph: Graph, points: Sequence[SweepPoint], names: Sequence[str
         row = [f"{format_bytes(budget)} ({budget / reference:.0%})"]
         for name in names:
             p = next(q for q in points if q.budget_bytes == budget and q.method == name)
-            row.append(_sweep_cell(p, reference))
+            row.append(_sweep_cell(p, reference, [q for q in points if q.method == name]))
         table.add_row(*row)
     out.print(table)
 
 
-def _sweep_cell(p: SweepPoint, reference: int) -> str:
+def _sweep_cell(p: SweepPoint, reference: int, column: Sequence[SweepPoint] = ()) -> str:
     if p.skipped:
         return "n/a"
     if p.result is not None:
         return f"{p.result['overhead']:.3f}x"
     if p.min_budget_bytes is None:
         return "no plan"
-    return f"needs {_needs_shown(p.min_budget_bytes, p.budget_bytes, reference)}"
+    # (as many decimals in every row as the highest budget it is shown against needs: not
+    # 'needs 100.0%' at 90% and 'needs 100.02%' at 100% for one smallest budget)
+    failed = max([q.budget_bytes for q in column if q.result is None and not q.skipped
+                  and q.min_budget_bytes == p.min_budget_bytes] + [p.budget_bytes])
+    return f"needs {_needs_shown(p.min_budget_bytes, failed, reference)}"
 
 
 def _needs_shown(least: int, budget: int, reference: int) -> str:

@@ -287,8 +287,15 @@ class CommandParser(Parser):
         return parsed
 
 
+def _version() -> str:
+    from remat import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="remat", description="Optimal tensor rematerialization for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"remat {_version()}")
     add_verbosity(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -326,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_solver_options(p)
     p.add_argument("--out", default="sweep.json", help="the JSON results, kept between runs (default %(default)s)")
     p.add_argument("--plot", default=None,
-                   help="where to draw the plot (.png, .pdf, .svg; default: --out with .png)")
+                   help="where to draw the plot, in the format its extension names (.png, .pdf, .svg, or another "
+                        "matplotlib writes; default: --out with .png)")
 
     p = command("demo", help="optimize a real model with six methods; table, JSON and plot",
                 description="Trace a real model, plan it with several methods at several budgets, run "
@@ -460,6 +468,10 @@ def fraction_list(text: str) -> list[float]:
     return list(dict.fromkeys(_spread(text, resolve, whole=False)))
 
 
+#: The most budgets a --budgets range takes (a sweep plans each with every method).
+MAX_BUDGETS = 500
+
+
 def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered: bool = True) -> list:
     """The values of a --budgets list or LOW:HIGH:COUNT range, each read by ``resolve``;
     ``whole``: bytes (rounded), else fractions; not ``ordered``: only checked (LOW and HIGH
@@ -470,9 +482,13 @@ def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered:
             k = int(count)
         except ValueError:
             raise UsageError(f"--budgets {text!r}: COUNT must be an integer") from None
-        if k < 1:
-            raise UsageError(f"--budgets {text!r}: COUNT must be at least 1")
         lo, hi = resolve(low), resolve(high)
+        if k < 2 and (k < 1 or lo != hi):
+            raise UsageError(f"--budgets {text!r}: COUNT is how many budgets LOW to HIGH, both included, so at least "
+                             f"2; e.g. {low}:{high}:8 (one budget: --budgets {low})")
+        if k > MAX_BUDGETS:
+            raise UsageError(f"--budgets {text!r}: at most {MAX_BUDGETS} budgets (each is a plan per method); e.g. "
+                             f"{low}:{high}:{min(k, 50)}")
         if not ordered:
             return []
         if lo > hi:
@@ -485,7 +501,10 @@ def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered:
     if ":" in text:
         raise UsageError(f"--budgets {text!r}: a range is LOW:HIGH:COUNT, e.g. 30%:100%:8; or list budgets, "
                          f"e.g. 50%,75%,100%")
-    budgets = [resolve(part) for part in text.split(",") if part.strip()]
+    parts = [part for part in text.split(",") if part.strip()]
+    if len(parts) > MAX_BUDGETS:
+        raise UsageError(f"--budgets lists {len(parts)} budgets; at most {MAX_BUDGETS} (each is a plan per method)")
+    budgets = [resolve(part) for part in parts]
     if not budgets:
         raise UsageError(f"--budgets {text!r} lists no budget; e.g. --budgets 50%,75%,100% or 30%:100%:8")
     return budgets

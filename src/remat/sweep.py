@@ -67,7 +67,20 @@ class SweepPoint:
         if result is not None and (not isinstance(result, Mapping) or not number(result.get("overhead"))
                                    or not isinstance(result.get("status"), str)):
             problems.append("a result without an overhead and a status")
-        if record.get("min_budget_bytes") is not None and not isinstance(record.get("min_budget_bytes"), int):
+        elif result is not None:
+            budget = record.get("budget_bytes")
+            peak = result.get("peak_bytes")
+            if not isinstance(peak, int) or isinstance(peak, bool) or peak < 0 \
+                    or (isinstance(budget, int) and peak > budget):
+                problems.append(f"a peak ({peak!r}) that is not a number of bytes within the budget")
+            for name in ("cost", "overhead"):
+                if not number(result.get(name)) or not 0 < result[name] < math.inf:
+                    problems.append(f"a {name} ({result.get(name)!r}) that is not a positive number")
+            for name in ("lower_bound", "gap"):
+                if result.get(name) is not None and not number(result.get(name)):
+                    problems.append(f"a {name} ({result.get(name)!r}) that is not a number")
+        least = record.get("min_budget_bytes")
+        if least is not None and (not isinstance(least, int) or isinstance(least, bool) or least < 0):
             problems.append("a smallest budget that is not a number of bytes")
         if problems:
             raise ValueError("the stored point has " + " and ".join(problems))

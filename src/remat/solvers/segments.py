@@ -161,7 +161,8 @@ def _measure_all(graph: Graph) -> list:
         by_node = {c.node: c for c in tier}
         for k in range(1, min(MAX_STRIDE, len(tier)) + 1):
             for offset in range(k):
-                consider(_checkpoints(tier[offset::k]), f"every {k}-th cut of tier {level} from cut {offset}")
+                consider(_checkpoints(tier[offset::k]),
+                         f"{_every(k)} cut of tier {level} from cut {offset}")
         for threshold in np.unique(np.linspace(-1, total, GREEDY_POINTS).astype(np.int64)):
             chosen = [by_node[i] for i in greedy_checkpoints(graph, by_node, int(threshold))]
             consider(_checkpoints(chosen), f"greedy cuts of tier {level} (threshold {int(threshold)} B)")
@@ -175,6 +176,14 @@ def _measure_all(graph: Graph) -> list:
             kept = {i for s in ranked[r:] for i in parts[s]}
             consider(base | kept, f"{r} of the {len(parts)} segments of tier {level} recomputed")
     return list(tried.values())
+
+
+def _every(k: int) -> str:
+    """'every cut', 'every 2nd', 'every 3rd', 'every 4th', 'every 12th', 'every 21st'."""
+    if k == 1:
+        return "every"
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"every {k}{suffix}"
 
 
 # ---------------------------------------------------------------------------- nested
@@ -219,12 +228,13 @@ def _measure_nested(graph: Graph) -> list:
                 continue
             for offset in sorted({0, a // 2}):
                 outer = every[offset::a]
-                candidates.append(((outer, every), f"every {a}-th cut from {offset}, then every cut"))
-                candidates.append((((), outer, every), f"nothing, every {a}-th cut from {offset}, then every cut"))
+                candidates.append(((outer, every), f"{_every(a)} cut from {offset}, then every cut"))
+                candidates.append((((), outer, every), f"nothing, {_every(a)} cut from {offset}, then every cut"))
                 for b in (2, 3):
                     if b < a and a % b == 0:
                         middle = tuple(sorted(set(every[offset % b::b]) | set(outer)))
-                        candidates.append(((outer, middle, every), f"every {a}-th, {b}-th cut from {offset}, then every cut"))
+                        candidates.append(((outer, middle, every), f"{_every(a)}, then {_every(b)} cut from {offset}, "
+                                                                      f"then every cut"))
         for levels, what in candidates:
             plans.setdefault((t, levels), nested_plan(graph, tier, levels, f"nested, tier {t}: {what}"))
     return list(plans.values())
