@@ -206,34 +206,38 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
+    from remat.cli_args import (Parser, UsageError, arg_type, fraction_list, positive_int, thread_count, time_limit,
+                                writable_file)
 
     cpus = os.cpu_count() or 1
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)} "
-                                                                   "(default all)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    parser.add_argument("--busy", type=int, default=cpus, help=f"spinning processes of the load (default {cpus}: "
-                                                               "one per core)")
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    parser = Parser(prog="busy_cpu.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated models, from: {', '.join(MODELS)} (default %(default)s)")
+    parser.add_argument("--rounds", type=arg_type(positive_int), default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--busy", type=arg_type(positive_int), default=cpus,
+                        help=f"spinning processes of the load (default {cpus}: one per core)")
     parser.add_argument("--threads", type=thread_count(2, " (one thread cannot stall)"), default=2,
                         help="profiling threads (default 2)")
-    parser.add_argument("--budgets", default=BUDGETS, help=f"fractions of checkpoint-all (default {BUDGETS})")
-    parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per plan (default 10)")
+    parser.add_argument("--budgets", default=BUDGETS,
+                        help=f"comma-separated fractions (0.5) or percentages (50%%) of checkpoint-all, or LOW:HIGH:COUNT "
+                             f"evenly spaced (default {BUDGETS})")
+    parser.add_argument("--time-limit", type=arg_type(time_limit), default=10.0, help="seconds per plan (default 10)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default bench/results/busy_cpu.json)")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
-        parser.error(f"unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
-    if args.rounds < 1 or args.busy < 1:
-        parser.error("--rounds and --busy must be at least 1")
+        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
     try:
-        fractions = [float(f) for f in args.budgets.split(",")]
-    except ValueError:
-        fractions = []
-    if not fractions or not all(0 < f <= 1 for f in fractions) or not args.time_limit > 0:
-        parser.error(f"--budgets must be fractions in (0, 1] separated by commas (not {args.budgets!r}) and "
-                     "--time-limit positive")
+        fractions = fraction_list(args.budgets)
+    except UsageError as exc:
+        message = str(exc)
+        parser.error(message if message.startswith("--budgets") else f"--budgets {args.budgets!r}: {message}")
+    try:
+        writable_file(args.out, "--out")
+    except UsageError as exc:
+        parser.error(str(exc))
     from remat.sweep import environment, save_json
 
     command = " ".join(["python bench/busy_cpu.py", *(argv if argv is not None else sys.argv[1:])])

@@ -788,26 +788,39 @@ def summary(results: dict) -> str:
 
 # ---------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)} (the "
-                        f"default), or of the large {', '.join(LARGE_MODELS)}")
-    parser.add_argument("--batch", type=int, default=None, help="one batch size for every model")
-    parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS), help="remat budgets, fractions")
-    parser.add_argument("--method", default="milp", help="remat method")
-    parser.add_argument("--time-limit-s", type=float, default=None, help="solver time limit (default 10, quick 3)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per variant (default 5, quick 2)")
-    parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="start no variant after this many seconds")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the same code")
+    from remat.cli_args import Parser, UsageError, arg_type, method_name, time_limit, writable_file
+
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    parser = Parser(prog="cuda_check.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated models, from: {', '.join(MODELS)} (default: all of these; with --quick "
+                             f"{', '.join(QUICK_MODELS)}), or the large {', '.join(LARGE_MODELS)}")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="one batch size for every model (default: each model's own)")
+    parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS),
+                        help="remat budgets, fractions (default %(default)s)")
+    parser.add_argument("--method", type=arg_type(method_name), default="milp",
+                        help="remat method (see `remat methods`; default %(default)s)")
+    parser.add_argument("--time-limit-s", type=arg_type(time_limit), default=None,
+                        help="solver time limit in seconds (default 10, with --quick 3)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per variant (default 5, with --quick 2)")
+    parser.add_argument("--deadline-s", type=float, default=DEADLINE_S,
+                        help="start no variant after this many seconds (0: record every variant as skipped; "
+                             "default %(default)g)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a dry run of the same code (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="small models and inputs (with --device cpu: dry run)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/cuda_check.json)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file (default bench/results/cuda_check.json; with --quick cuda_check_quick.json)")
     parser.add_argument("--fresh", action="store_true", help="ignore what the JSON holds already")
     parser.add_argument("--replot", action="store_true", help="only print the section from the JSON")
     args = parser.parse_args(argv)
-    names = [m for m in (args.models or ",".join(QUICK_MODELS if args.quick else MODELS)).split(",") if m]
+    names = [m for m in (",".join(QUICK_MODELS if args.quick else MODELS) if args.models is None else args.models)
+             .split(",") if m]
     unknown = [m for m in names if m not in MODELS and m not in LARGE_MODELS]
-    if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join([*MODELS, *LARGE_MODELS])}")
+    if unknown or not names:
+        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from "
+                     f"{', '.join([*MODELS, *LARGE_MODELS])}")
     if args.quick and any(m not in QUICK_CAPABLE for m in names):
         parser.error(f"--quick runs {', '.join(QUICK_CAPABLE)} on small inputs; the other models need their paper input")
     args.models = names
@@ -819,11 +832,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--budgets: every budget must be a fraction in (0, 1], got {args.budgets}")
     if args.batch is not None and args.batch < 1:
         parser.error(f"--batch {args.batch} must be at least 1")
-    args.time_limit_s = args.time_limit_s or (3.0 if args.quick else 10.0)
-    args.rounds = args.rounds or (2 if args.quick else 5)
+    if args.time_limit_s is None:
+        args.time_limit_s = 3.0 if args.quick else 10.0
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 5
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds} must be at least 1")
+    if not args.deadline_s >= 0:  # (nan too)
+        parser.error(f"--deadline-s {args.deadline_s:g} must be 0 or more seconds")
     args.out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
+    if not args.replot:
+        try:
+            writable_file(args.out, "--out")
+            if args.out.exists() and not args.fresh:
+                json.loads(args.out.read_text())
+        except UsageError as exc:
+            parser.error(str(exc))
+        except ValueError as exc:  # (a file that is not this check's JSON: its results would be lost)
+            parser.error(f"--out {str(args.out)!r} is not a results file of this check (not readable JSON: {exc})")
     return args
 
 
@@ -864,7 +890,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     results = {} if args.fresh or not args.out.exists() else json.loads(args.out.read_text())
     device = torch.device(args.device)
-    results["meta"] = {
+    stored = json.dumps(results.get("models", {}), sort_keys=True)
+    # (this run's provenance, written with the first variant it records: a run that records
+    # nothing leaves the file's as it was)
+    meta = {
         "command": "python bench/cuda_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": args.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)",
@@ -881,16 +910,22 @@ def main(argv: list[str] | None = None) -> int:
     }
     results.setdefault("models", {})
 
+    def changed() -> bool:
+        return json.dumps(results["models"], sort_keys=True) != stored
+
     def save() -> None:
-        save_json(results, args.out)
+        if changed():
+            results["meta"] = meta
+            save_json(results, args.out)
 
     for spec in specs(args.models, args.quick, args.batch):
         print(f"{spec.key}:", flush=True)
         record = results["models"].setdefault(spec.key, {"variants": {}})
         check_model(spec, args, record, save, deadline)
         save()
-    results["meta"]["wall_s"] = round(time.monotonic() - started, 1)
-    save()
+    if changed():
+        meta["wall_s"] = round(time.monotonic() - started, 1)
+        save()
     print(markdown(results))
     if args.out.resolve() == RESULTS.resolve():
         sys.path.insert(0, str(HERE))

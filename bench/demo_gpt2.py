@@ -91,13 +91,16 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
-    parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--time-limit", type=float, default=20.0, help="MILP / LP time limit per solve (s)")
-    parser.add_argument("--threads", type=thread_count(), default=1)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    from remat.cli_args import Parser, arg_type, positive_int, thread_count, time_limit
+
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    parser = Parser(prog="demo_gpt2.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=arg_type(positive_int), default=8, help="batch size (default %(default)s)")
+    parser.add_argument("--time-limit", type=arg_type(time_limit), default=20.0,
+                        help="MILP / LP time limit per solve, in seconds (default %(default)g)")
+    parser.add_argument("--threads", type=thread_count(), default=1, help="torch intra-op threads (default %(default)s)")
+    args = parser.parse_args(argv)
     results = run(args)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1))

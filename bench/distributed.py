@@ -328,26 +328,34 @@ FINDINGS: list[str] = [
 
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
+    from remat.cli_args import Parser, arg_type, method_name, positive_int, time_limit
+
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    parser = Parser(prog="distributed.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help=f"comma-separated engines, from: {', '.join(ENGINES)} (default: all of them)")
     parser.add_argument("--budgets", default=None,
                         help="fractions, comma-separated, for every engine (default: 0.7,0.5; 0.8,0.7 per block)")
-    parser.add_argument("--method", default="milp", help="remat method")
-    parser.add_argument("--time-limit-s", type=float, default=60.0, help="solver time limit (milp, lp_round)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 7, quick 2)")
+    parser.add_argument("--method", type=arg_type(method_name), default="milp",
+                        help="remat method (see `remat methods`; default %(default)s)")
+    parser.add_argument("--time-limit-s", type=arg_type(time_limit), default=60.0,
+                        help="solver time limit in seconds (milp, lp_round; default %(default)g)")
+    parser.add_argument("--rounds", type=arg_type(positive_int), default=None,
+                        help="interleaved timing rounds (default 7, with --quick 2)")
     parser.add_argument("--quick", action="store_true", help="a smaller model, own JSON")
     parser.add_argument("--fresh", action="store_true", help="measure engines already in the JSON again")
     parser.add_argument("--replot", action="store_true", help="only print the section from the JSON")
     args = parser.parse_args(argv)
     out_path = QUICK_RESULTS if args.quick else RESULTS
     if args.replot:
+        if not out_path.is_file():
+            parser.error(f"--replot prints the section from {out_path}, which does not exist; run the benchmark first")
         print(markdown(json.loads(out_path.read_text())))
         return 0
     engines = [e for e in args.engines.split(",") if e]
     unknown = [e for e in engines if e not in ENGINES]
-    if unknown:
-        parser.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    if unknown or not engines:
+        parser.error(f"--engines: unknown engine(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(ENGINES)}")
     budgets = dict(BUDGETS)
     if args.budgets is not None:
         try:
@@ -363,20 +371,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from remat.sweep import environment, save_json
 
-    rounds = args.rounds or (2 if args.quick else 7)
+    rounds = (2 if args.quick else 7) if args.rounds is None else args.rounds
     run_args = {"config": QUICK_CONFIG if args.quick else CONFIG, "budgets": budgets, "method": args.method,
                 "time_limit_s": args.time_limit_s, "rounds": rounds}
     previous = {} if args.fresh or not out_path.exists() else json.loads(out_path.read_text())
-    results = {
-        "meta": {**previous.get("meta", {}),
-                 "command": "python bench/distributed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "config": run_args["config"], "method": args.method, "time_limit_s": args.time_limit_s,
-                 "budgets": budgets,
-                 "rounds": rounds, "threads": 1, "world": WORLD, "torch": torch.__version__,
-                 "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "environment": environment(),
-                 "measured": time.strftime("%Y-%m-%d %H:%M")},
-        "engines": previous.get("engines", {}),
-    }
+    # (this run's provenance, stored with the first engine it measures: a run that measures
+    # nothing leaves the file's as it was)
+    meta = {**previous.get("meta", {}),
+            "command": "python bench/distributed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "config": run_args["config"], "method": args.method, "time_limit_s": args.time_limit_s,
+            "budgets": budgets,
+            "rounds": rounds, "threads": 1, "world": WORLD, "torch": torch.__version__,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "environment": environment(),
+            "measured": time.strftime("%Y-%m-%d %H:%M")}
+    results = {"meta": previous.get("meta", {}), "engines": previous.get("engines", {})}
     with tempfile.TemporaryDirectory() as tmp:
         for engine in engines:
             if engine in results["engines"]:
@@ -386,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             results["engines"][engine] = measure_engine(engine, run_args, Path(tmp))
             print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
+            results["meta"] = meta
             save_json(results, out_path)
     print(markdown(results))
     return 0

@@ -247,19 +247,32 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, UsageError, writable_file
 
-    p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", default="gpt2-48L", help="a gpt2-<n>L workload of solver_scaling.py")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "floor_anatomy.json")
+    import solver_scaling as ss
+
+    gpt2 = [w for w in ss.WORKLOADS if w.startswith("gpt2-")]
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    p = Parser(prog="floor_anatomy.py", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="gpt2-48L",
+                   help=f"a GPT-2 workload of solver_scaling.py, measured there: {', '.join(gpt2)} (default %(default)s)")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "floor_anatomy.json",
+                   help="the results JSON (default bench/results/floor_anatomy.json)")
     args = p.parse_args(argv)
     if not args.workload.startswith("gpt2-"):
-        p.error(f"--workload {args.workload}: this diagnostic reads GPT-2 traces only (gpt2-<n>L)")
+        p.error(f"--workload {args.workload}: this diagnostic reads GPT-2 traces only ({', '.join(gpt2)})")
+    if args.workload not in gpt2:
+        p.error(f"--workload {args.workload} is not a workload of bench/solver_scaling.py; choose from {', '.join(gpt2)}")
     if not SCALING.exists():
         p.error(f"{SCALING} is missing: run bench/solver_scaling.py first")
     if args.workload not in json.loads(SCALING.read_text())["workloads"]:
         p.error(f"{args.workload} is not in {SCALING.name}: run bench/solver_scaling.py --workloads {args.workload}")
+    try:
+        writable_file(args.out, "--out")
+    except UsageError as exc:
+        p.error(str(exc))
     result = anatomy(args.workload)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
     return 0

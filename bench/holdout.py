@@ -179,24 +179,35 @@ def _summary(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
-    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per milp solve")
-    parser.add_argument("--threads", type=thread_count(), default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    from remat.cli_args import Parser, UsageError, arg_type, thread_count, time_limit, writable_file
+
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    parser = Parser(prog="holdout.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated models, from: {', '.join(MODELS)} (default: all of them)")
+    parser.add_argument("--time-limit", type=arg_type(time_limit), default=30.0,
+                        help="seconds per milp solve (default %(default)g)")
+    parser.add_argument("--threads", type=thread_count(), default=1, help="torch intra-op threads (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="the results JSON (default bench/results/holdout.json)")
     args = parser.parse_args(argv)
     chosen = [m for m in args.models.split(",") if m]
     unknown = [m for m in chosen if m not in MODELS]
-    if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if unknown or not chosen:
+        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
+    try:
+        writable_file(args.out, "--out")
+        results = json.loads(args.out.read_text()) if args.out.exists() else {"meta": {}, "models": {}}
+    except UsageError as exc:
+        parser.error(str(exc))
+    except ValueError as exc:  # (a file that is not this benchmark's JSON: its results would be lost)
+        parser.error(f"--out {str(args.out)!r} is not a results file of this benchmark (not readable JSON: {exc})")
     import torch
 
     from remat.solvers import planner_version
     from remat.sweep import save_json
 
     torch.set_num_threads(args.threads)
-    results = json.loads(args.out.read_text()) if args.out.exists() else {"meta": {}, "models": {}}
     results["meta"].update(command=" ".join(["python bench/holdout.py", *(argv if argv is not None else sys.argv[1:])]),
                            threads=args.threads, torch=torch.__version__, time_limit_s=args.time_limit,
                            planner=planner_version())

@@ -321,11 +321,17 @@ def plot(results: dict, path: Path = PLOT) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser  # (a usage error is one line, exit code 2)
-    p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from: {', '.join(WORKLOADS)}")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per call")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    from remat.cli_args import Parser, UsageError, arg_type, time_limit, writable_file
+
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    p = Parser(prog="solver_scaling.py", description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all of them)")
+    p.add_argument("--time-limit", type=arg_type(time_limit), default=DEFAULT_TIME_LIMIT_S,
+                   help="seconds per planning call (default %(default)g)")
+    p.add_argument("--out", type=Path, default=RESULTS,
+                   help="the results JSON, kept between runs (default bench/results/solver_scaling.json; the plot "
+                        "goes next to it unless it is the default)")
     p.add_argument("--fresh", action="store_true", help="recompute every workload")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
     args = p.parse_args(argv)
@@ -333,8 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or not workloads:
         p.error(f"unknown workload {', '.join(unknown) or '(none)'}; choose from {', '.join(WORKLOADS)}")
-    if not (args.time_limit > 0):
-        p.error(f"--time-limit {args.time_limit} must be a positive number of seconds")
+    if args.plot_only and not args.out.is_file():
+        p.error(f"--plot-only redraws the plot from --out {str(args.out)!r}, which does not exist; run the benchmark "
+                f"without --plot-only first (or give --out the results file of an earlier run)")
+    try:
+        writable_file(args.out, "--out")
+    except UsageError as exc:
+        p.error(str(exc))
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.plot_only:

@@ -70,28 +70,43 @@ def check_model(name: str, batch: int, positions, time_limit_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
-    parser.add_argument("--batch", type=int, default=None, help="one batch size for every model")
-    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per milp solve")
-    parser.add_argument("--threads", type=thread_count(), default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    from remat.cli_args import Parser, UsageError, arg_type, positive_int, thread_count, time_limit, writable_file
+
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    parser = Parser(prog="spot_checks.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated models, from: {', '.join(MODELS)} (default: all of them)")
+    parser.add_argument("--batch", type=arg_type(positive_int), default=None,
+                        help="one batch size for every model (default: each model's own, "
+                             + ", ".join(f"{m} {b}" for m, b in MODELS.items()) + ")")
+    parser.add_argument("--time-limit", type=arg_type(time_limit), default=30.0,
+                        help="seconds per milp solve (default %(default)g)")
+    parser.add_argument("--threads", type=thread_count(), default=2, help="torch intra-op threads (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="the results JSON, kept between runs (default bench/results/spot_checks.json)")
     args = parser.parse_args(argv)
-    unknown = [m for m in args.models.split(",") if m and m not in MODELS]
-    if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
+    try:
+        writable_file(args.out, "--out")
+        results = json.loads(args.out.read_text()) if args.out.exists() else {"meta": {}, "models": {}}
+    except UsageError as exc:
+        parser.error(str(exc))
+    except ValueError as exc:  # (a file that is not this benchmark's JSON: its results would be lost)
+        parser.error(f"--out {str(args.out)!r} is not a results file of this benchmark (not readable JSON: {exc})")
     import torch
 
     from remat.sweep import save_json
 
     torch.set_num_threads(args.threads)
-    results = json.loads(args.out.read_text()) if args.out.exists() else {"meta": {}, "models": {}}
-    results["meta"].update(command=" ".join(["python bench/spot_checks.py", *(argv if argv is not None else sys.argv[1:])]),
-                           threads=args.threads, torch=torch.__version__, time_limit_s=args.time_limit,
-                           measured_by="profiler")
-    for name in [m for m in args.models.split(",") if m]:
-        batch = args.batch or MODELS[name]
+    # (this run's provenance, stored with the first model it measures: a run that measures nothing
+    # leaves the file's as it was)
+    meta = dict(command=" ".join(["python bench/spot_checks.py", *(argv if argv is not None else sys.argv[1:])]),
+                threads=args.threads, torch=torch.__version__, time_limit_s=args.time_limit, measured_by="profiler")
+    for name in models:
+        batch = MODELS[name] if args.batch is None else args.batch
         key = f"{name}@{batch}"
         if key in results["models"]:
             print(f"{key}: done already")
@@ -99,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: tracing, planning and running at {len(POSITIONS)} budgets", flush=True)
         record = check_model(name, batch, POSITIONS, args.time_limit)
         results["models"][key] = record
+        results["meta"].update(meta)
         save_json(results, args.out)
         for run in record["runs"]:
             print(f"  {_row(key, run)}", flush=True)

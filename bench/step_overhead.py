@@ -189,15 +189,19 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
+    from remat.cli_args import Parser, thread_count
 
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
-    parser.add_argument("--rounds", type=int, default=40, help="interleaved timing rounds (default 40)")
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    parser = Parser(prog="step_overhead.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated models, from: {', '.join(MODELS)} (default: all of them)")
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved timing rounds, at least 3 (default 40)")
     parser.add_argument("--threads", type=thread_count(), default=1, help="intra-op threads (default 1)")
     parser.add_argument("--replot", action="store_true", help="only print the section from the JSON")
     args = parser.parse_args(argv)
     if args.replot:
+        if not RESULTS.is_file():
+            parser.error(f"--replot draws the section from {RESULTS}, which does not exist; run the benchmark first")
         results = json.loads(RESULTS.read_text())
         plot(results)
         print(markdown(results))
@@ -205,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
-        parser.error(f"unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
+        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
     if args.rounds < 3:
-        parser.error("--rounds must be at least 3")
+        parser.error(f"--rounds must be at least 3, not {args.rounds}")
     import torch
 
     from remat.sweep import environment, save_json

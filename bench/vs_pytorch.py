@@ -141,8 +141,8 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
             made.append(gpt2_workload(args.layers, float(name.split("-d")[1]), seq=seq, batch=batch))
         elif name == "resnet50":
             made.append(resnet_workload(side=112 if args.quick else 224, batch=2))
-        else:
-            raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        else:  # (main refuses it first, as bad usage)
+            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     if args.quick:
         for w in made:
             w.label += "-quick"
@@ -295,6 +295,11 @@ def pending(store, w: Workload, candidates: list[Variant], args: argparse.Namesp
             and (args.fresh or not complete(store.get(variant_key(w, v, args))))]
 
 
+def at_peak_name(competitor: Variant, args: argparse.Namespace) -> str:
+    """The name of remat's variant at ``competitor``'s measured peak."""
+    return f"remat {args.method} at {competitor.name}'s peak"
+
+
 def at_competitor_peaks(store, w: Workload, args: argparse.Namespace) -> list[Variant]:
     """remat at each competitor's measured peak (its budget in bytes), so that every competitor
     point has a remat point of the same memory; competitors measured now or stored before."""
@@ -304,8 +309,21 @@ def at_competitor_peaks(store, w: Workload, args: argparse.Namespace) -> list[Va
             continue
         r = store.get(variant_key(w, v, args))
         if r is not None and "peak_bytes" in r and r.get("grad_max_abs_diff", 0.0) <= WRONG_GRAD:
-            out.append(Variant(f"remat {args.method} at {v.name}'s peak", "remat", int(r["peak_bytes"])))
+            out.append(Variant(at_peak_name(v, args), "remat", int(r["peak_bytes"])))
     return out
+
+
+def variant_names(models: list[str], args: argparse.Namespace) -> list[str]:
+    """Every variant name a run of ``models`` can measure (what ``--variants`` may name besides
+    the families), remat's at each competitor's peak included."""
+    names = []
+    for model in models:
+        w = Workload("gpt2" if model.startswith("gpt2") else model, {}, None, (), None, [])
+        for v in variants(args, w):
+            names.append(v.name)
+            if v.family not in ("eager", "remat"):
+                names.append(at_peak_name(v, args))
+    return list(dict.fromkeys(names))
 
 
 def measure_model(w: Workload, args: argparse.Namespace, store, run: dict) -> None:
@@ -328,6 +346,8 @@ def measure_model(w: Workload, args: argparse.Namespace, store, run: dict) -> No
 
     def store_result(v: Variant) -> None:
         v.result.update(measured=run["started"], command=run["command"])
+        if "meta" in run:  # this run's provenance, stored with its first result
+            store.meta = run.pop("meta")
         store.put(variant_key(w, v, args), v.result)
 
     def first_step(v: Variant) -> None:
@@ -620,22 +640,29 @@ def plot(results: dict, suffix: str = "", folder: Path = PLOTS) -> list[Path]:
 
 # ---------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
-    parser = Parser(prog="vs_pytorch.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from remat.cli_args import Parser, arg_type, method_name, positive_int, thread_count, time_limit
+
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    parser = Parser(prog="vs_pytorch.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller batch, fewer budgets and rounds; own JSON")
-    parser.add_argument("--layers", type=int, default=4, choices=range(4, 13), metavar="4..12")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--layers", type=int, default=4, choices=range(4, 13), metavar="4..12",
+                        help="GPT-2's layers (default %(default)s)")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated models, from: {', '.join(MODELS)} (default: all of them)")
     parser.add_argument("--variants", default=None,
-                        help=f"comma-separated families ({', '.join(FAMILIES)}) or exact variant names; default all")
-    parser.add_argument("--method", default="milp", help="remat method for the budget sweep")
-    parser.add_argument("--time-limit-s", type=float, default=60.0, help="solver time limit (milp, lp_round)")
+                        help=f"comma-separated families ({', '.join(FAMILIES)}) or exact variant names (default: all)")
+    parser.add_argument("--method", type=arg_type(method_name), default="milp",
+                        help="remat method for the budget sweep (see `remat methods`; default %(default)s)")
+    parser.add_argument("--time-limit-s", type=arg_type(time_limit), default=60.0,
+                        help="solver time limit in seconds (milp, lp_round; default %(default)g)")
     parser.add_argument("--fresh", action="store_true",
                         help="measure the selected variants again even if they are stored (their entries are replaced)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5, quick 2)")
-    parser.add_argument("--threads", type=thread_count(), default=1)
+    parser.add_argument("--rounds", type=arg_type(positive_int), default=None,
+                        help="interleaved timing rounds (default 5, with --quick 2)")
+    parser.add_argument("--threads", type=thread_count(), default=1, help="torch intra-op threads (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="the results file (default bench/results/vs_pytorch.json); its plots go next to it")
+                        help="the results file (default bench/results/vs_pytorch.json, with --quick "
+                             "vs_pytorch_quick.json); its plots go next to it")
     parser.add_argument("--replot", action="store_true", help="only redraw the plots and print the table from the JSON")
     return parser
 
@@ -652,18 +679,40 @@ def open_results(path: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from remat.cli_args import UsageError, writable_file
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
     plots = PLOTS if args.out is None else args.out.parent  # a results file elsewhere: its plots beside it
     args.out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     if args.replot:
+        if not args.out.is_file():
+            parser.error(f"--replot draws the plots and the table from {str(args.out)!r}, which does not exist; "
+                         f"run the benchmark first (or give --out the results file of an earlier run)")
         results = json.loads(args.out.read_text())
         for path in plot(results, folder=plots):
             print(f"wrote {path}")
         print(markdown(results))
         return 0
-    args.models = [m for m in args.models.split(",") if m]
-    args.variants = None if args.variants is None else {v.strip() for v in args.variants.split(",") if v.strip()}
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or not args.models:
+        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
+    if args.variants is not None:
+        args.variants = {v.strip() for v in args.variants.split(",") if v.strip()}
+        names = variant_names(args.models, args)
+        unknown = sorted(args.variants - set(FAMILIES) - set(names))
+        if unknown or not args.variants:
+            parser.error(f"--variants: unknown variant(s) {', '.join(map(repr, unknown)) or '(none given)'}; give "
+                         f"families ({', '.join(FAMILIES)}) or exact variant names of --models: {', '.join(names)}")
     args.rounds = args.rounds or (2 if args.quick else 5)
+    try:
+        writable_file(args.out, "--out")
+        store = open_results(args.out)
+    except UsageError as exc:
+        parser.error(str(exc))
+    except ValueError as exc:  # (not a results file: readable JSON of remat's keyed results)
+        parser.error(f"--out {str(args.out)!r} is not a results file of this benchmark: {exc}")
 
     import torch
 
@@ -673,10 +722,11 @@ def main(argv: list[str] | None = None) -> int:
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False
 
-    store = open_results(args.out)
     run = {"command": "python bench/vs_pytorch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "started": time.strftime("%Y-%m-%d %H:%M")}
-    store.meta = {
+    # this run's provenance, stored with the first result it measures (measure_model): a run that
+    # measures nothing leaves the file, and the command and dates of what it holds, as they were
+    run["meta"] = {
         "command": run["command"],
         "threads": args.threads,
         "rounds": args.rounds,
@@ -689,9 +739,10 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads(args):
         print(f"{w.label}:", flush=True)
         measure_model(w, args, store, run)
-    store.meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    store.save()
-    results = json.loads(args.out.read_text())
+    if "meta" not in run:  # (something was measured)
+        store.meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        store.save()
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for path in plot(results, folder=plots):
         print(f"wrote {path}")
     print(markdown(results))

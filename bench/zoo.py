@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -391,25 +392,39 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser, thread_count  # (a usage error is one line, exit code 2)
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from remat.cli_args import Parser, UsageError, thread_count, writable_file
+
+    # (remat's parser: a usage error is one line, exit code 2, checked before any work)
+    parser = Parser(prog="zoo.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(ARCHITECTURES),
-                        help=f"comma-separated subset of {', '.join(ARCHITECTURES)}")
-    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="float32, bfloat16 or both")
-    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per milp solve")
-    parser.add_argument("--threads", type=thread_count(), default=2, help="intra-op threads")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+                        help=f"comma-separated models, from: {', '.join(ARCHITECTURES)} (default: all of them)")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS),
+                        help=f"comma-separated, from: {', '.join(PRECISIONS)} (default: both)")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S,
+                        help="seconds per milp solve (default %(default)g)")
+    parser.add_argument("--threads", type=thread_count(), default=2, help="intra-op threads (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="the results JSON, kept between runs (default bench/results/zoo.json)")
     parser.add_argument("--fresh", action="store_true", help="measure again what is stored")
     args = parser.parse_args(argv)
     names = [m for m in args.models.split(",") if m]
     precisions = [p for p in args.precisions.split(",") if p]
     unknown = [m for m in names if m not in ARCHITECTURES]
-    if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}")
-    if any(p not in PRECISIONS for p in precisions):
-        parser.error(f"unknown precision in {args.precisions!r}; choose from {', '.join(PRECISIONS)}")
-    if not args.time_limit > 0:
+    if unknown or not names:
+        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(ARCHITECTURES)}")
+    if not precisions or any(p not in PRECISIONS for p in precisions):
+        parser.error(f"--precisions: unknown precision in {args.precisions!r}; choose from {', '.join(PRECISIONS)}")
+    if not (args.time_limit > 0 and math.isfinite(args.time_limit)):
         parser.error(f"--time-limit must be a positive number of seconds, not {args.time_limit:g}")
+    try:
+        writable_file(args.out, "--out")
+        if args.out.exists():
+            json.loads(args.out.read_text())
+    except UsageError as exc:
+        parser.error(str(exc))
+    except ValueError as exc:  # (a file that is not this benchmark's JSON: its results would be lost)
+        parser.error(f"--out {str(args.out)!r} is not a results file of this benchmark (not readable JSON: {exc})")
     import warnings
 
     import torch

@@ -31,6 +31,7 @@ How each engine is compiled:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import warnings
@@ -42,12 +43,16 @@ from torch import nn
 
 import remat
 from remat.backend import RematFallbackWarning
+from remat.cli_args import Parser, arg_type, method_name, positive_int, thread_count
 from remat.cost import CostModel
+from remat.units import EAGER, check_budget
 
 
 #: A block's graph holds its parameters, input and gradients beside its activations, and its own
 #: backward needs most of its activations at once: it cannot go as low as a whole step's graph.
 DEFAULT_BUDGET = {"ddp": "70%", "fsdp": "80%"}
+#: GPT-2's attention heads: the width is a multiple of them.
+HEADS = 4
 
 
 class LanguageModel(nn.Module):
@@ -72,7 +77,7 @@ def gpt2(args: argparse.Namespace) -> LanguageModel:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers, n_head=4,
+    config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers, n_head=HEADS,
                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)  # the same weights on every rank
     return LanguageModel(GPT2LMHeadModel(config)).train()
@@ -136,33 +141,73 @@ def differences(planned: tuple[list, list], reference: tuple[list, list], atol: 
     return found
 
 
+def budget(text: str) -> str:
+    """A budget as remat.backend reads it (a fraction is of each compiled graph's eager peak)."""
+    check_budget(text, cuda_free=True, of=EAGER)
+    return text
+
+
+def sequence_length(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise ValueError(f"{value} must be at least 2 (the model predicts each next token)")
+    return value
+
+
+def width(text: str) -> int:
+    value = positive_int(text)
+    if value % HEADS:
+        raise ValueError(f"{value} is not a multiple of the {HEADS} attention heads; e.g. {HEADS * max(1, value // HEADS)}")
+    return value
+
+
+def tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number; e.g. --atol 1e-6 (0: bitwise)") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{text} must be 0 (bitwise) or a positive, finite number; e.g. --atol 1e-6")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # (remat's parser: a usage error is one line, exit code 2; every option is checked before
+    # anything starts, and before whether this runs under torchrun)
+    parser = Parser(prog="distributed.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     engine = parser.add_mutually_exclusive_group()
     engine.add_argument("--ddp", dest="engine", action="store_const", const="ddp", help="DistributedDataParallel (default)")
     engine.add_argument("--fsdp", dest="engine", action="store_const", const="fsdp", help="FSDP2: fully_shard per block")
     parser.set_defaults(engine="ddp")
-    parser.add_argument("--budget", default=None,
+    parser.add_argument("--budget", type=arg_type(budget), default=None,
                         help="per graph: a fraction ('70%', 0.7), bytes per device ('2GiB') or cuda-free (default: "
                              f"{DEFAULT_BUDGET['ddp']} with --ddp, {DEFAULT_BUDGET['fsdp']} with --fsdp)".replace("%", "%%"))
-    parser.add_argument("--method", default="segments", help="remat method (see `remat methods`)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--method", type=arg_type(method_name), default="segments",
+                        help="remat method (see `remat methods`; default %(default)s)")
+    parser.add_argument("--steps", type=arg_type(positive_int), default=3, help="training steps (default %(default)s)")
+    parser.add_argument("--batch", type=arg_type(positive_int), default=8, help="batch size per rank (default %(default)s)")
+    parser.add_argument("--seq", type=arg_type(sequence_length), default=128,
+                        help="sequence length (default %(default)s)")
+    parser.add_argument("--layers", type=arg_type(positive_int), default=2, help="GPT-2's layers (default %(default)s)")
+    parser.add_argument("--width", type=arg_type(width), default=64,
+                        help=f"GPT-2's width, a multiple of its {HEADS} heads (default %(default)s)")
+    parser.add_argument("--vocab", type=arg_type(positive_int), default=512, help="vocabulary size (default %(default)s)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default %(default)s)")
+    parser.add_argument("--threads", type=thread_count(), default=1, help="intra-op threads per rank (default %(default)s)")
     parser.add_argument("--check", action="store_true", help="compare with the same loop without remat")
-    parser.add_argument("--atol", type=float, default=0.0, help="--check tolerance (0: bitwise)")
+    parser.add_argument("--atol", type=arg_type(tolerance), default=0.0,
+                        help="--check tolerance (default 0: bitwise)")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine; run on CPU with --device cpu")
+    if args.budget is not None and check_budget(args.budget, cuda_free=True, of=EAGER) == "cuda-free" \
+            and args.device != "cuda":
+        parser.error("--budget cuda-free is the free memory of a CUDA device: give --device cuda, or a fraction or "
+                     "bytes on CPU")
     if "RANK" not in os.environ:
-        parser.error("run me with torchrun, e.g. torchrun --nproc-per-node 2 examples/distributed.py --ddp")
+        # (not bad usage of an option: how to start it, without the pointer to --help)
+        parser.exit(2, f"{parser.prog}: error: run me with torchrun, e.g. torchrun --nproc-per-node 2 "
+                       f"examples/distributed.py --ddp\n")
     args.budget = args.budget or DEFAULT_BUDGET[args.engine]
     args.budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
     return args

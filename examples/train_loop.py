@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.cli_args import Parser, arg_type, positive_int
+from remat.cli_args import Parser, arg_type, positive_int, thread_count
 from remat.cost import CostModel
 from remat.units import EAGER, check_budget
 
@@ -87,7 +87,7 @@ def sequence_length(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     # (remat's parser: a usage error is one line and exit code 2)
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="train_loop.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2", help="the model (default: gpt2)")
     parser.add_argument("--budget", type=arg_type(budget), default="0.6",
                         help="bytes (1500000, 2GiB), a fraction (0.6) or a percentage (60%%) of the eager peak "
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=arg_type(positive_int), default=4, help="batch size (default: 4)")
     parser.add_argument("--seq", type=arg_type(sequence_length), default=64,
                         help="sequence length of the GPT-2's batches (default: 64)")
-    parser.add_argument("--threads", type=arg_type(positive_int), default=1,
+    parser.add_argument("--threads", type=thread_count(), default=1,
                         help="intra-op threads (default: 1, steady on a busy machine)")
     parser.add_argument("--check", action="store_true", help="compare the first step's gradients with eager PyTorch")
     args = parser.parse_args(argv)

@@ -394,7 +394,7 @@ def run_cli(capsys, *argv):
         (["bench", "sweep", "--budgets", "0"], "budget '0' must be positive"),
         (["bench", "sweep", "--methods", "magic"], "unknown method 'magic'"),
         (["bench", "sweep", "--options", "{bad"], "--options is not JSON"),
-        (["bench", "sweep", "--time-limit", "0"], "--time-limit 0 must be positive"),
+        (["bench", "sweep", "--time-limit", "0"], "argument --time-limit: time limit 0 s must be a positive"),
         (["bench", "max-batch", "--memory", "60%"], "percentage"),
         (["bench", "max-batch", "--models", "vgg19,resnet9000"], "unknown model 'resnet9000'"),
         (["bench", "max-batch", "--max-batch", "0"], "--max-batch 0 must be at least 1"),
@@ -586,9 +586,10 @@ def test_busy_cpu_refuses_bad_usage_in_one_line(capsys):
     for argv, message in ((["--models", "resnet9000"], "unknown model(s) resnet9000"),
                           (["--models", ","], "unknown model(s) (none given)"),
                           (["--threads", "1"], "--threads at least 2 (one thread cannot stall)"),
-                          (["--rounds", "0"], "--rounds and --busy must be at least 1"),
-                          (["--budgets", "0.5,1.5"], "--budgets must be fractions in (0, 1] separated by commas"),
-                          (["--budgets", "half"], "(not 'half')")):
+                          (["--rounds", "0"], "argument --rounds: 0 must be at least 1"),
+                          (["--busy", "0"], "argument --busy: 0 must be at least 1"),
+                          (["--budgets", "0.5,1.5"], "--budgets '0.5,1.5': budget '1.5'"),
+                          (["--budgets", "half"], "--budgets 'half': budget 'half' is not understood")):
         with pytest.raises(SystemExit) as done:
             busy.main(argv)
         err = capsys.readouterr().err.strip().splitlines()

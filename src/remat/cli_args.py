@@ -530,6 +530,16 @@ def method_list(text: str) -> list[str]:
     return names
 
 
+def method_name(name: str) -> str:
+    """A --method value: a method `remat methods` lists (for ``arg_type``: ``ValueError`` says
+    which exist)."""
+    try:
+        check_methods([name])
+    except UsageError as exc:
+        raise ValueError(str(exc)) from None
+    return name
+
+
 def check_methods(names: Sequence[str]) -> None:
     known = registered_methods()
     for name in names:
