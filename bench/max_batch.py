@@ -381,12 +381,12 @@ def markdown(results: dict) -> str:
             nodes = f"{at['n_nodes']} ({at.get('n_nodes_solved', '')} solved)" if at else ""
             lines.append(f"| {model} | {method} | {e.get('max_batch') if e.get('max_batch') is not None else 'n/a'} | "
                          f"{nodes} | {e['n_solves']} | {e['solve_s_total']:.1f} | {e['trace_s_total']:.1f} | {status} | "
-                         f"{_why_not_more(e)} |")
+                         f"{_why_not_more(e, memory)} |")
     lines += ["", DIFFERENCES]
     return "\n".join(lines) + "\n"
 
 
-def _why_not_more(e: dict) -> str:
+def _why_not_more(e: dict, memory: int = MEMORY_BYTES) -> str:
     """What stopped the search one batch above the maximum: the smallest failing batch."""
     failed = [v for v in e.get("evaluations", []) if not v.get("fits") and e.get("max_batch") is not None
               and v["batch"] > e["max_batch"]]
@@ -396,8 +396,21 @@ def _why_not_more(e: dict) -> str:
     if v.get("status") == "over cost limit" and v.get("overhead") is not None:
         return f"{v['batch']}: fits, but costs {v['overhead']:.3f}x > {v['limit_overhead']:.3f}x"
     if v.get("status") == "infeasible" and v.get("min_budget_bytes"):
-        return f"{v['batch']}: infeasible (needs {v['min_budget_bytes'] / 1e9:.2f} GB)"
+        return f"{v['batch']}: infeasible (needs {_gb_above(v['min_budget_bytes'], memory)})"
     return f"{v['batch']}: {v.get('status', '?')}"
+
+
+def _gb_above(need: int, memory: int) -> str:
+    """``need`` bytes in GB with the decimals it takes to read above ``memory`` (not 'needs
+    0.20 GB' of a 0.20 GB memory); in bytes where none do.
+
+    >>> _gb_above(16_060_000_000, 16 * 10**9), _gb_above(200_400_000, 2 * 10**8)
+    ('16.06 GB', '0.2004 GB')
+    """
+    for digits in range(2, 7):
+        if float(f"{need / 1e9:.{digits}f}") > memory / 1e9:
+            return f"{need / 1e9:.{digits}f} GB"
+    return f"{need} B"
 
 
 DIFFERENCES = """\
