@@ -1593,3 +1593,101 @@ def test_private_fields_are_all_read_only_where_names_are_built_at_run_time(monk
     assert not guards._NamedBy(plain).private(plain, "_calls")  # (no built names: bookkeeping)
     monkeypatch.setattr(guards, "_DYNAMIC", frozenset())  # (the rule off: the field read by a built name is missed)
     assert not guards._NamedBy(model).private(model, "_scale_main")
+
+
+# ---------------------------------------------------------------------------- torch's state and library functions
+def _gelu_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _ce(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+def test_a_hook_on_every_module_added_or_removed_after_tracing_is_refused():
+    """register_module_forward_hook after optimize: eager's loss 2.4591, the step's 2.3091
+    (it ran without the hook), silently; removing one that was traced with is the same."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model, x, y = _gelu_mlp(), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    step = remat.optimize(model, (x, y), _ce, budget=1.0, method="checkpoint_all", cost_model=None)
+    handle = register_module_forward_hook(lambda mod, inp, out: out * 2.0 if isinstance(mod, nn.Linear) else None)
+    try:
+        with pytest.raises(TraceError, match=r"torch's hooks on every module \(torch.nn.modules.module."
+                                             r"register_module_forward_hook and the like\) is now \S*<lambda> at "
+                                             r"test_guards.py:\d+ but was none when the step was traced"):
+            step(x, y)
+        traced_with = remat.optimize(model, (x, y), _ce, budget=1.0, method="checkpoint_all", cost_model=None)
+    finally:
+        handle.remove()
+    with pytest.raises(TraceError, match=r"is now none but was \S*<lambda>"):
+        traced_with(x, y)
+    assert torch.equal(step(x, y), _ce(model, x, y))  # (as traced again)
+
+
+def test_a_new_default_dtype_is_refused():
+    """A forward making a constant without a dtype: under set_default_dtype(float64) after
+    tracing, the step raised a dtype mismatch in its own generated code."""
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.a(x + torch.full((8,), 0.1).to(x.dtype))
+
+    model, x, y = Shifted(), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    step = remat.optimize(model, (x, y), _ce, budget=1.0, method="checkpoint_all", cost_model=None)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(TraceError, match=r"torch's default dtype \(torch.set_default_dtype\) is now torch.float64 "
+                                             r"but was torch.float32"):
+            step(x, y)
+    finally:
+        torch.set_default_dtype(before)
+    assert torch.equal(step(x, y), _ce(model, x, y))
+
+
+def test_a_library_function_rebound_after_tracing_is_refused(monkeypatch):
+    """F.gelu rebound (nn.GELU's forward calls it through F), F.cross_entropy (loss_fn's): each
+    changed eager's step and not the traced one, silently."""
+    model, x, y = _gelu_mlp(), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    step = remat.optimize(model, (x, y), _ce, budget=1.0, method="checkpoint_all", cost_model=None)
+    monkeypatch.setattr(F, "gelu", lambda t, approximate="none": torch.relu(t))
+    with pytest.raises(TraceError, match=r"torch.nn.functional.gelu \(which GELU.forward calls\) is now the function "
+                                         r"\S*<lambda> at test_guards.py:\d+ but was the function torch._C._nn.gelu"):
+        step(x, y)
+    monkeypatch.undo()
+    assert torch.equal(step(x, y), _ce(model, x, y))
+    monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: torch.zeros(()))
+    with pytest.raises(TraceError, match=r"torch.nn.functional.cross_entropy \(which loss_fn calls\)"):
+        step(x, y)
+
+
+def test_library_functions_follow_decorated_forwards():
+    """transformers' forwards are decorated (their wrappers share one code object): the function
+    each one's own code names is found behind its decorator."""
+    transformers = pytest.importorskip("transformers")
+    from remat import guards
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    labels = {h.label.split(" (")[0] for h, _ in guards.library_functions(transformers.LlamaForCausalLM(config))}
+    module = "transformers.models.llama.modeling_llama"
+    assert {f"{module}.apply_rotary_pos_emb", f"{module}.rotate_half", "torch.nn.functional.linear"} <= labels
+
+
+def test_a_transformers_config_field_behind_a_private_property_is_guarded():
+    """config._attn_implementation (a property of transformers' config over
+    _attn_implementation_internal, which its attention modules read) switched to 'eager' after
+    tracing kept the step's sdpa attention: gradients apart by up to 3e-8, silently."""
+    transformers = pytest.importorskip("transformers")
+    from remat import guards
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    labels = {h.label for h, _ in guards.held_values(transformers.LlamaForCausalLM(config))}
+    assert "model.config._attn_implementation_internal" in labels
+    assert not any(label.endswith("_name_or_path") for label in labels)  # (where it came from: bookkeeping)

@@ -180,6 +180,10 @@ class ModuleState:
     #: the LSTMs (described) traced with oneDNN off that eager PyTorch runs through oneDNN's
     #: fused kernel with it on (``trace_errors.RnnWatch``): the step is eager's under that flag only
     onednn_off: tuple[str, ...] = ()
+    #: torch's own state the traced step relies on (``torch_settings``: the hooks on every module,
+    #: the default dtype and device) and the functions of torch's and other packages' modules that
+    #: the model's code names (``library_functions``), each with its value when traced
+    settings: tuple[tuple[HeldValue, object], ...] = ()
 
     def check(self, model: torch.nn.Module, view: ModelView | None = None) -> None:
         """Raise ``TraceError`` naming the first value that differs from when the step was traced.
@@ -211,6 +215,10 @@ class ModuleState:
             if not _same(now, value):
                 raise _changed(held.label, now, value, ", or pass a value that changes between steps in the "
                                                        "batch, as a tensor" + _ELSEWHERE)
+        for held, value in self.settings:
+            now = held.read(model)
+            if not _same(now, value):
+                raise _changed(held.label, now, value)
         for name, recorded in self.hooks:
             module = modules.get(name)
             now = _hooks_of(module) if module is not None else ()
@@ -435,7 +443,119 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
                     for key, t in named)
     return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state(),
-                       tuple(held_values(model, loss_fn)) + tuple(reads), tuple(modules), tuple(onednn_off))
+                       tuple(held_values(model, loss_fn)) + tuple(reads), tuple(modules), tuple(onednn_off),
+                       tuple(torch_settings() + library_functions(model, loss_fn)))
+
+
+#: torch's hooks on every module (``torch.nn.modules.module.register_module_forward_hook`` and
+#: the like), run by every module's call: a traced step runs those registered when it was traced
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")
+
+
+class _Hooks(tuple):
+    """Hooks, compared one by one, shown by name."""
+
+    def __repr__(self) -> str:
+        return ", ".join(_hook_name(h) for h in self) or "none"
+
+
+def _global_hooks(model: object = None) -> _Hooks:
+    from torch.nn.modules import module
+
+    return _Hooks(h for name in _GLOBAL_HOOKS for h in getattr(module, name, {}).values())
+
+
+def _unchangeable(model: object, value: object) -> None:
+    """``HeldValue.write`` of a setting the trace never changes."""
+
+
+def torch_settings() -> list[tuple[HeldValue, object]]:
+    """torch's state a traced step relies on, with its value now: the hooks on every module (one
+    registered after tracing changed eager's outputs, not the step's), and the default dtype and
+    device (a factory without a dtype in the step, such as ``torch.full((48,), 0.1)``, then made
+    float64 tensors where the trace had float32, and the step failed)."""
+    settings = (
+        ("torch's hooks on every module (torch.nn.modules.module.register_module_forward_hook and the like)",
+         _global_hooks),
+        ("torch's default dtype (torch.set_default_dtype)", lambda m: torch.get_default_dtype()),
+        ("torch's default device (torch.set_default_device)", lambda m: torch.get_default_device()),
+    )
+    return [(HeldValue(label, read, _unchangeable), read(None)) for label, read in settings]
+
+
+#: How deep ``library_functions`` follows the functions a library module's code calls.
+LIBRARY_DEPTH = 2
+
+
+def library_functions(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[HeldValue, object]]:
+    """The functions that the code of the model's modules' classes from torch and other packages
+    names through their modules' globals (``F.gelu`` in ``nn.GELU.forward``, transformers'
+    ``apply_rotary_pos_emb`` in a Llama attention's ``forward``), and those these functions name
+    in turn, ``LIBRARY_DEPTH`` deep, with their values now. The trace ran the function each name
+    held; one rebound after tracing (``F.gelu = ...``, a kernel library patching
+    ``modeling_llama.apply_rotary_pos_emb``) changed eager's step and not the traced one,
+    silently. The code of the user's classes, of ``loss_fn`` and of the user's hooks gives the
+    functions it names through torch's and other packages' modules (``F.gelu``); the functions
+    it names directly, and the user's own modules, are ``held_values``'."""
+    found: dict[tuple[int, str], tuple[HeldValue, object]] = {}
+    walked: set[int] = set()
+
+    def names_in(fn: types.FunctionType, who: str, depth: int, users: bool = False) -> None:
+        """``users``: ``fn`` is the user's code: only what it names through installed modules."""
+        if id(fn) in walked:  # (by function: decorated forwards share their decorator's code)
+            return
+        walked.add(id(fn))
+        inner = getattr(fn, "__wrapped__", None)  # (a decorated forward: the decorator's code and the forward's)
+        if isinstance(inner, types.FunctionType):
+            names_in(inner, who, depth, users)
+        scope, names = fn.__globals__, _code_names(fn.__code__)
+        for name in sorted(names):
+            value = scope.get(name, _MISSING)
+            if isinstance(value, types.ModuleType) and (not users or _installed(value.__name__)):
+                places = [(value, vars(value), attribute) for attribute in sorted(names)  # (``F.gelu``)
+                          if isinstance(vars(value).get(attribute), _FUNCTIONS)]
+            elif isinstance(value, _FUNCTIONS) and not name.startswith("__") and not users:
+                places = [(None, scope, name)]
+            else:
+                continue
+            for module, table, key in places:
+                if (id(table), key) in found:
+                    continue
+                owner = module.__name__ if module is not None else scope.get("__name__", "?")
+                now = table[key]
+                found[(id(table), key)] = (HeldValue(f"{owner}.{key} (which {who} calls)",
+                                                     lambda m, t=table, k=key: t.get(k, _MISSING), _unchangeable), now)
+                if isinstance(now, types.FunctionType) and depth < LIBRARY_DEPTH and not _user_module(now.__module__):
+                    names_in(now, now.__qualname__, depth + 1)
+
+    classes = list(dict.fromkeys(type(m) for m in model.modules()))
+    for cls in classes:
+        for base in cls.__mro__:
+            if base in (object, torch.nn.Module) or _user_class(base):
+                continue
+            for key in _reached_methods(base):
+                names_in(_member_function(vars(base)[key]), f"{base.__qualname__}.{key}", 1)
+        for owner, key, fn in user_members(cls):
+            names_in(fn, f"{owner}.{key}", 1, users=True)
+    hooks = [hook for m in model.modules() for hook in _hooks_of(m)]
+    for fn in _step_functions(loss_fn, hooks):
+        names_in(fn, "loss_fn" if fn is _function_of(loss_fn) else fn.__qualname__, 1, users=True)
+    return list(found.values())
+
+
+def _reached_methods(cls: type) -> list[str]:
+    """``forward`` of ``cls`` (its own) and the methods of its own that it names, in turn."""
+    own = vars(cls)
+    todo, reached = ["forward"], []
+    while todo:
+        key = todo.pop()
+        fn = _member_function(own.get(key)) if key not in reached else None
+        if fn is None:
+            continue
+        reached.append(key)
+        todo += [name for name in _code_names(fn.__code__) if name in own]
+    return reached
 
 
 # ---------------------------------------------------------------------------- tensors read outside the trace
@@ -666,7 +786,7 @@ NESTED_HOLDERS = 4
 #: Fields of transformers' configs that record where a model came from, which no forward reads
 #: (``save_pretrained`` sets ``architectures``: a checkpoint between steps refused every later
 #: step), and its generation settings (for ``generate``, not the training step).
-_TRANSFORMERS_METADATA = frozenset({"architectures", "transformers_version", "name_or_path"})
+_TRANSFORMERS_METADATA = frozenset({"architectures", "transformers_version", "name_or_path", "_name_or_path"})
 
 
 def _metadata(holder: object, key: object) -> bool:
@@ -948,13 +1068,34 @@ def _write_prefix(locate: Callable[[torch.nn.Module], object], model: torch.nn.M
 def _behind_properties(cls: type) -> frozenset[str]:
     """The private fields the public properties of a class of the user's read (``self._beta``
     behind ``beta``): its objects' settings, guarded where a module holds one (private fields
-    no property reads are bookkeeping)."""
+    no property reads are bookkeeping). A configuration's class (``_configuration``), an
+    installed package's too, gives those its properties read, private ones included:
+    transformers' ``config._attn_implementation``, which its attention modules read, returns
+    ``_attn_implementation_internal``."""
+    if _configuration(cls):
+        return _config_private_fields(cls)
     if not _user_class(cls) or _installed(cls.__module__):
         return frozenset()
     public = frozenset(key for base in cls.__mro__ if base is not object and _user_class(base)
                        for key, member in vars(base).items()
                        if isinstance(member, (property, functools.cached_property)) and not key.startswith("_"))
     return frozenset(name for name in _reached(cls, public) if name.startswith("_") and not name.startswith("__"))
+
+
+@functools.lru_cache(maxsize=256)
+def _config_private_fields(cls: type) -> frozenset[str]:
+    """The private fields the properties of a configuration's class read (its installed base
+    classes' included), dunder names aside."""
+    names: set[str] = set()
+    for base in cls.__mro__:
+        if base is object:
+            continue
+        for key, member in vars(base).items():
+            if isinstance(member, (property, functools.cached_property)) and not key.startswith("__"):
+                fn = _member_function(member)
+                if fn is not None:
+                    names |= _code_strings(fn.__code__)
+    return frozenset(n for n in names if n.startswith("_") and not n.startswith("__"))
 
 
 def _code_constants(code: types.CodeType) -> frozenset[str]:
