@@ -1601,7 +1601,7 @@ def _gelu_mlp():
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
 
 
-def _ce(m, x, y):
+def _xent(m, x, y):
     return F.cross_entropy(m(x), y)
 
 
@@ -1611,19 +1611,19 @@ def test_a_hook_on_every_module_added_or_removed_after_tracing_is_refused():
     from torch.nn.modules.module import register_module_forward_hook
 
     model, x, y = _gelu_mlp(), torch.randn(8, 8), torch.randint(0, 4, (8,))
-    step = remat.optimize(model, (x, y), _ce, budget=1.0, method="checkpoint_all", cost_model=None)
+    step = remat.optimize(model, (x, y), _xent, budget=1.0, method="checkpoint_all", cost_model=None)
     handle = register_module_forward_hook(lambda mod, inp, out: out * 2.0 if isinstance(mod, nn.Linear) else None)
     try:
         with pytest.raises(TraceError, match=r"torch's hooks on every module \(torch.nn.modules.module."
                                              r"register_module_forward_hook and the like\) is now \S*<lambda> at "
                                              r"test_guards.py:\d+ but was none when the step was traced"):
             step(x, y)
-        traced_with = remat.optimize(model, (x, y), _ce, budget=1.0, method="checkpoint_all", cost_model=None)
+        traced_with = remat.optimize(model, (x, y), _xent, budget=1.0, method="checkpoint_all", cost_model=None)
     finally:
         handle.remove()
     with pytest.raises(TraceError, match=r"is now none but was \S*<lambda>"):
         traced_with(x, y)
-    assert torch.equal(step(x, y), _ce(model, x, y))  # (as traced again)
+    assert torch.equal(step(x, y), _xent(model, x, y))  # (as traced again)
 
 
 def test_a_new_default_dtype_is_refused():
@@ -1638,7 +1638,7 @@ def test_a_new_default_dtype_is_refused():
             return self.a(x + torch.full((8,), 0.1).to(x.dtype))
 
     model, x, y = Shifted(), torch.randn(8, 8), torch.randint(0, 4, (8,))
-    step = remat.optimize(model, (x, y), _ce, budget=1.0, method="checkpoint_all", cost_model=None)
+    step = remat.optimize(model, (x, y), _xent, budget=1.0, method="checkpoint_all", cost_model=None)
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -1647,20 +1647,20 @@ def test_a_new_default_dtype_is_refused():
             step(x, y)
     finally:
         torch.set_default_dtype(before)
-    assert torch.equal(step(x, y), _ce(model, x, y))
+    assert torch.equal(step(x, y), _xent(model, x, y))
 
 
 def test_a_library_function_rebound_after_tracing_is_refused(monkeypatch):
     """F.gelu rebound (nn.GELU's forward calls it through F), F.cross_entropy (loss_fn's): each
     changed eager's step and not the traced one, silently."""
     model, x, y = _gelu_mlp(), torch.randn(8, 8), torch.randint(0, 4, (8,))
-    step = remat.optimize(model, (x, y), _ce, budget=1.0, method="checkpoint_all", cost_model=None)
+    step = remat.optimize(model, (x, y), _xent, budget=1.0, method="checkpoint_all", cost_model=None)
     monkeypatch.setattr(F, "gelu", lambda t, approximate="none": torch.relu(t))
     with pytest.raises(TraceError, match=r"torch.nn.functional.gelu \(which GELU.forward calls\) is now the function "
                                          r"\S*<lambda> at test_guards.py:\d+ but was the function torch._C._nn.gelu"):
         step(x, y)
     monkeypatch.undo()
-    assert torch.equal(step(x, y), _ce(model, x, y))
+    assert torch.equal(step(x, y), _xent(model, x, y))
     monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: torch.zeros(()))
     with pytest.raises(TraceError, match=r"torch.nn.functional.cross_entropy \(which loss_fn calls\)"):
         step(x, y)
