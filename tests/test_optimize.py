@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import remat
 from remat.cost import CostModel
@@ -663,3 +664,22 @@ def test_a_dict_batch_step_saves_and_loads_and_keeps_the_guards_of_its_loss(tmp_
             step(b)
     finally:
         LABEL_WEIGHT["w"] = 1.0
+
+
+def test_a_bare_number_string_budget_is_bytes_and_the_error_says_so():
+    """budget="60" is 60 bytes (as documented); the refusal says how to ask for 60%."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    with pytest.raises(remat.InfeasibleBudgetError, match=r"budget='60' is read as 60 bytes; for 60% of the "
+                                                          r"checkpoint-all peak write budget='60%'"):
+        remat.optimize(m, (x, y), lambda m, x, y: F.cross_entropy(m(x), y), budget="60", cost_model=None)
+
+
+def test_a_step_called_with_keywords_says_how_to_pass_a_dict_batch():
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    batch = {"x": torch.randn(8, 8), "y": torch.randint(0, 4, (8,))}
+    step = remat.optimize(m, batch, lambda m, b: F.cross_entropy(m(b["x"]), b["y"]), budget=1.0, cost_model=None)
+    with pytest.raises(TraceError, match=r"step\(\) got keyword arguments \(x, y\); pass the batch as it was given to "
+                                         r"optimize: step\(batch\) for a dict batch"):
+        step(**batch)
+    assert torch.equal(step(batch), F.cross_entropy(m(batch["x"]), batch["y"]))

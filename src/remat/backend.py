@@ -340,6 +340,8 @@ class RematBackend:
         if any(isinstance(t, FakeTensor) for t in example_inputs):
             log.warning("remat.backend: the graph's example inputs are fake; budget fractions are of the unoptimized peak")
             return None
+        if _symbolic(gm):  # (not planned: the partitioner says so; running it printed fx's traceback first)
+            return None
         try:
             with unset_fake_temporarily():
                 return region_eager_peak(gm, list(example_inputs)).peak_bytes
@@ -628,6 +630,18 @@ def _rescue(graph: Graph, budget_bytes: int, unoptimized: int, method: str, erro
         stacklevel=2,
     )
     return planned, used
+
+
+def _symbolic(gm: fx.GraphModule) -> bool:
+    """Does the captured graph take symbolic sizes (dynamo compiled it for several shapes)?"""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor)
+                                               and any(isinstance(d, torch.SymInt) for d in value.shape)):
+            return True
+    return False
 
 
 def _reason(exc: BaseException) -> str:

@@ -146,7 +146,12 @@ class TrainingStep:
         #: the steps planned for each branch met so far, this one's included (shared between them)
         self._branches: dict[tuple[bool, ...], TrainingStep] = {traced.branch_answers: self}
 
-    def __call__(self, *batch: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, *batch: torch.Tensor | Sequence[torch.Tensor], **keywords: object) -> torch.Tensor:
+        if keywords:  # (``step(**batch)``: the dict is the batch)
+            raise TraceError(
+                f"step() got keyword arguments ({', '.join(map(str, keywords))}); pass the batch as it was given to "
+                f"optimize: step(batch) for a dict batch, step(x, y) or step((x, y)) for a tuple"
+            )
         if torch.is_inference_mode_enabled():  # (the gradients would be inference tensors, unusable after)
             raise TraceError(
                 "step() was called under torch.inference_mode(), where eager PyTorch's backward raises: a "
@@ -633,6 +638,7 @@ def optimize(
     this is True.
     """
     check_arguments(model, loss_fn)
+    given = budget
     budget = _budget_argument(budget, budget_bytes, solver_options)
     check_method(method, solver_options)  # (before tracing, which can take minutes)
     refuse_wrapped(model)
@@ -645,7 +651,16 @@ def optimize(
     budget = parse_budget(budget, reference_bytes=baseline.peak_bytes)
     replan = _branch_planner(model, loss_fn, budget, method, cost_model=cost_model,
                              allow_native_batch_norm=allow_native_batch_norm, **solver_options)
-    step = _planned(model, traced, budget, method, replan, **solver_options)
+    try:
+        step = _planned(model, traced, budget, method, replan, **solver_options)
+    except InfeasibleBudgetError as exc:
+        if not (isinstance(given, str) and given.strip().isdigit() and int(given) <= 100):
+            raise
+        raise InfeasibleBudgetError(  # (budget="60": bytes, as documented, but likely meant as a percentage)
+            budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes, method=exc.method,
+            graph_name=exc.graph_name, detail=f"budget={given!r} is read as {int(given)} bytes; for {int(given)}% of "
+                                              f"the checkpoint-all peak write budget='{int(given)}%'",
+        ) from exc
     step.batch_keys = keys
     return step
 
