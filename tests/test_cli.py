@@ -314,7 +314,7 @@ def test_every_option_that_takes_a_value_states_its_default(capsys, command):
     "argv, message",
     [
         (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "0"],
-         "time limit 0 s must be a positive, finite number of seconds; e.g. --time-limit 60"),
+         "time limit 0 s must be a positive, finite number of seconds; e.g. 60 (or leave the option out"),
         (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "-5"], "time limit -5 s must be a positive"),
         (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "nan"], "time limit nan s must be"),
         (["solve", "--graph", "chain:4", "--budget", "50%", "--time-limit", "soon"], "'soon' is not a number of seconds"),

@@ -141,13 +141,14 @@ def arg_type(check: Callable[[str], object]) -> Callable[[str], object]:
 
 
 def time_limit(text: str) -> float:
+    """A time limit in seconds: positive and finite (the option's name is argparse's to add)."""
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"time limit {text!r} is not a number of seconds; e.g. --time-limit 60") from None
+        raise ValueError(f"time limit {text!r} is not a number of seconds; e.g. 60") from None
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"time limit {text} s must be a positive, finite number of seconds; e.g. --time-limit 60 "
-                         f"(leave it out for the method's default)")
+        raise ValueError(f"time limit {text} s must be a positive, finite number of seconds; e.g. 60 (or leave "
+                         f"the option out for its default)")
     return check_time_limit(value)
 
 
@@ -173,6 +174,8 @@ def fraction_of_peak(text: str) -> float:
     try:
         spec = read_budget(text)
     except ValueError as exc:
+        if "which means a fraction" in str(exc):  # 1.5: a fraction above 1, not bytes to write otherwise
+            raise ValueError(f"budget {text!r} is above 1; write {FRACTION_FORMS}, at most 1.0 or '100%'") from None
         raise ValueError(_forms_only(str(exc), FRACTION_FORMS)) from None
     if spec.fraction is None:
         raise ValueError(f"budget {text!r} is a size in bytes ({spec.bytes} B); write {FRACTION_FORMS} "
