@@ -788,7 +788,8 @@ def summary(results: dict) -> str:
 
 # ---------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from remat.cli_args import Parser, UsageError, arg_type, method_name, time_limit, writable_file
+    from remat.cli_args import (Parser, UsageError, arg_type, method_name, name_list, results_file, time_limit,
+                                 writable_file)
 
     # (remat's parser: a usage error is one line, exit code 2, checked before any work)
     parser = Parser(prog="cuda_check.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -815,12 +816,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="ignore what the JSON holds already")
     parser.add_argument("--replot", action="store_true", help="only print the section from the JSON")
     args = parser.parse_args(argv)
-    names = [m for m in (",".join(QUICK_MODELS if args.quick else MODELS) if args.models is None else args.models)
-             .split(",") if m]
-    unknown = [m for m in names if m not in MODELS and m not in LARGE_MODELS]
-    if unknown or not names:
-        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from "
-                     f"{', '.join([*MODELS, *LARGE_MODELS])}")
+    try:
+        names = name_list(",".join(QUICK_MODELS if args.quick else MODELS) if args.models is None else args.models,
+                          [*MODELS, *LARGE_MODELS])
+    except UsageError as exc:
+        parser.error(str(exc))
     if args.quick and any(m not in QUICK_CAPABLE for m in names):
         parser.error(f"--quick runs {', '.join(QUICK_CAPABLE)} on small inputs; the other models need their paper input")
     args.models = names
@@ -843,13 +843,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     if not args.replot:
         try:
-            writable_file(args.out, "--out")
-            if args.out.exists() and not args.fresh:
-                json.loads(args.out.read_text())
+            if args.fresh:
+                writable_file(args.out, "--out")
+            else:
+                results_file(args.out, None, of="this check")
         except UsageError as exc:
             parser.error(str(exc))
-        except ValueError as exc:  # (a file that is not this check's JSON: its results would be lost)
-            parser.error(f"--out {str(args.out)!r} is not a results file of this check (not readable JSON: {exc})")
     return args
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import sys
 import time
@@ -179,7 +178,7 @@ def _summary(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser, UsageError, arg_type, thread_count, time_limit, writable_file
+    from remat.cli_args import Parser, UsageError, arg_type, name_list, results_file, thread_count, time_limit
 
     # (remat's parser: a usage error is one line, exit code 2, checked before any work)
     parser = Parser(prog="holdout.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,17 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="the results JSON (default bench/results/holdout.json)")
     args = parser.parse_args(argv)
-    chosen = [m for m in args.models.split(",") if m]
-    unknown = [m for m in chosen if m not in MODELS]
-    if unknown or not chosen:
-        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
     try:
-        writable_file(args.out, "--out")
-        results = json.loads(args.out.read_text()) if args.out.exists() else {"meta": {}, "models": {}}
+        chosen = name_list(args.models, MODELS)
+        results = results_file(args.out, {"meta": {}, "models": {}})
     except UsageError as exc:
         parser.error(str(exc))
-    except ValueError as exc:  # (a file that is not this benchmark's JSON: its results would be lost)
-        parser.error(f"--out {str(args.out)!r} is not a results file of this benchmark (not readable JSON: {exc})")
     import torch
 
     from remat.solvers import planner_version

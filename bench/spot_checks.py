@@ -19,7 +19,6 @@ of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -70,7 +69,7 @@ def check_model(name: str, batch: int, positions, time_limit_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser, UsageError, arg_type, positive_int, thread_count, time_limit, writable_file
+    from remat.cli_args import Parser, UsageError, arg_type, name_list, positive_int, results_file, thread_count, time_limit
 
     # (remat's parser: a usage error is one line, exit code 2, checked before any work)
     parser = Parser(prog="spot_checks.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,17 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="the results JSON, kept between runs (default bench/results/spot_checks.json)")
     args = parser.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    unknown = [m for m in models if m not in MODELS]
-    if unknown or not models:
-        parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
     try:
-        writable_file(args.out, "--out")
-        results = json.loads(args.out.read_text()) if args.out.exists() else {"meta": {}, "models": {}}
+        models = name_list(args.models, MODELS)
+        results = results_file(args.out, {"meta": {}, "models": {}})
     except UsageError as exc:
         parser.error(str(exc))
-    except ValueError as exc:  # (a file that is not this benchmark's JSON: its results would be lost)
-        parser.error(f"--out {str(args.out)!r} is not a results file of this benchmark (not readable JSON: {exc})")
     import torch
 
     from remat.sweep import save_json

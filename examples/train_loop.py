@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.cli_args import Parser, arg_type, positive_int, thread_count
+from remat.cli_args import Parser, arg_type, method_name, positive_int, thread_count
 from remat.cost import CostModel
 from remat.units import EAGER, check_budget
 
@@ -72,12 +72,6 @@ def budget(text: str) -> str:
     return text
 
 
-def method(name: str) -> str:
-    if name not in remat.solvers.methods():
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(remat.solvers.methods())}")
-    return name
-
-
 def sequence_length(text: str) -> int:
     value = positive_int(text)
     if value < 2:
@@ -92,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=arg_type(budget), default="0.6",
                         help="bytes (1500000, 2GiB), a fraction (0.6) or a percentage (60%%) of the eager peak "
                              "(default: 0.6)")
-    parser.add_argument("--method", type=arg_type(method), default="chen_greedy",
+    parser.add_argument("--method", type=arg_type(method_name), default="chen_greedy",
                         help="remat method (default: chen_greedy, quick; milp plans best, in seconds here; see "
                              "`remat methods`)")
     parser.add_argument("--steps", type=arg_type(positive_int), default=5, help="training steps (default: 5)")

@@ -543,6 +543,31 @@ def method_name(name: str) -> str:
     return name
 
 
+def name_list(text: str, known: Sequence[str], option: str = "--models", kind: str = "model") -> list[str]:
+    """A comma-separated list of ``known`` names (a script's --models), in order."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UsageError(f"{option}: unknown {kind}(s) {', '.join(unknown) or '(none given)'}; choose from "
+                         f"{', '.join(known)}")
+    return names
+
+
+def results_file(path: Path, empty: object, option: str = "--out", of: str = "this benchmark") -> object:
+    """What a script's results JSON at ``path`` holds (``empty`` where there is none yet),
+    checked before any work: a path that cannot be written, or a file that is not JSON (whose
+    results the run would lose), is a usage error."""
+    import json
+
+    writable_file(path, option)
+    if not path.exists():
+        return empty
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise UsageError(f"{option} {str(path)!r} is not a results file of {of} (not readable JSON: {exc})") from None
+
+
 def check_methods(names: Sequence[str]) -> None:
     known = registered_methods()
     for name in names:
