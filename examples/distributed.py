@@ -43,7 +43,7 @@ from torch import nn
 
 import remat
 from remat.backend import RematFallbackWarning
-from remat.cli_args import Parser, arg_type, method_name, positive_int, thread_count
+from remat.cli_args import Parser, arg_type, backend_budget, method_name, positive_int, thread_count
 from remat.cost import CostModel
 from remat.units import EAGER, check_budget
 
@@ -141,12 +141,6 @@ def differences(planned: tuple[list, list], reference: tuple[list, list], atol: 
     return found
 
 
-def budget(text: str) -> str:
-    """A budget as remat.backend reads it (a fraction is of each compiled graph's eager peak)."""
-    check_budget(text, cuda_free=True, of=EAGER)
-    return text
-
-
 def sequence_length(text: str) -> int:
     value = positive_int(text)
     if value < 2:
@@ -179,7 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--ddp", dest="engine", action="store_const", const="ddp", help="DistributedDataParallel (default)")
     engine.add_argument("--fsdp", dest="engine", action="store_const", const="fsdp", help="FSDP2: fully_shard per block")
     parser.set_defaults(engine="ddp")
-    parser.add_argument("--budget", type=arg_type(budget), default=None,
+    parser.add_argument("--budget", type=arg_type(backend_budget), default=None,
                         help="per graph: a fraction ('70%', 0.7), bytes per device ('2GiB') or cuda-free (default: "
                              f"{DEFAULT_BUDGET['ddp']} with --ddp, {DEFAULT_BUDGET['fsdp']} with --fsdp)".replace("%", "%%"))
     parser.add_argument("--method", type=arg_type(method_name), default="segments",

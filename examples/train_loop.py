@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.cli_args import Parser, arg_type, method_name, positive_int, thread_count
+from remat.cli_args import Parser, arg_type, backend_budget, method_name, positive_int, thread_count
 from remat.cost import CostModel
-from remat.units import EAGER, check_budget
 
 
 def gpt2(args: argparse.Namespace):
@@ -66,12 +65,6 @@ def mlp(args: argparse.Namespace):
     return model, batches(), lambda model, x, y: F.cross_entropy(model(x), y)
 
 
-def budget(text: str) -> str:
-    """A budget as remat.backend reads it (a fraction is of the compiled region's eager peak)."""
-    check_budget(text, cuda_free=True, of=EAGER)
-    return text
-
-
 def sequence_length(text: str) -> int:
     value = positive_int(text)
     if value < 2:
@@ -83,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     # (remat's parser: a usage error is one line and exit code 2)
     parser = Parser(prog="train_loop.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2", help="the model (default: gpt2)")
-    parser.add_argument("--budget", type=arg_type(budget), default="0.6",
+    parser.add_argument("--budget", type=arg_type(backend_budget), default="0.6",
                         help="bytes (1500000, 2GiB), a fraction (0.6) or a percentage (60%%) of the eager peak "
                              "(default: 0.6)")
     parser.add_argument("--method", type=arg_type(method_name), default="chen_greedy",

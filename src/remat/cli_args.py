@@ -513,6 +513,15 @@ def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered:
     return budgets
 
 
+def backend_budget(text: str) -> str:
+    """A --budget as ``remat.backend`` reads it: bytes, a fraction of each compiled region's
+    eager peak, or 'cuda-free' (the examples' option)."""
+    from remat.units import EAGER, check_budget
+
+    check_budget(text, cuda_free=True, of=EAGER)
+    return text
+
+
 def check_budget_text(text: str) -> int:
     try:
         read_budget(text)
