@@ -1213,6 +1213,12 @@ def _step_roots(model: torch.nn.Module, loss_fn: object) -> frozenset[str]:
 _DYNAMIC = frozenset({"getattr", "__dict__", "vars", "__getattribute__", "attrgetter"})
 
 
+def _reads_built_names(cls: type, names: frozenset[str]) -> bool:
+    """Does code of ``cls``, a class of the user's, that names ``names`` read attributes by names
+    built at run time (``getattr(self, '_scale_' + self.which)``): then any field may be read."""
+    return _user_class(cls) and not _DYNAMIC.isdisjoint(names)
+
+
 class _NamedBy:
     """Which private attributes of the model's modules the step may read: those that the code of
     their classes (the user's) reaches from ``forward`` and from what ``loss_fn`` and the user's
@@ -1237,7 +1243,7 @@ class _NamedBy:
         if not key.startswith("_") or key in _MODULE_INTERNALS:
             return False
         names = self.names(type(module))
-        return key in names or (_user_class(type(module)) and not _DYNAMIC.isdisjoint(names))
+        return key in names or _reads_built_names(type(module), names)
 
 
 def _step_strings(named: _NamedBy, classes: Iterable[type], loss_fn: object, hooks: Iterable[object],
@@ -1357,8 +1363,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         seen.add(id(holder))
         private = names or (_behind_properties(type(holder)) if hasattr(holder, "__dict__")
                             and not isinstance(holder, (type, torch.nn.Module)) else frozenset())
-        if names is not None and _user_class(type(holder)) and not _loops_class(type(holder)) \
-                and not _DYNAMIC.isdisjoint(names):
+        if names is not None and not _loops_class(type(holder)) and _reads_built_names(type(holder), names):
             names = None  # (its code reads fields by names built at run time: every field)
             private = frozenset(k for k in getattr(holder, "__dict__", ()) if isinstance(k, str))
         for key, shown, value in _entries(holder, private):

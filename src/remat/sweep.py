@@ -56,6 +56,9 @@ class SweepPoint:
         def number(value: object) -> bool:
             return isinstance(value, (int, float)) and not isinstance(value, bool)
 
+        def byte_count(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
         if not isinstance(record, Mapping):
             raise ValueError("the stored point is not a JSON object")
         result = record.get("result")
@@ -70,8 +73,7 @@ class SweepPoint:
         elif result is not None:
             budget = record.get("budget_bytes")
             peak = result.get("peak_bytes")
-            if not isinstance(peak, int) or isinstance(peak, bool) or peak < 0 \
-                    or (isinstance(budget, int) and peak > budget):
+            if not byte_count(peak) or (isinstance(budget, int) and peak > budget):
                 problems.append(f"a peak ({peak!r}) that is not a number of bytes within the budget")
             for name in ("cost", "overhead"):
                 if not number(result.get(name)) or not 0 < result[name] < math.inf:
@@ -80,7 +82,7 @@ class SweepPoint:
                 if result.get(name) is not None and not number(result.get(name)):
                     problems.append(f"a {name} ({result.get(name)!r}) that is not a number")
         least = record.get("min_budget_bytes")
-        if least is not None and (not isinstance(least, int) or isinstance(least, bool) or least < 0):
+        if least is not None and not byte_count(least):
             problems.append("a smallest budget that is not a number of bytes")
         if problems:
             raise ValueError("the stored point has " + " and ".join(problems))

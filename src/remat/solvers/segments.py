@@ -1,7 +1,8 @@
 """segments: keep only what crosses some of the forward pass's light cuts (``remat.cuts``:
 block boundaries found from the graph; every cut of a uniform chain, where none stands out) and
-recompute the segments between them once in the backward pass. This is what ``torch.utils.checkpoint`` on every block (or every k-th block, or
-every other block) of a network does, found from the graph instead of from the model's code.
+recompute the segments between them once in the backward pass. This is what
+``torch.utils.checkpoint`` on every block (or every k-th block, or every other block) of a
+network does, found from the graph instead of from the model's code.
 
 For each tier of cuts (``cut_tiers``), it tries every k-th cut at every offset (k up to
 ``MAX_STRIDE``) with every segment recomputed, Chen's greedy rule over the tier, and every cut
