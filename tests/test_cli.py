@@ -840,3 +840,31 @@ def test_a_smallest_budget_shows_alike_in_every_row_of_a_sweep(capsys, tmp_path)
     code, out, _ = run(capsys, "sweep", "--graph", "unet:8", "--methods", "recompute_all", "--budgets", "30%:100%:8",
                        "--out", str(tmp_path / "s.json"))
     assert code == 0 and out.count("needs 100.02%") == 8 and "needs 100.0%" not in out
+
+
+def test_estimated_costs_use_rates_kept_in_the_user_cache(capsys, monkeypatch, tmp_path):
+    """Measured per process, the machine rates moved from run to run and every absolute cost
+    with them; the command line keeps them under $XDG_CACHE_HOME/remat/rates."""
+    from remat import cost
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = ("solve", "--model", "mlp", "--costs", "estimate", "--budget", "100%", "--method", "checkpoint_all",
+            "--json")
+    cost._RATES.clear()
+    code, out, err = run(capsys, *argv)
+    [path] = (tmp_path / "remat" / "rates").glob("cpu-*threads-torch*.json")
+    assert code == 0 and f"rates, measured, kept in {path}" in err.replace("\n", "")
+    first = json.loads(out)["cost"]
+    cost._RATES.clear()  # (a new process)
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and f"rates, read from {path}" in err.replace("\n", "")
+    assert json.loads(out)["cost"] == first
+    # the costs are the file's: halved rates and a doubled overhead double every node's cost
+    rates = json.loads(path.read_text())
+    rates["cpu"].update(matmul_flops_per_us=rates["cpu"]["matmul_flops_per_us"] / 2,
+                        bytes_per_us=rates["cpu"]["bytes_per_us"] / 2, op_overhead_us=rates["cpu"]["op_overhead_us"] * 2)
+    path.write_text(json.dumps(rates))
+    cost._RATES.clear()
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and json.loads(out)["cost"] == pytest.approx(2 * first, rel=1e-9)
+    cost._RATES.clear()

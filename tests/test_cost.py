@@ -194,3 +194,39 @@ def test_contention_counts_one_stalled_call_and_not_a_hiccup(monkeypatch):
                             lambda fn, r, d, *, warm=True, many=many: many if torch.get_num_threads() > 1 else [10.0] * r)
         with _threads(2):
             assert cost.Contention(torch.device("cpu"), 2).busy() is busy
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("[1, 2]", "expected a JSON object of devices"),
+        ("{not json", "ignoring unreadable rate cache"),
+        ('{"cpu": {"device": "cpu", "matmul_flops_per_us": -5, "bytes_per_us": 1, "op_overhead_us": 1}}',
+         "matmul_flops_per_us is -5, not a positive number"),
+        ('{"cpu": {"device": "cpu", "matmul_flops_per_us": "fast", "bytes_per_us": 1, "op_overhead_us": 1}}',
+         "matmul_flops_per_us is 'fast'"),
+        ('{"cpu": {"device": "cpu", "matmul_flops_per_us": 1, "bytes_per_us": 1}}', "expected an object with"),
+        ('{"cpu": {"device": "cuda", "matmul_flops_per_us": 1, "bytes_per_us": 1, "op_overhead_us": 1}}',
+         "'device': 'cpu'"),
+    ],
+)
+def test_a_damaged_rate_cache_is_measured_again_and_rewritten(tmp_path, caplog, content, problem):
+    path = tmp_path / "rates.json"
+    path.write_text(content)
+    cost._RATES.clear()
+    with caplog.at_level("WARNING", logger="remat.cost"):
+        rates = machine_rates("cpu", cache_path=path)
+    assert problem in caplog.text and "measuring" in caplog.text
+    assert rates.matmul_flops_per_us > 0 and rates.bytes_per_us > 0 and rates.op_overhead_us > 0
+    assert json.loads(path.read_text())["cpu"]["matmul_flops_per_us"] == rates.matmul_flops_per_us
+    cost._RATES.clear()
+
+
+def test_rates_that_cannot_be_kept_only_warn(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cost._RATES.clear()
+    with caplog.at_level("WARNING", logger="remat.cost"):
+        rates = machine_rates("cpu", cache_path=blocker / "rates.json")  # (a folder that is a file)
+    assert rates.op_overhead_us > 0 and "could not keep the machine rates" in caplog.text
+    cost._RATES.clear()

@@ -167,6 +167,17 @@ def least_peak_dir() -> Path:
     return default_cache_dir().parent / "least-peak"
 
 
+def estimate_rates_file() -> Path:
+    """``$XDG_CACHE_HOME/remat/rates/cpu-<threads>threads-torch<version>.json``: where the
+    command line keeps the machine rates of estimated costs (``cost.machine_rates``), so that
+    every run on this machine prices a graph alike (measured per process, the rates moved by
+    a few percent from run to run, and with them every absolute cost)."""
+    import torch
+
+    name = f"cpu-{torch.get_num_threads()}threads-torch{torch.__version__}.json"
+    return default_cache_dir().parent / "rates" / name.replace("+", "_")
+
+
 def load_least_peak(directory: Path) -> int:
     """Hand the least-peak plans kept under ``directory`` to the planner (the most recent
     ``LEAST_PEAK_FILES``), so that the smallest budget an earlier process stated for a graph

@@ -133,12 +133,35 @@ def _traced(args: argparse.Namespace):
             err.print(f"tracing {args.model} (batch {args.batch}) on real tensors {what}", highlight=False)
         args._workload = w
         cost_model = CostModel.PROFILE if args.costs == "profile" else CostModel.ESTIMATE
+        if cost_model is CostModel.ESTIMATE:
+            _pin_rates()
         with _activity(f"tracing {args.model}"):
             args._traced = trace(w.model, w.batch, w.loss_fn, cost_model=cost_model, name=args.model)
         graph = args._traced.graph
         err.print(f"traced {graph.n} nodes; checkpoint-all peak {format_bytes(checkpoint_all_peak(graph))}",
                   highlight=False)
     return args._traced
+
+
+def _pin_rates() -> None:
+    """Estimated costs divide by this machine's rates: read them from the user's cache (or
+    measure and keep them there), so that runs on one machine give the same costs."""
+    from remat.backend_cache import estimate_rates_file
+    from remat.cost import machine_rates
+
+    def changed() -> int | None:
+        return path.stat().st_mtime_ns if path.exists() else None
+
+    path = estimate_rates_file()
+    before = changed()
+    machine_rates("cpu", cache_path=path)
+    after = changed()
+    if after is None:  # (the warning said why)
+        err.print("estimated costs use this machine's rates, measured for this run only", highlight=False)
+        return
+    verb = "read from" if after == before else "measured, kept in"
+    err.print(f"estimated costs use this machine's rates, {verb} {path} (delete it to measure them again)",
+              highlight=False)
 
 
 class _ShowLatest(logging.Handler):

@@ -325,11 +325,17 @@ def machine_rates(device: str | torch.device = "cpu", *, cache_path: str | os.Pa
         try:
             with open(cache_path) as f:
                 stored = json.load(f)
-            if key in stored:
-                _RATES[key] = MachineRates(**stored[key])
-                return _RATES[key]
-        except (OSError, ValueError, TypeError) as exc:
-            log.warning("ignoring unreadable rate cache %s: %s", cache_path, exc)
+            if not isinstance(stored, dict):
+                raise ValueError(f"expected a JSON object of devices, found {type(stored).__name__}")
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable rate cache %s: %s; measuring the rates again", cache_path, exc)
+            stored = {}
+        if key in stored:
+            rates, problem = _rates_from(stored[key], key)
+            if rates is not None:
+                _RATES[key] = rates
+                return rates
+            log.warning("ignoring the %s rates in %s: %s; measuring them again", key, cache_path, problem)
     # On a CPU the faster of the thread count's and one thread's time is kept: on a quiet
     # machine that is the thread count's, on an oversubscribed one (see ``Contention``) its
     # parallel kernels wait for threads that are not running and one thread is the truer rate.
@@ -355,8 +361,24 @@ def machine_rates(device: str | torch.device = "cpu", *, cache_path: str | os.Pa
     _RATES[key] = rates
     if cache_path is not None:
         stored[key] = asdict(rates)
-        _save_cache(cache_path, stored)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+            _save_cache(cache_path, stored)
+        except OSError as exc:  # (the rates hold for this process; the next one measures its own)
+            log.warning("could not keep the machine rates in %s: %s", cache_path, exc)
     return rates
+
+
+def _rates_from(record: object, key: str) -> tuple[MachineRates | None, str]:
+    """The rates a cache file holds for device ``key``, or None and what is wrong with them."""
+    fields = ("matmul_flops_per_us", "bytes_per_us", "op_overhead_us")
+    if not isinstance(record, dict) or record.get("device") != key or set(record) != {"device", *fields}:
+        return None, f"expected an object with 'device': {key!r} and the numbers {', '.join(fields)}"
+    for name in fields:
+        value = record[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            return None, f"{name} is {value!r}, not a positive number"
+    return MachineRates(key, *(float(record[name]) for name in fields)), ""
 
 
 def _flops(n: fx.Node) -> float:
