@@ -48,6 +48,13 @@ limit, and a deadline (``--deadline-s``) after which the remaining variants are 
 skipped; results are written after every variant and a second run resumes where the first
 stopped, measuring again the variants that failed (after a fix, say).
 
+A last check, ``gradscaler``, follows the README's float16 recipe: a three-layer MLP with
+dropout under ``torch.autocast(dtype=torch.float16)``, the ``torch.amp.GradScaler``'s scale
+given to ``remat.optimize``'s step as a batch tensor, eight SGD steps against eager's
+``scaler.scale(loss).backward()``, one batch scaled by 10^4 so that float16 overflows and the
+scaler backs off and skips that step. Every step's scaled loss, gradients and parameters must
+be bitwise eager's and the two scalers' scales equal.
+
 A large workload runs only when named: ``gpt2-48l``, the solver-scaling benchmark's deepest GPT-2
 (48 layers of width 256, batch 8 of 256 tokens; 8,625 traced ops), with eager twice,
 ``remat.optimize`` at the budgets and at the smallest budget remat states for it (``remat.optimize
@@ -95,6 +102,13 @@ QUICK_MODELS = {"mobilenet": 2, "gpt2": 8}
 #: width 256, sequence 256, vocabulary 8192, dropout 0.1; 8,625 traced ops), with the variants of
 #: ``LARGE_VARIANTS`` alone: what the planner's plans for thousands of ops measure on a device.
 LARGE_MODELS = {"gpt2-48l": 8}
+#: The GradScaler check (run by default, after the models): name, batch on a GPU and in the
+#: dry run, optimizer steps, and the step whose batch is scaled so that float16 overflows.
+GRADSCALER = "gradscaler"
+GRADSCALER_BATCH = 512
+GRADSCALER_QUICK_BATCH = 64
+GRADSCALER_STEPS = 8
+GRADSCALER_OVERFLOW_STEP = 3
 QUICK_IMAGE_SIDE = 32
 QUICK_CAPABLE = ("mobilenet", "resnet50", "gpt2")
 BUDGETS = (0.7, 0.5)
@@ -587,6 +601,102 @@ def check_model(spec: Spec, args, record: dict, save, deadline: float) -> None:
             torch.cuda.empty_cache()
 
 
+def check_gradscaler(args, results: dict, save, deadline: float) -> None:
+    """The README's float16 recipe against eager's ``scaler.scale(loss).backward()``, into
+    ``results["gradscaler"]`` (see the module's docstring); measured again only when absent,
+    skipped or failed."""
+    done = results.get(GRADSCALER)
+    if done is not None and "skipped" not in done and "error" not in done:
+        print(f"{GRADSCALER}: done already", flush=True)
+        return
+    if time.monotonic() > deadline:
+        results[GRADSCALER] = {"skipped": "over the time budget; run again to resume"}
+        print(f"{GRADSCALER}: skipped (over the time budget)", flush=True)
+        save()
+        return
+    try:
+        record = gradscaler_steps(args)
+    except Exception as exc:  # a finding, reported with the rest
+        record = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+    results[GRADSCALER] = record
+    save()
+    print(f"{GRADSCALER}: {_gradscaler_summary(record)}", flush=True)
+
+
+def gradscaler_steps(args) -> dict:
+    """Eight steps of the README's GradScaler recipe, remat's and eager's side by side."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import remat
+
+    device = torch.device(args.device)
+    kind = device.type
+    batch = args.batch or (GRADSCALER_QUICK_BATCH if args.quick else GRADSCALER_BATCH)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Dropout(0.1), nn.Linear(1024, 1024), nn.GELU(),
+                              nn.Linear(1024, 10))
+        batches = [(torch.randn(batch, 256) * (1e4 if i == GRADSCALER_OVERFLOW_STEP else 1.0),
+                    torch.randint(0, 10, (batch,))) for i in range(GRADSCALER_STEPS)]
+        one = torch.ones(())
+    eager = copy.deepcopy(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
+    scalers = [torch.amp.GradScaler(kind, init_scale=2.0**16, growth_interval=2) for _ in range(2)]
+
+    def loss_fn(m, x, y, scale):
+        with torch.autocast(kind, dtype=torch.float16):
+            loss = F.cross_entropy(m(x), y)
+        return loss * scale  # what scaler.scale(loss) computes
+
+    record: dict = {"batch": batch, "method": args.method}
+    options = {"time_limit_s": args.time_limit_s} if args.method in ("milp", "lp_round") else {}
+    example = (*batches[0], scalers[1].scale(one))
+    try:
+        step = remat.optimize(model, example, loss_fn, budget=0.6, method=args.method, **options)
+    except remat.InfeasibleBudgetError as exc:  # (the parameters dominate: the smallest stated budget)
+        record["planned_at_bytes"] = exc.min_budget_bytes
+        step = remat.optimize(model, example, loss_fn, budget=exc.min_budget_bytes, method=args.method, **options)
+    record["overhead"] = step.report.overhead
+    record["predicted_peak_bytes"] = step.report.predicted_peak_bytes
+    steps = []
+    for i, (x, y) in enumerate(batches):
+        for opt in optimizers:
+            opt.zero_grad()
+        torch.manual_seed(i)
+        with torch.autocast(kind, dtype=torch.float16):
+            eager_loss = F.cross_entropy(eager(x), y)
+        scaled = scalers[0].scale(eager_loss)
+        scaled.backward()
+        torch.manual_seed(i)
+        remat_loss = step(x, y, scalers[1].scale(one))
+        grads = all((a.grad is None and b.grad is None) or (a.grad is not None and b.grad is not None
+                                                          and torch.equal(a.grad, b.grad))
+                    for a, b in zip(eager.parameters(), model.parameters()))
+        for scaler, opt in zip(scalers, optimizers):
+            scaler.step(opt)
+            scaler.update()
+        steps.append({"step": i, "scale_eager": scalers[0].get_scale(), "scale_remat": scalers[1].get_scale(),
+                      "loss_bitwise": bool(torch.equal(scaled.detach(), remat_loss.detach())), "grads_bitwise": grads,
+                      "params_bitwise": all(torch.equal(a, b) for a, b in zip(eager.parameters(), model.parameters()))})
+    record["steps"] = steps
+    record["bitwise"] = all(r["loss_bitwise"] and r["grads_bitwise"] and r["params_bitwise"] for r in steps)
+    record["scales_agree"] = all(r["scale_eager"] == r["scale_remat"] for r in steps)
+    before = steps[GRADSCALER_OVERFLOW_STEP - 1]["scale_eager"]
+    record["backed_off"] = steps[GRADSCALER_OVERFLOW_STEP]["scale_eager"] < before  # (the overflow was exercised)
+    return record
+
+
+def _gradscaler_summary(r: dict) -> str:
+    if "error" in r or "skipped" in r:
+        return "ERROR " + r["error"][:200] if "error" in r else r["skipped"]
+    scales = " -> ".join(f"{s['scale_remat']:g}" for s in r["steps"])
+    return (f"{len(r['steps'])} steps, {'bitwise' if r['bitwise'] else 'NOT BITWISE'}, scales "
+            f"{'agree' if r['scales_agree'] else 'DIFFER'} ({scales}), "
+            f"{'backed off' if r['backed_off'] else 'no overflow backoff'} at step {GRADSCALER_OVERFLOW_STEP}")
+
+
 def _summary(r: dict) -> str:
     if "error" in r:
         return "ERROR " + r["error"][:200]
@@ -685,8 +795,30 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {v['peak_bytes'] / MIB:.1f} | {rel_peak} | {predicted} | {error} | "
                          f"{v['step_s'] * 1e3:.1f} | {rel_time} | {grads} | {'; '.join(notes)} |")
         lines.append("")
+    if GRADSCALER in results:
+        lines += gradscaler_markdown(results[GRADSCALER])
     lines += [summary(results), ""]
     return "\n".join(lines)
+
+
+def gradscaler_markdown(r: dict) -> list[str]:
+    """The GradScaler check's table: per step, both scalers' scales and what is bitwise."""
+    lines = [f"### {GRADSCALER}: float16 autocast with torch.amp.GradScaler", ""]
+    if "error" in r or "skipped" in r:
+        return lines + [r.get("error") or r["skipped"], ""]
+    at = (f"planned at the smallest budget remat states, {r['planned_at_bytes'] / MIB:.1f} MiB"
+          if r.get("planned_at_bytes") else "planned at 60% of its peak")
+    lines += [f"The README's recipe on a three-layer MLP with dropout (batch {r['batch']}, `{r['method']}`, {at}, "
+              f"{r['overhead']:.3f}x): the scaler's scale given to the step as a batch tensor, against eager's "
+              f"`scaler.scale(loss).backward()`; SGD; batch {GRADSCALER_OVERFLOW_STEP} is scaled by 10^4 so that "
+              f"float16 overflows. {_gradscaler_summary(r)}.", "",
+              "| step | scale (eager) | scale (remat) | scaled loss | gradients | parameters after the step |",
+              "|---:|---:|---:|---|---|---|"]
+    for s in r["steps"]:
+        lines.append(f"| {s['step']} | {s['scale_eager']:g} | {s['scale_remat']:g} | "
+                     + " | ".join("bitwise" if s[k] else "DIFFER" for k in ("loss_bitwise", "grads_bitwise",
+                                                                            "params_bitwise")) + " |")
+    return lines + [""]
 
 
 def _model_order(key: str) -> tuple:
@@ -758,8 +890,13 @@ def problems(results: dict) -> list[str]:
     with eager's nor, for ``remat.backend``, with PyTorch's compiler's on the same graph
     (fallbacks, skipped variants and peak errors are reported, not failures; PyTorch's own
     variants differing is a finding, not a failure)."""
-    return [f"{key} {name}: {verdict}" for key, name, verdict in verdicts(results)
-            if verdict not in ("eager", COMPILED, EAGER_OFF, EAGER_AMP)]
+    found = [f"{key} {name}: {verdict}" for key, name, verdict in verdicts(results)
+             if verdict not in ("eager", COMPILED, EAGER_OFF, EAGER_AMP)]
+    scaler = results.get(GRADSCALER)
+    if scaler is not None and "skipped" not in scaler and not (
+            scaler.get("bitwise") and scaler.get("scales_agree") and scaler.get("backed_off")):
+        found.append(f"{GRADSCALER}: {_gradscaler_summary(scaler)}")
+    return found
 
 
 def summary(results: dict) -> str:
@@ -794,8 +931,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # (remat's parser: a usage error is one line, exit code 2, checked before any work)
     parser = Parser(prog="cuda_check.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=None,
-                        help=f"comma-separated models, from: {', '.join(MODELS)} (default: all of these; with --quick "
-                             f"{', '.join(QUICK_MODELS)}), or the large {', '.join(LARGE_MODELS)}")
+                        help=f"comma-separated models, from: {', '.join(MODELS)} and the {GRADSCALER} check (default: "
+                             f"all of these; with --quick {', '.join(QUICK_MODELS)} and {GRADSCALER}), or the large "
+                             f"{', '.join(LARGE_MODELS)}")
     parser.add_argument("--batch", type=int, default=None,
                         help="one batch size for every model (default: each model's own)")
     parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS),
@@ -817,11 +955,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replot", action="store_true", help="only print the section from the JSON")
     args = parser.parse_args(argv)
     try:
-        names = name_list(",".join(QUICK_MODELS if args.quick else MODELS) if args.models is None else args.models,
-                          [*MODELS, *LARGE_MODELS])
+        names = name_list(",".join([*(QUICK_MODELS if args.quick else MODELS), GRADSCALER]) if args.models is None
+                          else args.models, [*MODELS, *LARGE_MODELS, GRADSCALER])
     except UsageError as exc:
         parser.error(str(exc))
-    if args.quick and any(m not in QUICK_CAPABLE for m in names):
+    if args.quick and any(m not in (*QUICK_CAPABLE, GRADSCALER) for m in names):
         parser.error(f"--quick runs {', '.join(QUICK_CAPABLE)} on small inputs; the other models need their paper input")
     args.models = names
     try:
@@ -889,7 +1027,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     results = {} if args.fresh or not args.out.exists() else json.loads(args.out.read_text())
     device = torch.device(args.device)
-    stored = json.dumps(results.get("models", {}), sort_keys=True)
+    def measured() -> str:
+        return json.dumps([results.get("models", {}), results.get(GRADSCALER)], sort_keys=True)
+
+    stored = measured()
     # (this run's provenance, written with the first variant it records: a run that records
     # nothing leaves the file's as it was)
     meta = {
@@ -910,18 +1051,20 @@ def main(argv: list[str] | None = None) -> int:
     results.setdefault("models", {})
 
     def changed() -> bool:
-        return json.dumps(results["models"], sort_keys=True) != stored
+        return measured() != stored
 
     def save() -> None:
         if changed():
             results["meta"] = meta
             save_json(results, args.out)
 
-    for spec in specs(args.models, args.quick, args.batch):
+    for spec in specs([m for m in args.models if m != GRADSCALER], args.quick, args.batch):
         print(f"{spec.key}:", flush=True)
         record = results["models"].setdefault(spec.key, {"variants": {}})
         check_model(spec, args, record, save, deadline)
         save()
+    if GRADSCALER in args.models:
+        check_gradscaler(args, results, save, deadline)
     if changed():
         meta["wall_s"] = round(time.monotonic() - started, 1)
         save()

@@ -426,3 +426,41 @@ def test_replot_prints_the_section_from_the_json_without_a_device(tmp_path, caps
     assert "### resnet50@64" in capsys.readouterr().out
     assert cuda_check.main(["--replot", "--out", str(tmp_path / "missing.json")]) == 2
     assert "does not exist; run the check first" in capsys.readouterr().err
+
+
+def test_gradscaler_dry_run_is_bitwise_backs_off_renders_and_resumes(tmp_path, capsys):
+    """The README's float16 GradScaler recipe (the scale given to the step as a batch tensor)
+    against eager's ``scaler.scale(loss).backward()``, on CPU: eight steps, one of them
+    overflowing float16 so that both scalers back off and skip it."""
+    out = tmp_path / "check.json"
+    argv = ["--device", "cpu", "--quick", "--models", "gradscaler", "--out", str(out)]
+    assert cuda_check.main(argv) == 0
+    record = json.loads(out.read_text())["gradscaler"]
+    assert record["bitwise"] and record["scales_agree"] and record["backed_off"], record
+    steps = record["steps"]
+    assert len(steps) == cuda_check.GRADSCALER_STEPS and record["batch"] == cuda_check.GRADSCALER_QUICK_BATCH
+    over = cuda_check.GRADSCALER_OVERFLOW_STEP
+    assert steps[over]["scale_eager"] == steps[over - 1]["scale_eager"] / 2  # (backoff factor 0.5)
+    assert all(s["loss_bitwise"] and s["grads_bitwise"] and s["params_bitwise"] for s in steps)
+    shown = capsys.readouterr().out
+    assert "### gradscaler: float16 autocast with torch.amp.GradScaler" in shown
+    assert f"| {over} | {steps[over]['scale_eager']:g} | {steps[over]['scale_remat']:g} | bitwise | bitwise | bitwise |" in shown
+    # measured once: a rerun leaves it
+    assert cuda_check.main(argv) == 0
+    assert "gradscaler: done already" in capsys.readouterr().out
+
+
+def test_a_gradscaler_record_that_differs_or_never_overflowed_fails_the_check():
+    steps = [{"step": i, "scale_eager": 2.0, "scale_remat": 2.0, "loss_bitwise": True, "grads_bitwise": True,
+              "params_bitwise": True} for i in range(cuda_check.GRADSCALER_STEPS)]
+    good = {"batch": 4, "method": "milp", "overhead": 1.0, "steps": steps, "bitwise": True, "scales_agree": True,
+            "backed_off": True}
+    assert cuda_check.problems({"gradscaler": good}) == []
+    assert cuda_check.problems({"gradscaler": {"skipped": "over the time budget; run again to resume"}}) == []
+    for change, shown in (({"bitwise": False}, "NOT BITWISE"), ({"scales_agree": False}, "scales DIFFER"),
+                          ({"backed_off": False}, "no overflow backoff at step 3")):
+        [problem] = cuda_check.problems({"gradscaler": {**good, **change}})
+        assert problem.startswith("gradscaler: 8 steps") and shown in problem
+    [problem] = cuda_check.problems({"gradscaler": {"error": "RuntimeError: boom"}})
+    assert problem == "gradscaler: ERROR RuntimeError: boom"
+    assert "| 0 | 2 | 2 | bitwise | bitwise | bitwise |" in "\n".join(cuda_check.gradscaler_markdown(good))
