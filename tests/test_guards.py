@@ -3,6 +3,7 @@ changed (eager PyTorch would compute something else), naming what changed; uncha
 
 from __future__ import annotations
 
+import collections
 import io
 import math
 import re
@@ -1691,3 +1692,159 @@ def test_a_transformers_config_field_behind_a_private_property_is_guarded():
     labels = {h.label for h, _ in guards.held_values(transformers.LlamaForCausalLM(config))}
     assert "model.config._attn_implementation_internal" in labels
     assert not any(label.endswith("_name_or_path") for label in labels)  # (where it came from: bookkeeping)
+
+
+GROWN = [1.0]
+DEEP_SHIFT = 1.0
+
+
+def _grown_helper_3(t):
+    return t * DEEP_SHIFT
+
+
+def _grown_helper_2(t):
+    return _grown_helper_3(t)
+
+
+def _grown_helper_1(t):
+    return _grown_helper_2(t)
+
+
+class _ReadsLast(nn.Module):
+    """Reads the last entry of a list attribute and of a list inside a dict attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.sched = [1.0]
+        self.cfg = {"scale": 2.0, "tags": [1.0], "log": []}
+
+    def forward(self, x):
+        return self.a(x) * self.sched[-1] * self.cfg["tags"][-1] * self.cfg["scale"]
+
+
+def _grown_cases():
+    """(loss_fn, model, change, message): each change made eager's loss differ from the step's,
+    silently, before lengths, key sets and deques named by the step's code were held."""
+    closure, keyed, summed, queue = [1.0], {"a": 1.0}, {"a": 1.0}, collections.deque([1.0])
+    cases = [
+        (lambda m, x, y: _xent(m, x, y) * GROWN[-1], _gelu_mlp(), lambda m: GROWN.append(2.0),
+         r"len\(loss_fn's global 'GROWN'\) is now 2 but was 1"),
+        (lambda m, x, y: _xent(m, x, y) * len(GROWN), _gelu_mlp(), lambda m: GROWN.append(2.0),
+         r"len\(loss_fn's global 'GROWN'\) is now 2 but was 1"),
+        (lambda m, x, y: _xent(m, x, y) * closure[-1], _gelu_mlp(), lambda m: closure.append(2.0),
+         r"len\(loss_fn's closure variable 'closure'\) is now 2 but was 1"),
+        (lambda m, x, y: _xent(m, x, y) * keyed.get("b", 1.0), _gelu_mlp(), lambda m: keyed.update(b=3.0),
+         r"the keys of loss_fn's closure variable 'keyed' are now \{'a', 'b'\} but were \{'a'\}"),
+        (lambda m, x, y: _xent(m, x, y) * sum(summed.values()), _gelu_mlp(), lambda m: summed.update(b=3.0),
+         r"the keys of loss_fn's closure variable 'summed' are now \{'a', 'b'\} but were \{'a'\}"),
+        (lambda m, x, y: _xent(m, x, y) * queue[-1], _gelu_mlp(), lambda m: queue.append(2.0),
+         r"loss_fn's closure variable 'queue' is now \(1.0, 2.0\) but was \(1.0,\)"),
+        (_xent, _ReadsLast(), lambda m: m.sched.append(2.0), r"len\(model.sched\) is now 2 but was 1"),
+        (_xent, _ReadsLast(), lambda m: m.cfg["tags"].append(3.0), r"len\(model.cfg\['tags'\]\) is now 2 but was 1"),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_a_list_dict_or_deque_the_step_reads_whole_grown_after_tracing_is_refused(case):
+    """w[-1], len(w), d.get('b', 1.0), sum(d.values()), q[-1] and self.sched[-1] after the loop
+    appended to w or added a key to d: eager computed with the new entry (loss 2.26 against the
+    step's 1.13), the step with what it was traced with, silently."""
+    global GROWN
+    GROWN = [1.0]
+    loss_fn, model, change, message = _grown_cases()[case]
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert check_step(step, loss_fn, x, y).bitwise
+    eager_before = loss_fn(model, x, y)
+    change(model)
+    assert not torch.equal(loss_fn(model, x, y), eager_before)  # (eager's step changed)
+    with pytest.raises(TraceError, match=message + " when the step was traced"):
+        step(x, y)
+
+
+def test_lists_and_dicts_the_step_reads_by_constant_index_may_grow():
+    """self.scales[1], cfg['scale']: entries held one by one, so the loop may append to the list
+    or add keys to the dict (a log inside a config the forward reads) without a refusal."""
+    model, x, y = _ReadsLast(), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    step = remat.optimize(model, (x, y), _xent, budget=1.0, method="checkpoint_all", cost_model=None)
+    model.cfg["log"].append(0.5)  # (no step code reads it)
+    model.cfg["seen"] = 1  # (a key added to a dict read by constant keys only)
+    assert check_step(step, _xent, x, y).bitwise
+    model.cfg["scale"] = 3.0
+    with pytest.raises(TraceError, match=r"model.cfg\['scale'\] is now 3.0 but was 2.0"):
+        step(x, y)
+
+
+def test_a_global_read_by_a_helper_three_calls_down_or_given_as_a_default_is_guarded():
+    """loss_fn -> h1 -> h2 -> h3 reading DEEP_SHIFT, and loss_fn(m, x, y, h=h1): the guards followed
+    two calls, and no helper given as a default: the weight from 1.0 to 3.0 after tracing gave
+    eager's loss 3.69, the step's 1.23, silently."""
+    global DEEP_SHIFT
+
+    def deep(m, x, y):
+        return _grown_helper_1(_xent(m, x, y))
+
+    def by_default(m, x, y, h=_grown_helper_1):
+        return h(_xent(m, x, y))
+
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    for loss_fn, label in ((deep, "loss_fn's global '_grown_helper_1''s global '_grown_helper_2''s global "
+                                  "'_grown_helper_3''s global 'DEEP_SHIFT'"),
+                           (by_default, "loss_fn's default 'h''s global '_grown_helper_2''s global "
+                                        "'_grown_helper_3''s global 'DEEP_SHIFT'")):
+        DEEP_SHIFT = 1.0
+        model = _gelu_mlp()
+        step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+        DEEP_SHIFT = 3.0
+        try:
+            with pytest.raises(TraceError, match=re.escape(label) + r" is now 3.0 but was 1.0"):
+                step(x, y)
+        finally:
+            DEEP_SHIFT = 1.0
+        assert check_step(step, loss_fn, x, y).bitwise
+
+
+def test_name_depths_count_the_constant_subscripts_of_every_use():
+    from remat.guards import _name_depths
+
+    def f(self, w, d, q):
+        return (self.scales[1] + self.cfg["tags"][-1] + w[0][2] + len(q) + d.get("b", 1.0)
+                + self.cfg["extra"]["n"][0])
+
+    depths = dict(_name_depths(f.__code__))
+    assert depths["scales"] == 1 and depths["cfg"] == 1 and depths["tags"] == 0 and depths["w"] == 2
+    assert depths["q"] == 0 and depths["d"] == 0 and depths["extra"] == 2 and depths["n"] == 1
+
+
+def test_a_function_replaced_in_a_librarys_table_of_functions_is_refused():
+    """transformers' attention picks its function from a table by name
+    (``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``): 'sdpa' replaced there after
+    tracing changed eager's loss (4.1484 against the step's 4.1529), silently."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model, ids = transformers.LlamaForCausalLM(config), torch.randint(0, 64, (2, 8))
+
+    def loss_fn(m, ids):
+        return m(input_ids=ids, labels=ids).loss
+
+    step = remat.optimize(model, (ids,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def doubled(*args, **kwargs):
+        out, weights = original(*args, **kwargs)
+        return out * 2, weights
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = doubled
+    try:
+        with pytest.raises(TraceError, match=r"modeling_llama.ALL_ATTENTION_FUNCTIONS\['sdpa'\] \(which "
+                                             r"LlamaAttention.forward calls\) is now the function \S*doubled"):
+            step(ids)
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+    assert check_step(step, loss_fn, ids).bitwise

@@ -394,9 +394,11 @@ def _changed(what: str, now: object, value: object, remedy: str = "") -> TraceEr
         i = next((i for i, (a, b) in enumerate(zip(now, value)) if not _same(a, b)), min(len(now), len(value)))
         what = f"{what}[{i}]"
         now, value = (now[i] if i < len(now) else _MISSING), (value[i] if i < len(value) else _MISSING)
-    shown = "is no longer set" if now is _MISSING else f"is now {_value_shown(now)}"
+    verb = "are" if what.startswith("the keys of ") else "is"
+    shown = f"{verb} no longer set" if now is _MISSING else f"{verb} now {_value_shown(now)}"
     was = "unset" if value is _MISSING else _value_shown(value)
-    return TraceError(f"{what} {shown} but was {was} when the step was traced; a traced step keeps "
+    return TraceError(f"{what} {shown} but {'were' if verb == 'are' else 'was'} {was} when the step was traced; a "
+                      f"traced step keeps "
                       f"the values it may have read, so where it reads this one it would compute with the old value: "
                       f"trace again (remat.optimize) after changing it{remedy}")
 
@@ -517,14 +519,19 @@ def library_functions(model: torch.nn.Module, loss_fn: object = None) -> list[tu
                           if isinstance(vars(value).get(attribute), _FUNCTIONS)]
             elif isinstance(value, _FUNCTIONS) and not name.startswith("__") and not users:
                 places = [(None, scope, name)]
+            elif _function_table(value) and not users:  # (transformers' ALL_ATTENTION_FUNCTIONS[...])
+                places = [(name, value, key) for key in list(value) if isinstance(value.get(key), _FUNCTIONS)]
             else:
                 continue
             for module, table, key in places:
                 if (id(table), key) in found:
                     continue
-                owner = module.__name__ if module is not None else scope.get("__name__", "?")
+                if isinstance(module, str):  # (an entry of a table of functions named ``module``)
+                    shown = f"{scope.get('__name__', '?')}.{module}[{key!r}]"
+                else:
+                    shown = f"{module.__name__ if module is not None else scope.get('__name__', '?')}.{key}"
                 now = table[key]
-                found[(id(table), key)] = (HeldValue(f"{owner}.{key} (which {who} calls)",
+                found[(id(table), key)] = (HeldValue(f"{shown} (which {who} calls)",
                                                      lambda m, t=table, k=key: t.get(k, _MISSING), _unchangeable), now)
                 if isinstance(now, types.FunctionType) and depth < LIBRARY_DEPTH and not _user_module(now.__module__):
                     names_in(now, now.__qualname__, depth + 1)
@@ -542,6 +549,22 @@ def library_functions(model: torch.nn.Module, loss_fn: object = None) -> list[tu
     for fn in _step_functions(loss_fn, hooks):
         names_in(fn, "loss_fn" if fn is _function_of(loss_fn) else fn.__qualname__, 1, users=True)
     return list(found.values())
+
+
+#: A dict (or another mapping) of at most this many entries, keyed by strings, that a library's
+#: code names and that holds functions is a table the code picks one from by name (transformers'
+#: ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``): its functions are held.
+FUNCTION_TABLE = 64
+
+
+def _function_table(value: object) -> bool:
+    if not isinstance(value, (dict, Mapping)) or isinstance(value, types.MappingProxyType):
+        return False
+    try:
+        return 0 < len(value) <= FUNCTION_TABLE and all(isinstance(k, str) for k in value) \
+            and any(isinstance(value.get(k), _FUNCTIONS) for k in value)
+    except Exception:  # noqa: BLE001 - a mapping that cannot be listed: not a table
+        return False
 
 
 def _reached_methods(cls: type) -> list[str]:
@@ -1043,6 +1066,15 @@ def held_values(model: torch.nn.Module, loss_fn: object = None) -> list[tuple[He
 #: holding 50 lists of 10,000 numbers made a step 74x slower than eager's).
 HELD_PER_HOLDER = 256
 LONG_LIST = 64
+#: How deep the user's helper functions are followed from the step's code (``loss_fn`` calling
+#: a helper calling another that reads a global): each function once, so this only bounds a
+#: chain of distinct helpers. Two levels left a global read three calls down unguarded (a
+#: weight changed from 1.0 to 3.0 after tracing: eager's loss 3.69, the step's 1.23, silently).
+USER_DEPTH = 16
+#: A dict whose keys the step's code may look up (named by that code) has its key set compared
+#: before each step where it has at most this many keys (its length beyond): a key added after
+#: tracing changed ``d.get("b", 1.0)`` and ``sum(d.values())`` in eager and not in the step.
+KEYED_DICT = 4096
 
 
 def _number_list(value: object) -> bool:
@@ -1111,6 +1143,86 @@ def _code_strings(code: types.CodeType) -> frozenset[str]:
     """The names and string constants of ``code`` and the code nested in it: what it can read
     as an attribute (``self.alpha``) or a key (``self.weights['a']``)."""
     return frozenset(_code_names(code)) | _code_constants(code)
+
+
+#: The instructions that load a name: an attribute, a global, a closure variable or a local.
+_NAME_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_NAME",
+                         "LOAD_FAST"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_depths(code: types.CodeType) -> tuple[tuple[str, int], ...]:
+    """(name, depth) for the names and string keys of ``code`` (and the code nested in it): how
+    many subscripts by a constant index or key every use of the name is followed by, at least
+    (``self.scales[1]``: 1; ``cfg["tags"][-1]``: ``cfg`` 1, the key ``"tags"`` 0). A list or
+    dict reached through fewer constant subscripts than that is read by index or key only, and
+    its entries are held one by one, so the loop may add to it; one at the depth where a use
+    stops may have its length or last entries read or a key looked up (``w[-1]``, ``len(w)``,
+    ``d.get("b", 1.0)``, ``sum(d.values())``, ``"b" in d``, or passed on), so after
+    ``w.append(2.0)`` the step would still read what it was traced with: its length and keys
+    are held too. A string constant used otherwise (``getattr(self, "w")``) counts 0."""
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
+
+    def fixed_subscript(k: int) -> bool:
+        if k + 1 >= len(ins) or ins[k].opname != "LOAD_CONST" or ins[k + 1].opname != "BINARY_SUBSCR":
+            return False
+        key = ins[k].argval
+        return isinstance(key, str) or (type(key) is int and key >= 0)
+
+    depths: dict[str, int] = {}
+    for k, op in enumerate(ins):
+        if not isinstance(op.argval, str):
+            continue
+        if op.opname in _NAME_LOADS:
+            after = k + 1
+        elif op.opname == "LOAD_CONST" and k + 1 < len(ins) and ins[k + 1].opname == "BINARY_SUBSCR":
+            after = k + 2  # (the value under this key)
+        elif op.opname == "LOAD_CONST":
+            after = None
+        else:
+            continue
+        depth = 0
+        while after is not None and fixed_subscript(after):
+            depth, after = depth + 1, after + 2
+        depths[op.argval] = min(depth, depths.get(op.argval, depth))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            for name, depth in _name_depths(const):
+                depths[name] = min(depth, depths.get(name, depth))
+    return tuple(sorted(depths.items()))
+
+
+def _merge_depths(into: dict[str, int], code: types.CodeType) -> None:
+    for name, depth in _name_depths(code):
+        into[name] = min(depth, into.get(name, depth))
+
+
+def _step_depths(classes: Iterable[type], loss_fn: object, hooks: Iterable[object]) -> dict[str, int]:
+    """``_name_depths`` of the step's code of the user's: the methods of the modules' classes
+    that are the user's, ``loss_fn`` (a loss object's method too), the user's hooks, and the
+    user's functions these name or take as defaults, ``USER_DEPTH`` levels down."""
+    depths: dict[str, int] = {}
+    visited: set[int] = set()
+
+    def visit(fn: object, depth: int = 0) -> None:
+        f = _function_of(fn)
+        if f is None or id(f.__code__) in visited:
+            return
+        visited.add(id(f.__code__))
+        _merge_depths(depths, f.__code__)
+        if depth >= USER_DEPTH:
+            return
+        called = [value for _kind, _name, value, _read, _write in function_names(f)]
+        for value in (*called, *(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values()):
+            if isinstance(value, types.FunctionType) and _user_module(value.__module__):
+                visit(value, depth + 1)
+
+    for cls in classes:
+        for _owner, _key, fn in user_members(cls):
+            visit(fn)
+    for fn in _step_functions(loss_fn, hooks):
+        visit(fn)
+    return depths
 
 
 def _member_function(member: object) -> types.FunctionType | None:
@@ -1251,7 +1363,8 @@ def _step_strings(named: _NamedBy, classes: Iterable[type], loss_fn: object, hoo
     """The names and strings of the step's code (``more`` added): ``loss_fn``'s and the user's
     hooks' (``named.roots``), those of the members of the modules' classes that these and
     ``forward`` reach (``_NamedBy.names``), and those of the user's functions any of this code
-    names, two levels down (``forward`` calling a helper that reads ``m.opt.param_groups[0]['lr']``).
+    names, ``USER_DEPTH`` levels down (``forward`` calling a helper that reads
+    ``m.opt.param_groups[0]["lr"]``).
     Methods of the user's classes that no step code reaches (a helper the loop calls to log the
     lr) are not the step's."""
     strings = set(named.roots).union(more)
@@ -1263,7 +1376,7 @@ def _step_strings(named: _NamedBy, classes: Iterable[type], loss_fn: object, hoo
             return
         counted.add(id(f.__code__))
         strings.update(_code_strings(f.__code__))
-        if depth < 2:
+        if depth < USER_DEPTH:
             for _kind, _name, value, _read, _write in function_names(f):
                 if isinstance(value, types.FunctionType) and _user_module(value.__module__):
                     count(value, depth + 1)
@@ -1335,6 +1448,11 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     def parameter_dtypes() -> frozenset[torch.dtype]:
         return frozenset(p.dtype for p in model.parameters() if p.is_floating_point())
 
+    def slack_of(name: str) -> float:
+        """How many constant subscripts every use of ``name`` in the step's code takes
+        (``_name_depths``); infinite where it is not used, or for ``PythonState``."""
+        return math.inf if lengths else depths.get(name, math.inf)
+
     def generator(label: str, value: object) -> bool:
         if isinstance(value, _GENERATORS):
             if id(value) not in seen:
@@ -1344,10 +1462,17 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         return False
 
     def holder_fields(label: str, holder: object, locate: Callable[[torch.nn.Module], object], depth: int = 0,
-                      lists: bool = False, names: frozenset[str] | None = None, room: list[int] | None = None) -> None:
+                      lists: bool = False, names: frozenset[str] | None = None, room: list[int] | None = None,
+                      slack: float = math.inf) -> None:
         """The held values of ``holder`` and of the holders in it (``NESTED_HOLDERS`` deep),
-        at most ``HELD_PER_HOLDER`` in all; ``names``: only keys its code can read."""
+        at most ``HELD_PER_HOLDER`` in all; ``names``: only keys its code can read. ``sized``:
+        the step's code names the holder (or one it is in), so it may read a list's length or
+        last entry or look a key up in a dict: their lengths and dicts' key sets are held too
+        (a list the loop appends to that no step code names is its bookkeeping, and is not).
+        ``slack``: how many constant subscripts the step's code takes below ``holder`` before it
+        may read it whole (``_name_depths``; 0: now, infinite: never); ``sized`` is slack 0."""
         room = [HELD_PER_HOLDER] if room is None else room
+        sized = slack <= 0
         if id(holder) in seen:
             return
         if isinstance(holder, (list, tuple)) and len(holder) > LONG_LIST:
@@ -1356,6 +1481,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 found.append((HeldValue(label, functools.partial(_read_prefix, locate, len(holder)),
                                         functools.partial(_write_prefix, locate)), list(holder)))
                 room[0] -= 1
+                if sized and not lists:
+                    counted(label, holder, locate)
             return
         if names is None and not every_field and _the_loops(holder):
             loops.append((label, holder, locate, depth, lists))  # (its names are known once all code is walked)
@@ -1387,11 +1514,40 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 room[0] -= 1
             elif not generator(f"{label}{shown}", value) and depth < NESTED_HOLDERS and _is_holder(value) \
                     and not isinstance(holder, type):
-                holder_fields(f"{label}{shown}", value, at, depth + 1, lists, names, room)
+                # (by a key or attribute: as the step's code uses that name, ``cfg["tags"][-1]``; by
+                # an index, one subscript further down the holder's)
+                holder_fields(f"{label}{shown}", value, at, depth + 1, lists, names, room,
+                              slack_of(key) if isinstance(key, str) else slack - 1)
             elif lists and not by_length:
                 counter(f"{label}{shown}", value, at)
+            elif not lists and isinstance(value, collections.deque) and (
+                    slack_of(key) if isinstance(key, str) else slack - 1) <= 0:
+                sequence(f"{label}{shown}", value, at)
         if lists and isinstance(holder, list):
             counted(label, holder, locate)
+        elif sized and not lists and isinstance(holder, list):
+            counted(label, holder, locate)
+        elif sized and not lists and isinstance(holder, dict):
+            keyed(label, holder, locate)
+
+    def keyed(label: str, holder: dict, locate: Callable[[torch.nn.Module], object]) -> None:
+        """A dict's key set (its length where it has more than ``KEYED_DICT`` keys or keys that
+        are not plain values), for ``held_values``: a key added after tracing is refused."""
+        if len(holder) <= KEYED_DICT and all(_recordable(k) for k in holder):
+            found.append((HeldValue(f"the keys of {label}", lambda m: frozenset(h) if isinstance(h := locate(m), dict)
+                                    else _MISSING, lambda m, v: None), frozenset(holder)))
+        else:
+            found.append((HeldValue(f"len({label})", lambda m: len(h) if isinstance(h := locate(m), dict)
+                                    else _MISSING, lambda m, v: None), len(holder)))
+
+    def sequence(label: str, value: collections.deque, locate: Callable[[torch.nn.Module], object]) -> None:
+        """A deque of plain values the step's code names, by content (``q[-1]`` after
+        ``q.append``), for ``held_values``; its length where it holds anything else."""
+        if len(value) <= SMALL_ARRAY and all(_recordable(v) for v in value):
+            found.append((HeldValue(label, lambda m: tuple(h) if isinstance(h := locate(m), collections.deque)
+                                    else _MISSING, lambda m, v: None), tuple(value)))
+        else:
+            counted(label, value, locate)
 
     def counter(label: str, value: object, locate: Callable[[torch.nn.Module], object]) -> bool:
         """A deque or set (its length) or an ``itertools.count`` (its state shows only in its
@@ -1455,11 +1611,17 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 elif _holds_values(value, model):
                     holder_fields(label, value, lambda m, v=value: v)
         code, functions = f.__code__, []
+        if not lengths:  # (code found here that ``_step_depths`` did not reach: a callable object's)
+            _merge_depths(depths, code)
         defaults = f.__defaults__ or ()  # (``lambda m, x, cfg=cfg: ...``: a holder given as a default)
         for name, value in (*zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults),
                             *(f.__kwdefaults__ or {}).items()):
-            if not _guarded(value) and _holds_values(value, model):
-                holder_fields(f"{what}'s default {name!r}", value, lambda m, v=value: v)
+            if isinstance(value, types.FunctionType) and depth < USER_DEPTH and _user_module(value.__module__):
+                named_by(f"{what}'s default {name!r}", value, depth + 1)  # (``def loss_fn(m, x, y, h=helper)``)
+            elif not _guarded(value) and _holds_values(value, model):
+                holder_fields(f"{what}'s default {name!r}", value, lambda m, v=value: v, slack=slack_of(name))
+            elif isinstance(value, collections.deque) and slack_of(name) <= 0:
+                sequence(f"{what}'s default {name!r}", value, lambda m, v=value: v)
         if not _code_names(code).isdisjoint(("environ", "getenv")):
             environment(what, _code_constants(code))
         for kind, name, value, read, write in function_names(fn):
@@ -1476,12 +1638,14 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             if _guarded(value) and not (kind == "global" and name.startswith("__")):
                 found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, r=read, w=write: _in_place(r(), v)
                                         or w(_snapshot(v))), _snapshot(value)))
-                if isinstance(value, types.FunctionType) and depth < 2 and _user_module(value.__module__):
+                if isinstance(value, types.FunctionType) and depth < USER_DEPTH and _user_module(value.__module__):
                     named_by(label, value, depth + 1)  # (a helper it calls reads a global too)
             elif by_length or generator(label, value) or callable_object(label, value, lambda m, v=value: v):
                 continue
             elif _holds_values(value, model):
-                holder_fields(label, value, lambda m, v=value: v, lists=lengths)
+                holder_fields(label, value, lambda m, r=read: r(), lists=lengths, slack=slack_of(name))
+            elif isinstance(value, collections.deque) and slack_of(name) <= 0:
+                sequence(label, value, lambda m, r=read: r())
         for label, cls in functions:
             for key in ("forward", "setup_context", "backward", "jvp"):
                 member = _member_function(vars(cls).get(key))
@@ -1509,12 +1673,12 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             if _guarded(value):
                 found.append((HeldValue(where, at, lambda m, v, r=read, key=key: _put_back(r(), key, v)),
                               _snapshot(value)))
-                if isinstance(value, types.FunctionType) and depth < 2 and _user_module(value.__module__):
+                if isinstance(value, types.FunctionType) and depth < USER_DEPTH and _user_module(value.__module__):
                     named_by(where, value, depth + 1)
             elif not (generator(where, value) or callable_object(where, value, at)) and _holds_values(value, model):
                 if isinstance(value, type) and issubclass(value, torch.autograd.Function):
                     continue
-                holder_fields(where, value, at, lists=lengths)
+                holder_fields(where, value, at, lists=lengths, slack=slack_of(key))
 
     def environment(what: str, strings: frozenset[str]) -> None:
         """The environment variables a function that reads ``os.environ`` (or ``os.getenv``) names
@@ -1531,6 +1695,11 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     environ_keys: set[str] = set()
     modules = list(model.named_modules())
     named = _NamedBy(model, loss_fn)
+    classes = {type(module) for _, module in modules}
+    hooks = [hook for _, m in modules for hook in _hooks_of(m)]
+    # (how the step's code uses each name, for the lists and dicts whose lengths and keys it may
+    # read; none for PythonState, which holds the lengths of lists as counters)
+    depths = {} if lengths else _step_depths(classes, loss_fn, hooks)
     for name, module in modules:
         for key, value in vars(module).items():
             where = f"model.{name}.{key}" if name else f"model.{key}"
@@ -1538,7 +1707,12 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 continue
             locate = lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING)  # noqa: E731
             if _is_holder(value) and not _metadata(module, key):
-                holder_fields(where, value, locate, lists=lengths)
+                # (a list or dict the step's code names: its length and keys too; one it does not
+                # name, such as a history the loop appends to, only its entries)
+                holder_fields(where, value, locate, lists=lengths, slack=slack_of(key))
+                continue
+            if slack_of(key) <= 0 and isinstance(value, collections.deque):
+                sequence(where, value, locate)
                 continue
             by_length = lengths and counter(where, value, locate)  # (before a set's content, as above)
             if (_small_array(value) or _scalar_set(value)) and key in named.names(type(module)):
@@ -1548,7 +1722,6 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                               _snapshot(value)))
             elif not by_length:
                 callable_object(where, value, locate)
-    classes = {type(module) for _, module in modules}
     for cls in sorted(classes, key=lambda c: c.__qualname__):
         for base in cls.__mro__:
             if _user_class(base) and base is not object:
@@ -1577,8 +1750,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             if fn is not None and _user_module(fn.__module__):
                 named_by(f"a hook of {_where(name, module)}", hook)
     if loops:
-        step_names = _step_strings(named, classes, loss_fn, [hook for _, m in modules for hook in _hooks_of(m)],
-                                   strings)
+        step_names = _step_strings(named, classes, loss_fn, hooks, strings)
         for label, holder, locate, depth, lists in loops:
             holder_fields(label, holder, locate, depth, lists,
                           names=_reached(type(holder), step_names, own=True, readers=True))
