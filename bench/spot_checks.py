@@ -53,7 +53,7 @@ def check_model(name: str, batch: int, positions, time_limit_s: float) -> dict:
     started = time.perf_counter()
     traced = trace(workload.model, workload.batch, workload.loss_fn, cost_model=CostModel.ESTIMATE,
                    scratch=ScratchModel.MEASURE)
-    top = plan_graph(traced.graph, 2**62, "checkpoint_all").sim.peak_bytes
+    top = plan_graph(traced.graph, 2**60, "checkpoint_all").sim.peak_bytes
     try:
         low = plan_graph(traced.graph, 1, "chen_greedy").sim.peak_bytes
     except InfeasibleBudgetError as exc:

@@ -868,3 +868,78 @@ def test_estimated_costs_use_rates_kept_in_the_user_cache(capsys, monkeypatch, t
     code, out, _ = run(capsys, *argv)
     assert code == 0 and json.loads(out)["cost"] == pytest.approx(2 * first, rel=1e-9)
     cost._RATES.clear()
+
+
+def test_an_infeasible_json_record_goes_to_stdout_in_a_real_process(tmp_path):
+    """Printed inside the planning activity, which points file descriptor 1 at stderr (for
+    native libraries' banners), the record went to stderr and stdout stayed empty."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    for extra in ([], ["--model", "mlp", "--costs", "estimate"]):
+        target = extra or ["--graph", "chain:8"]
+        proc = subprocess.run([sys.executable, "-m", "remat.cli", "solve", *target, "--budget", "1KiB" if extra
+                               else "10%", "--method", "checkpoint_all", "--json"], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 1, proc.stderr
+        assert json.loads(proc.stdout)["status"] == "infeasible", (target, proc.stdout, proc.stderr)
+
+
+def test_a_budget_beyond_any_memory_is_a_usage_error(capsys):
+    for budget in ("9223372036854775808", "1e300TB"):
+        code, _, err = run(capsys, "solve", "--graph", "chain:8", "--budget", budget, "--method", "lp_round")
+        _one_line_usage_error(code, err)
+        assert "more bytes than any memory holds" in err
+
+
+def test_a_batch_that_cannot_be_allocated_is_one_line(capsys, monkeypatch):
+    import remat.models
+
+    def allocate(name, batch):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 12799999999872 bytes.\nmore detail")
+
+    monkeypatch.setattr(remat.models, "get_workload", allocate)
+    code, out, err = run(capsys, "solve", "--model", "mlp", "--batch", "99999999999", "--budget", "50%")
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: out of memory: [enforce fail") and "--costs estimate" in err
+    assert "more detail" not in err
+
+
+def test_a_range_of_mixed_units_says_what_each_end_is(capsys):
+    code, _, err = run(capsys, "sweep", "--graph", "chain:6", "--budgets", "0.3:1:3")
+    _one_line_usage_error(code, err)
+    assert ("0.3 is a fraction (30% of the peak) and 1 is 1 byte (a whole number is bytes; 100% is the whole peak), "
+            "so LOW is above HIGH; write both ends alike, e.g. 30%:100%:3") in err
+
+
+def test_a_needed_percentage_shown_is_rounded_up_so_that_it_plans(capsys, tmp_path):
+    """chain:16 with chen_sqrtn needs 44.43% of its peak: shown as 44.4%, asking for it failed."""
+    from remat.cli import _percent_at_least
+    from remat.units import parse_budget
+
+    for least, reference in ((8388608, 18874368), (999, 1000), (1, 3), (5714242, 5713218)):
+        for digits in (1, 2, 3):
+            text = _percent_at_least(least, reference, digits)
+            value = float(text[:-1])
+            assert value >= 100 * least / reference - 1e-9
+            if value <= 100:
+                assert parse_budget(text, reference) >= least and value - 10**-digits < 100 * least / reference
+    code, _, _ = run(capsys, "sweep", "--graph", "chain:16", "--budgets", "30%,60%", "--methods", "chen_sqrtn",
+                     "--out", str(tmp_path / "s.json"))
+    shown = json.loads((tmp_path / "s.json").read_text())
+    assert code == 0 and shown
+    text = _percent_at_least(8388608, 18874368, 1)
+    assert text == "44.5%"
+    code, _, err = run(capsys, "solve", "--graph", "chain:16", "--budget", text, "--method", "chen_sqrtn")
+    assert code == 0, err
+
+
+def test_an_empty_results_file_is_a_new_one(capsys, tmp_path):
+    out = tmp_path / "touched.json"
+    out.write_text("")
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--budgets", "50%,100%", "--methods", "checkpoint_all",
+                       "--out", str(out))
+    assert code == 0, err
+    assert json.loads(out.read_text())["results"]
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", ".json")
+    _one_line_usage_error(code, err)
+    assert "e.g. --out results.json" in err

@@ -131,6 +131,7 @@ def test_a_method_without_a_bound_reports_none(saved):
     (0.8, r"budget_bytes=0.8 is not a number of bytes"),
     (116896.9, r"is a float"),
     ("abc", r"budget 'abc' is not understood"),
+    (-1, r"budget_bytes=-1 is not a number of bytes; give the budget the plan was saved with"),
 ])
 def test_a_budget_to_load_by_must_be_a_number_of_bytes(saved, budget, message):
     """``load(budget_bytes=...)`` truncated what it was given: 0.8 became 0 B, and 116896.9
@@ -168,3 +169,11 @@ def test_edited_scratch_is_refused_as_corrupt_not_as_another_steps_plan(saved, t
     (tmp_path / "typed.json").write_text(json.dumps(dict(record, structure_fingerprint=7)))
     with pytest.raises(PlanFileError, match="field 'structure_fingerprint' is not a str"):
         _load(w, tmp_path / "typed.json")
+
+
+def test_a_plan_that_cannot_be_written_is_a_plan_file_error(saved):
+    """/proc takes no new files: the error was a FileNotFoundError naming the temporary file."""
+    _w, step, _path = saved
+    with pytest.raises(PlanFileError, match=r"cannot save the plan to '/proc/plan.json': .* in folder '/proc'; save "
+                                             r"it in a folder you can write to"):
+        step.save("/proc/plan.json")

@@ -5,6 +5,8 @@ ones as written, slow ones with --help)."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import re
 import shlex
 import shutil
@@ -58,7 +60,7 @@ def command_lines() -> list[str]:
 
 
 def test_the_readme_has_what_these_tests_check():
-    assert len(blocks("python")) == 5
+    assert len(blocks("python")) == 6
     assert "remat methods" in command_lines() and "make demo" in command_lines()
 
 
@@ -82,7 +84,7 @@ def stand_ins(tmp_path, monkeypatch):
 def test_python_snippets_run_as_written(stand_ins, capsys):
     from remat.backend import RematFallbackWarning
 
-    (line1, optimize_snippet), (line4, scaler_snippet), (line2, backend_snippet), (line3, graph_snippet), _ = \
+    (line1, optimize_snippet), (line4, scaler_snippet), (line2, backend_snippet), (line3, graph_snippet), _, _ = \
         blocks("python")
     namespace = stand_ins
     model = namespace["model"]
@@ -114,6 +116,22 @@ def test_python_snippets_run_as_written(stand_ins, capsys):
 
     exec(compile(graph_snippet, f"README.md:{line3}", "exec"), {"__name__": "readme"})
     assert capsys.readouterr().out.startswith("SolveStatus.OPTIMAL")
+
+
+def test_the_model_spec_snippet_plans_from_the_command_line(tmp_path):
+    """The README's own ``package.module:function`` model, saved as the file it names and run
+    with the command its first line gives, from that folder."""
+    [(line, snippet)] = [b for b in blocks("python") if b[1].startswith("# mymodels.py; then: ")]
+    command = snippet.splitlines()[0].removeprefix("# mymodels.py; then: ")
+    (tmp_path / "mymodels.py").write_text(snippet)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([*_argv(command), "--json"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, f"README.md:{line}: {proc.stderr}"
+    record = json.loads(proc.stdout)
+    assert record["model"] == "mymodels:make" and record["batch"] == 4096
+    assert record["peak_bytes"] <= record["budget_bytes"]
 
 
 def _argv(line: str) -> list[str]:

@@ -192,7 +192,7 @@ def test_scratch_model_errors_name_the_remedy():
 
 def _plans_between(t, fractions):
     graph = t.graph
-    top = plan_graph(graph, 2**62, "checkpoint_all").sim.peak_bytes
+    top = plan_graph(graph, 2**60, "checkpoint_all").sim.peak_bytes
     for fraction in fractions:
         budget = int(fraction * top)
         for method in ("chen_greedy", "segments", "checkpoint_all"):

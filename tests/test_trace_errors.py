@@ -720,3 +720,14 @@ def test_an_in_place_transpose_of_a_view_names_the_out_of_place_form():
         assert verify.check_step(traced, loss_fn, x, y).bitwise
     step = remat.optimize(Net(False), (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
     assert verify.check_step(step, loss_fn, x, y).bitwise
+
+
+def test_a_failing_op_is_not_logged_by_fake_tensors_before_the_error(caplog):
+    """A shape mismatch printed twenty lines of fake_tensor's log (a traceback) before remat's
+    own error, which names the op's message, the module and the line."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(17, 4))
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    with caplog.at_level("DEBUG"), pytest.raises(TraceError, match=r"same reduction dim.* in module '1' \(Linear\)"):
+        remat.optimize(model, (x, y), lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0,
+                       method="checkpoint_all", cost_model=None)
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses.fake_tensor")]

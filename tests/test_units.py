@@ -40,7 +40,12 @@ def test_the_whole_peak(value):
      (2e9, None, r"give bytes as an int \(e.g. budget=2000000000\)"),
      ("1.5", 100, r"'1.5' is not a whole number of bytes.*write bytes as an integer"),
      ("-5", 100, "'-5' must be positive"), ("0", 100, "'0' must be positive"), (-5, 100, "must be a positive number"),
-     ([1], 100, "is a list"), ("cuda-free", 100, "understood by remat.backend only")],
+     ([1], 100, "is a list"), ("cuda-free", 100, "understood by remat.backend only"),
+     # beyond any memory (2**63 B overflowed the LP bound's int64 arithmetic, 1e300TB a float)
+     (2**63, None, r"more bytes than any memory holds \(at most 2\*\*60, 1 EiB\).*write '100%'"),
+     ("99999999999999999999999999", None, "more bytes than any memory holds"),
+     ("1e300", None, "more bytes than any memory holds"), ("1e300TB", None, "more bytes than any memory holds"),
+     ("1e308GB", None, "more bytes than any memory holds")],
 )
 def test_parse_budget_errors(text, ref, message):
     with pytest.raises(BudgetError, match=message) as info:

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -46,7 +47,7 @@ from remat.graph import Graph
 from remat.solvers import methods as registered_methods
 from remat.solvers import solve
 from remat.sweep import ResultStore, SweepPoint, checkpoint_all_peak, run_interruptibly, sweep
-from remat.units import format_bytes, format_bytes_exactly
+from remat.units import format_bytes, format_bytes_exactly, read_budget
 
 # Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
 # No markup or emoji codes: what is printed quotes the user's arguments, paths and source lines
@@ -96,6 +97,15 @@ def _workload(args: argparse.Namespace, *, meta: bool = False):
         where = _user_line(exc)
         raise UsageError(f"--model {args.model!r}: calling it with the batch size failed{where} ({type(exc).__name__}: "
                          f"{exc}); a model spec names `def make(batch_size: int) -> remat.models.Workload`") from None
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: Python's, the CPU allocator's (a ``RuntimeError`` saying it
+    cannot allocate) or a device's (``torch.OutOfMemoryError``)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
 
 def _user_line(exc: BaseException) -> str:
@@ -232,13 +242,13 @@ def cmd_solve(args: argparse.Namespace) -> int:
         return _solve_and_run(args, budget, options)
     if args.model:
         return _solve_model(args, graph, budget, options)
-    with _activity(f"planning {graph.name} with {args.method}"):
-        try:
+    try:
+        with _activity(f"planning {graph.name} with {args.method}"):
             result = run_interruptibly(lambda: solve(graph, budget, method=args.method, **options))
-        except InfeasibleBudgetError as exc:
-            if args.json:
-                _print_infeasible(args, graph, budget, exc.min_budget_bytes)
-            raise  # (the message on stderr, exit code 1)
+    except InfeasibleBudgetError as exc:
+        if args.json:  # (on stdout: outside the activity, which sends native output to stderr)
+            _print_infeasible(args, graph, budget, exc.min_budget_bytes)
+        raise  # (the message on stderr, exit code 1)
     record = result.summary()
     if args.json:
         print(json.dumps(record))
@@ -259,18 +269,19 @@ def _solve_model(args: argparse.Namespace, graph: Graph, budget: int, options: d
     from remat.planning import plan_graph
 
     reference = checkpoint_all_peak(graph)
-    with _activity(f"planning {args.model} with {args.method}"):
-        try:
+    try:
+        with _activity(f"planning {args.model} with {args.method}"):
             planned = run_interruptibly(lambda: plan_graph(graph, budget, method=args.method, **options))
-        except InfeasibleBudgetError as exc:
-            least = exc.min_budget_bytes
-            by = "" if args.method == "milp" else f"with method {args.method!r}, "  # (another may need less)
-            needs = "" if least is None else (f"; {by}{args.model} at batch {args.batch} needs at least "
-                                              f"{format_bytes(least)} ({least / reference:.1%} of checkpoint-all)")
-            if args.json:
-                _print_infeasible(args, graph, budget, least)
-            err.print(_labelled("no plan fits:", f"{exc}{needs}"), highlight=False)
-            return EXIT_INFEASIBLE
+    except InfeasibleBudgetError as exc:
+        least = exc.min_budget_bytes
+        by = "" if args.method == "milp" else f"with method {args.method!r}, "  # (another may need less)
+        needs = "" if least is None else (f"; {by}{args.model} at batch {args.batch} needs at least "
+                                          f"{format_bytes(least)} ({_percent_at_least(least, reference)} of "
+                                          f"checkpoint-all)")
+        if args.json:  # (on stdout: outside the activity, which sends native output to stderr)
+            _print_infeasible(args, graph, budget, least)
+        err.print(_labelled("no plan fits:", f"{exc}{needs}"), highlight=False)
+        return EXIT_INFEASIBLE
     r = planned.result
     record = {
         **r.summary(), "graph": graph.name, "n_nodes": graph.n, "model": args.model, "batch": args.batch,
@@ -472,11 +483,20 @@ def _needs_shown(least: int, budget: int, reference: int) -> str:
     decimals); in bytes where no percentage would (5714242 B against 5713218 B is 100.018%)."""
     budget_pct = 100 * budget / reference
     shown_budget = float(f"{budget_pct:.0f}")
-    for digits in range(1, 4):
-        text = f"{100 * least / reference:.{digits}f}"
-        if float(text) > max(budget_pct, shown_budget):
-            return f"{text}%"
+    for digits in range(1, 4):  # (as many as tell it from the budget; then rounded up, so that it plans)
+        if float(f"{100 * least / reference:.{digits}f}") > max(budget_pct, shown_budget):
+            return _percent_at_least(least, reference, digits)
     return format_bytes_exactly(least)
+
+
+def _percent_at_least(least: int, reference: int, digits: int = 1) -> str:
+    """``least`` bytes as a percentage of ``reference`` with ``digits`` decimals, rounded up so
+    that asking for it gives at least ``least`` bytes (44.4% of a peak, shown for a need of
+    44.43%, was refused when asked for)."""
+    value = math.ceil(100 * least / reference * 10**digits) / 10**digits
+    while value <= 100 and read_budget(f"{value:.{digits}f}%").resolve(reference) < least:
+        value += 10**-digits  # (the fraction's bytes are rounded down)
+    return f"{value:.{digits}f}%"
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
@@ -583,6 +603,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INFEASIBLE
     except RematError as exc:
         err.print(_labelled("error:", str(exc)), highlight=False)
+        return EXIT_INFEASIBLE
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        hint = (" with a smaller --batch, or with --costs estimate, which traces on the meta device without "
+                "allocating" if getattr(args, "model", None) else "")
+        err.print(_labelled("error:", f"out of memory: {first}; try again{hint}"), highlight=False)
         return EXIT_INFEASIBLE
     except KeyboardInterrupt as exc:
         if not isinstance(exc, _Interrupted):

@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in model or package.module:function (default %(default)s)")
     p.add_argument("--batch", type=arg_type(positive_int), default=DEMO_BATCH, help="batch size (default %(default)s)")
     p.add_argument("--budgets", default=DEMO_BUDGETS,
-                   help="comma-separated budgets (bytes, fractions or %%; default %(default)s)")
+                   help="comma-separated budgets (bytes, fractions or %%) or a LOW:HIGH:COUNT range (default "
+                        "%(default)s)")
     p.add_argument("--methods", default=DEMO_METHODS,
                    help=f"comma-separated methods (default {DEMO_METHODS.replace(',', ', ')})")
     p.add_argument("--costs", choices=("profile", "estimate"), default="profile",
@@ -384,7 +385,8 @@ def add_target(p: argparse.ArgumentParser, *, models: bool = True) -> None:
                    help=GRAPH_HELP + (" (no default: give --graph or --model)" if models else " (no default: required)"))
     if models:
         p.add_argument("--model", help="a built-in model (mlp, cnn, gpt2-tiny, the paper's vgg16 ... segnet, "
-                       "gpt2-small, gpt2-medium) or package.module:function (no default: give --graph or --model)")
+                       "gpt2-small, gpt2-medium) or package.module:function, a function of the batch size returning "
+                       "remat.models.Workload(name, model, batch, loss_fn) (no default: give --graph or --model)")
         p.add_argument("--batch", type=arg_type(positive_int), default=None, help="batch size for --model (default 8)")
         p.add_argument("--costs", choices=("profile", "estimate"), default=None,
                        help="node costs for --model: timed on this machine (profile, the default), or estimated from "
@@ -495,6 +497,11 @@ def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered:
         if not ordered:
             return []
         if lo > hi:
+            kinds = {part: read_budget(part) for part in (low, high)}
+            if len({spec.bytes is None for spec in kinds.values()}) > 1:  # (0.3:1:3 is 30% of the peak to 1 byte)
+                said = " and ".join(f"{part} is {_meaning(spec)}" for part, spec in kinds.items())
+                raise UsageError(f"--budgets {text!r}: {said}, so LOW is above HIGH; write both ends alike, e.g. "
+                                 f"30%:100%:{count}")
             raise UsageError(f"--budgets {text!r}: the range runs from LOW to HIGH, and {low} is above {high}; "
                              f"write {high}:{low}:{count}")
         if k == 1:
@@ -511,6 +518,14 @@ def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered:
     if not budgets:
         raise UsageError(f"--budgets {text!r} lists no budget; e.g. --budgets 50%,75%,100% or 30%:100%:8")
     return budgets
+
+
+def _meaning(spec) -> str:
+    """What a budget's text means, in words: 'a fraction (30% of the peak)' or '1 byte (a whole
+    number above 1 is bytes)'."""
+    if spec.bytes is None:
+        return f"a fraction ({spec.fraction:.0%} of the peak)"
+    return f"{spec.bytes} byte{'s' if spec.bytes != 1 else ''} (a whole number is bytes; 100% is the whole peak)"
 
 
 def backend_budget(text: str) -> str:
@@ -569,7 +584,7 @@ def results_file(path: Path, empty: object, option: str = "--out", of: str = "th
     import json
 
     writable_file(path, option)
-    if not path.exists():
+    if not path.exists() or (path.is_file() and path.stat().st_size == 0):  # (an empty file: no results yet)
         return empty
     try:
         return json.loads(path.read_text())
@@ -587,7 +602,9 @@ def check_methods(names: Sequence[str]) -> None:
 def json_path(text: str) -> Path:
     path = Path(text)
     if path.suffix.lower() != ".json":
-        example = path / "results.json" if path.is_dir() else path.with_suffix(".json")  # (a folder: a file in it)
+        # (a folder: a file in it; a name that is only a suffix, '.json' or '.txt': results.json)
+        example = (path / "results.json" if path.is_dir() else path.with_name("results.json") if not path.stem
+                   or path.stem.startswith(".") else path.with_suffix(".json"))
         raise UsageError(f"--out {text!r}: the results are JSON, so the file must end in .json (the plot is written "
                          f"next to it with .png, or where --plot says); e.g. --out {example}")
     return path

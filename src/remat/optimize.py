@@ -297,7 +297,11 @@ class TrainingStep:
         if not os.path.isdir(folder):
             raise PlanFileError(f"cannot save the plan to {target!r}: folder {folder!r} does not exist; create it "
                                 f"(os.makedirs) or save elsewhere")
-        write_atomically(target, json.dumps(record, separators=(",", ":")))
+        try:
+            write_atomically(target, json.dumps(record, separators=(",", ":")))
+        except OSError as exc:  # (read-only, full, not a file system that takes files: /proc)
+            raise PlanFileError(f"cannot save the plan to {target!r}: {exc.strerror or exc} in folder {folder!r}; "
+                                f"save it in a folder you can write to") from None
 
     @classmethod
     def load(
@@ -442,7 +446,9 @@ def _saved_budget(budget: object) -> int | None:
     ``116896.9`` matched a plan of 116896 B)."""
     if budget is None:
         return None
-    value = check_budget(budget)
+    # (a number of bytes that is not positive: check_budget's message would suggest fractions,
+    # which a saved plan's budget is not)
+    value = None if isinstance(budget, int) and not isinstance(budget, bool) and budget <= 0 else check_budget(budget)
     if not isinstance(value, int):
         raise BudgetError(
             f"budget_bytes={budget!r} is not a number of bytes; give the budget the plan was saved with "

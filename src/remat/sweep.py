@@ -92,7 +92,9 @@ class SweepPoint:
 
 def checkpoint_all_peak(graph: Graph) -> int:
     """Peak bytes of keeping everything: the reference that percentage budgets refer to."""
-    return solve(graph, 2**62, method="checkpoint_all").peak_bytes
+    from remat.units import MAX_BUDGET_BYTES
+
+    return solve(graph, MAX_BUDGET_BYTES, method="checkpoint_all").peak_bytes
 
 
 def budget_grid(graph: Graph, fractions: Sequence[float]) -> list[int]:
@@ -341,8 +343,8 @@ class ResultStore:
         self._reload()
 
     def _reload(self) -> None:
-        if not self.path.exists():
-            return
+        if not self.path.exists() or (self.path.is_file() and self.path.stat().st_size == 0):
+            return  # (an empty file, made with touch: no results yet)
         try:
             data = json.loads(self.path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -839,7 +839,8 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
 
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     try:
-        with enable_python_dispatcher(), tracing_as_eager(), _module_attributes_kept(model, stashed):
+        with enable_python_dispatcher(), tracing_as_eager(), _module_attributes_kept(model, stashed), \
+                _fake_tensor_errors_unlogged():
             # detached aliases per pass: pass 1 marks its inputs requires_grad
             with recording_reentrant_blocks() as blocks, recording_checkpoint_writes() as writes:
                 first = proxy_tensor.make_fx(step, tracing_mode="fake")(*(t.detach() for t in flat))
@@ -864,6 +865,23 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
     finally:
         for h in handles:
             h.remove()
+
+
+class _DropRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _fake_tensor_errors_unlogged() -> Iterator[None]:
+    """Fake tensors log a failing op's whole traceback (twenty lines, before remat's own error,
+    which names the op, the module and the line): not while a step is traced."""
+    logger, quiet = logging.getLogger("torch._subclasses.fake_tensor"), _DropRecords()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 @contextlib.contextmanager

@@ -104,6 +104,11 @@ CHECKPOINT_ALL = "the unoptimized peak (checkpoint-all: nothing recomputed)"
 EAGER = "the eager peak of the compiled region"
 
 
+#: The most bytes a budget may name: 1 EiB, beyond any memory (and within the 64-bit integers the
+#: solvers count bytes in: 2**63 bytes made the LP's bound overflow).
+MAX_BUDGET_BYTES = 2**60
+
+
 def read_budget(value: object, *, cuda_free: bool = False, of: str = CHECKPOINT_ALL) -> BudgetSpec:
     """Check a budget and say what it is, without the reference peak (see the module doc for
     the forms). ``cuda_free`` admits ``"cuda-free"``.
@@ -120,7 +125,7 @@ def read_budget(value: object, *, cuda_free: bool = False, of: str = CHECKPOINT_
         value = int(value)
         if value <= 0:
             raise BudgetError(f"budget {value} B must be a positive number of bytes; give {_forms(of)}")
-        return BudgetSpec(bytes=value, text=shown)
+        return _positive_bytes(value, shown)
     if isinstance(value, numbers.Real):
         return _fraction(float(value), shown, python_float=True, of=of)
     if isinstance(value, str):
@@ -180,12 +185,16 @@ def _read_text(text: str, *, cuda_free: bool, of: str) -> BudgetSpec:
         raise BudgetError(
             f"budget {shown} has unknown unit {unit!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %"
         )
-    return _positive_bytes(int(value * _UNITS[unit]), shown)
+    n = value * _UNITS[unit]
+    return _positive_bytes(int(n) if n <= MAX_BUDGET_BYTES else MAX_BUDGET_BYTES + 1, shown)
 
 
 def _positive_bytes(n: int, shown: str) -> BudgetSpec:
     if n <= 0:
         raise BudgetError(f"budget {shown} must be a positive number of bytes; give {_FORMS}")
+    if n > MAX_BUDGET_BYTES:
+        raise BudgetError(f"budget {shown} is more bytes than any memory holds (at most 2**60, 1 EiB); to plan "
+                          f"without recomputing anything, write '100%'")
     return BudgetSpec(bytes=n, text=shown)
 
 

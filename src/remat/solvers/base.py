@@ -21,6 +21,7 @@ import numpy as np
 from remat.collector import older_objects_frozen
 from remat.errors import InfeasibleBudgetError, MethodError, SolverError
 from remat.graph import Graph
+from remat.units import MAX_BUDGET_BYTES
 from remat.schedule import Plan, Schedule
 from remat.simulate import SimResult, simulate
 
@@ -239,6 +240,9 @@ def solve(graph: Graph, budget_bytes: int, method: str = "milp", **options: obje
         raise MethodError(unknown_method(method))
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive int (bytes)")
+    if budget_bytes > MAX_BUDGET_BYTES:
+        raise ValueError(f"budget_bytes={budget_bytes!r} is more bytes than any memory holds (at most 2**60, 1 EiB); "
+                         f"to plan without recomputing anything, give the checkpoint-all peak")
     fn = _REGISTRY[method]
     _check_options(method, fn, options)
     log.debug("solving %s (%d nodes) with %s under %d B", graph.name, graph.n, method, budget_bytes)
