@@ -485,6 +485,9 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     graph, node_names, owners, random_nodes = build_graph(
         gm, kinds_by_name, name or type(model).__name__, replay_rng=replay_rng
     )
+    resident = _storages_bytes(flat)
+    if resident > graph.fixed_bytes:  # (a strided view's fake storage spans its elements, not its base's tail)
+        graph = dataclasses.replace(graph, fixed_bytes=resident)
     aliases = frozenset(nm for i, nm in enumerate(node_names) if i not in owners[i] and graph.nodes[i].out_bytes == 0)
     graph = with_scratch(graph, node_names, node_scratch(gm, [*flat, *constants], scratch, skip=aliases))
     traced = TracedStep(
@@ -865,6 +868,15 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
     finally:
         for h in handles:
             h.remove()
+
+
+def _storages_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """The bytes of the distinct storages of ``tensors`` (the parameters, buffers and batch)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen.setdefault(storage._cdata, storage.nbytes())
+    return sum(seen.values())
 
 
 class _DropRecords(logging.Filter):
