@@ -1202,27 +1202,31 @@ def _step_depths(classes: Iterable[type], loss_fn: object, hooks: Iterable[objec
     that are the user's, ``loss_fn`` (a loss object's method too), the user's hooks, and the
     user's functions these name or take as defaults, ``USER_DEPTH`` levels down."""
     depths: dict[str, int] = {}
-    visited: set[int] = set()
-
-    def visit(fn: object, depth: int = 0) -> None:
-        f = _function_of(fn)
-        if f is None or id(f.__code__) in visited:
-            return
-        visited.add(id(f.__code__))
+    roots = [fn for cls in classes for _owner, _key, fn in user_members(cls)] + _step_functions(loss_fn, hooks)
+    for f in _user_helpers(roots, defaults=True):
         _merge_depths(depths, f.__code__)
-        if depth >= USER_DEPTH:
-            return
-        called = [value for _kind, _name, value, _read, _write in function_names(f)]
-        for value in (*called, *(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values()):
-            if isinstance(value, types.FunctionType) and _user_module(value.__module__):
-                visit(value, depth + 1)
-
-    for cls in classes:
-        for _owner, _key, fn in user_members(cls):
-            visit(fn)
-    for fn in _step_functions(loss_fn, hooks):
-        visit(fn)
     return depths
+
+
+def _user_helpers(roots: Iterable[object], *, defaults: bool) -> Iterator[types.FunctionType]:
+    """The functions of ``roots`` and the user's functions their code names (as globals or
+    closure variables; ``defaults``: or takes as default arguments), ``USER_DEPTH`` levels
+    down, each once."""
+    seen: set[int] = set()
+    todo = collections.deque((root, 0) for root in roots)  # (breadth first: each at its least depth)
+    while todo:
+        fn, depth = todo.popleft()
+        f = _function_of(fn)
+        if f is None or id(f.__code__) in seen:
+            continue
+        seen.add(id(f.__code__))
+        yield f
+        if depth >= USER_DEPTH:
+            continue
+        named = [value for _kind, _name, value, _read, _write in function_names(f)]
+        given = [*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values()] if defaults else []
+        todo.extend((value, depth + 1) for value in (*named, *given)
+                    if isinstance(value, types.FunctionType) and _user_module(value.__module__))
 
 
 def _member_function(member: object) -> types.FunctionType | None:
@@ -1368,28 +1372,15 @@ def _step_strings(named: _NamedBy, classes: Iterable[type], loss_fn: object, hoo
     Methods of the user's classes that no step code reaches (a helper the loop calls to log the
     lr) are not the step's."""
     strings = set(named.roots).union(more)
-    counted: set[int] = set()
-
-    def count(fn: object, depth: int = 0) -> None:
-        f = _function_of(fn)
-        if f is None or id(f.__code__) in counted:
-            return
-        counted.add(id(f.__code__))
-        strings.update(_code_strings(f.__code__))
-        if depth < USER_DEPTH:
-            for _kind, _name, value, _read, _write in function_names(f):
-                if isinstance(value, types.FunctionType) and _user_module(value.__module__):
-                    count(value, depth + 1)
-
+    roots: list[object] = []
     for cls in classes:
         names = named.names(cls)
         strings.update(names)
         if _user_class(cls):  # (the helpers its members that the step reaches call)
             for base in (b for b in cls.__mro__ if b is not object and _user_class(b)):
-                for key in names & vars(base).keys():
-                    count(_member_function(vars(base)[key]))
-    for f in _step_functions(loss_fn, hooks):
-        count(f)
+                roots += [_member_function(vars(base)[key]) for key in names & vars(base).keys()]
+    for f in _user_helpers([*roots, *_step_functions(loss_fn, hooks)], defaults=False):
+        strings.update(_code_strings(f.__code__))
     return frozenset(strings)
 
 
