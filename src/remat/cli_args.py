@@ -522,7 +522,7 @@ def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered:
 
 def _meaning(spec) -> str:
     """What a budget's text means, in words: 'a fraction (30% of the peak)' or '1 byte (a whole
-    number above 1 is bytes)'."""
+    number is bytes; ...)'."""
     if spec.bytes is None:
         return f"a fraction ({spec.fraction:.0%} of the peak)"
     return f"{spec.bytes} byte{'s' if spec.bytes != 1 else ''} (a whole number is bytes; 100% is the whole peak)"
