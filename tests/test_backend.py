@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import time
 import warnings
 
@@ -1180,3 +1181,17 @@ def test_an_infeasible_fractional_budget_names_the_eager_peak_it_is_a_fraction_o
     with pytest.raises(Exception, match=r"the budget is 5% of the region's eager peak"):
         torch.compile(model, backend=make_backend(0.05, fallback=False, time_limit_s=10))(x).square().mean().backward()
     torch._dynamo.reset()
+
+
+def test_torch_compiles_mode_and_options_are_refused_naming_them():
+    """torch.compile hands mode= and options= to a custom backend as keywords: the backend
+    failed with "__call__() got an unexpected keyword argument 'mode'"."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    torch._dynamo.reset()
+    for given, shown in ((dict(mode="reduce-overhead"), "mode='reduce-overhead'"),
+                         (dict(options={"foo": 1}), "options={'foo': 1}")):
+        compiled = torch.compile(model, backend=remat.backend(0.8, cache_dir=None), **given)
+        with pytest.raises(Exception, match=re.escape(f"torch.compile's {shown} does not apply to remat.backend") +
+                           r".*fw_compiler=\.\.\."):
+            compiled(torch.randn(4, 8)).sum().backward()
+        torch._dynamo.reset()

@@ -125,6 +125,8 @@ BAD_USAGE = [
     ("bench/busy_cpu.py", ["--busy", "0"], "--busy"),
     ("bench/busy_cpu.py", ["--budgets", "0.5,1.5"], "--budgets"),
 ]
+if not torch.cuda.is_available():  # ('cuda-free' was accepted, then remat.backend raised a traceback)
+    BAD_USAGE.append(("examples/train_loop.py", ["--model", "mlp", "--budget", "cuda-free"], "--budget"))
 
 
 @pytest.mark.parametrize("path, argv, option", BAD_USAGE)

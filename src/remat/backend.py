@@ -317,7 +317,12 @@ class RematBackend:
             keep_inference_input_mutations=True,
         )
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> object:
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, **compile_options: object) -> object:
+        if compile_options:  # (torch.compile hands its mode= and options= to a backend as keywords)
+            given = ", ".join(f"{key}={value!r}" for key, value in compile_options.items())
+            raise ValueError(f"torch.compile's {given} does not apply to remat.backend, which plans the graph and "
+                             f"runs it as it is (like aot_eager) or with its fw_compiler/bw_compiler; drop it, and "
+                             f"give remat.backend(..., fw_compiler=...) to compile the planned graphs")
         backend_dynamo.install()  # again, if torch._dynamo.reset() dropped it
         self._eager_peak = self._measure_eager(gm, example_inputs) if self.budget.fraction is not None else None
         try:

@@ -533,7 +533,12 @@ def backend_budget(text: str) -> str:
     eager peak, or 'cuda-free' (the examples' option)."""
     from remat.units import EAGER, check_budget
 
-    check_budget(text, cuda_free=True, of=EAGER)
+    if check_budget(text, cuda_free=True, of=EAGER) == "cuda-free":
+        import torch
+
+        if not torch.cuda.is_available():  # (remat.backend would refuse it after the model was built)
+            raise ValueError(f"budget {text!r} is the CUDA device's free memory, and there is no CUDA device "
+                             f"here (torch.cuda.is_available() is False); give bytes or a fraction, e.g. 0.6")
     return text
 
 
