@@ -466,7 +466,7 @@ def test_a_corrupt_cache_file_is_solved_again(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="remat.backend"):
         run_step(w.model, w.batch, w.loss_fn, again)
     assert not again.reports[0].from_cache
-    assert "does not replay" in caplog.text
+    assert "its compute_order names nodes that are not among the graph's" in caplog.text
 
 
 def test_a_cache_folder_that_cannot_be_one_plans_and_says_so_once_leaving_no_files(tmp_path, caplog):
@@ -500,6 +500,10 @@ def test_a_cache_folder_that_cannot_be_one_plans_and_says_so_once_leaving_no_fil
         (lambda r: r.update(solve_s=float("nan")), "field 'solve_s' is nan, not a finite number"),
         (lambda r: r.update(lower_bound="low"), "field 'lower_bound' is 'low', not a float or int or null"),
         (lambda r: r.update(lower_bound=r["overhead"] + 0.5), "field 'lower_bound' ("),
+        # a compute order that is not this graph's plan: said as such, not as a budget overrun
+        (lambda r: r.update(compute_order=[10**6]), "its compute_order names nodes that are not among the graph's"),
+        (lambda r: r.update(compute_order=[-1, 0]), "its compute_order names nodes that are not among the graph's"),
+        (lambda r: r.update(compute_order=r["compute_order"][-1:]), "its compute order is not a plan of this graph"),
     ],
 )
 def test_a_cached_record_with_a_missing_or_bad_field_is_discarded_naming_the_file(tmp_path, caplog, corrupt, problem):

@@ -526,12 +526,12 @@ class RematBackend:
         """The plan of ``key`` and its record: from the cache if it replays, else solved and
         stored; the record's ``from_cache`` says which."""
         record = backend_cache.load(key, self.cache_dir)
-        plan = backend_cache.replay(step.graph, record, budget_bytes) if record is not None else None
+        plan, why = backend_cache.replayed(step.graph, record, budget_bytes) if record is not None else (None, "")
         if plan is not None:
             return {**record, "from_cache": True}, plan
         if record is not None:
-            log.warning("remat.backend: discarding the cached plan %s: it does not replay on %s within its budget; "
-                        "planning the graph again", backend_cache.where(key, self.cache_dir), step.graph.name)
+            log.warning("remat.backend: discarding the cached plan %s: %s (graph %s); planning the graph again",
+                        backend_cache.where(key, self.cache_dir), why, step.graph.name)
         planned, record = self._solve(step, inputs, budget_bytes, unoptimized)
         backend_cache.store(key, record, self.cache_dir)
         return {**record, "from_cache": False}, planned.plan

@@ -143,17 +143,26 @@ def clear_memory() -> None:
 
 def replay(graph: Graph, record: dict, budget_bytes: int) -> Plan | None:
     """The plan of ``record`` if it is valid on ``graph`` and fits ``budget_bytes``, else None."""
+    return replayed(graph, record, budget_bytes)[0]
+
+
+def replayed(graph: Graph, record: dict, budget_bytes: int) -> tuple[Plan | None, str]:
+    """``replay``'s plan, and where there is none, why (for the warning that discards it)."""
     order = record.get("compute_order")
     n = graph.n
-    if record.get("n_nodes") != n or not isinstance(order, list) or not order:
-        return None
+    if record.get("n_nodes") != n:
+        return None, f"it was made for a graph of {record.get('n_nodes')!r} nodes, not {n}"
+    if not isinstance(order, list) or not order:
+        return None, "its compute_order is not a list of nodes"
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in order):
-        return None
+        return None, f"its compute_order names nodes that are not among the graph's {n}"
     plan = plan_from_order(graph, order)
     sim = simulate(graph, plan)
-    if not sim.ok or sim.peak_bytes > budget_bytes:
-        return None
-    return plan
+    if not sim.ok:
+        return None, "its compute order is not a plan of this graph (a value is read before it is computed)"
+    if sim.peak_bytes > budget_bytes:
+        return None, f"its plan peaks at {sim.peak_bytes} B here, over the budget of {budget_bytes} B"
+    return plan, ""
 
 
 # ---------------------------------------------------------------------------- least-peak plans
