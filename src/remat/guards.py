@@ -1456,12 +1456,12 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                       lists: bool = False, names: frozenset[str] | None = None, room: list[int] | None = None,
                       slack: float = math.inf) -> None:
         """The held values of ``holder`` and of the holders in it (``NESTED_HOLDERS`` deep),
-        at most ``HELD_PER_HOLDER`` in all; ``names``: only keys its code can read. ``sized``:
-        the step's code names the holder (or one it is in), so it may read a list's length or
-        last entry or look a key up in a dict: their lengths and dicts' key sets are held too
-        (a list the loop appends to that no step code names is its bookkeeping, and is not).
-        ``slack``: how many constant subscripts the step's code takes below ``holder`` before it
-        may read it whole (``_name_depths``; 0: now, infinite: never); ``sized`` is slack 0."""
+        at most ``HELD_PER_HOLDER`` in all; ``names``: only keys its code can read. ``slack``:
+        how many constant subscripts the step's code takes below ``holder`` before it may read
+        it whole (``_name_depths``; infinite: never, as for ``PythonState``). At 0 it may read a
+        list's length or last entry or look a key up in a dict, so their lengths and dicts' key
+        sets are held too (a list the loop appends to that no step code names is its
+        bookkeeping, and is not)."""
         room = [HELD_PER_HOLDER] if room is None else room
         sized = slack <= 0
         if id(holder) in seen:
@@ -1472,7 +1472,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 found.append((HeldValue(label, functools.partial(_read_prefix, locate, len(holder)),
                                         functools.partial(_write_prefix, locate)), list(holder)))
                 room[0] -= 1
-                if sized and not lists:
+                if sized:
                     counted(label, holder, locate)
             return
         if names is None and not every_field and _the_loops(holder):
@@ -1494,6 +1494,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 return _get(locate(m), key)
 
             by_length = lists and isinstance(value, (set, collections.deque)) and counter(f"{label}{shown}", value, at)
+            # (below it by a key or attribute: as the step's code uses that name, ``cfg["tags"][-1]``;
+            # by an index, one subscript further down than the holder)
+            inner = slack_of(key) if isinstance(key, str) else slack - 1
             if _guarded(value):  # (a set's content after its length: a count that moves is named as one)
                 def write(m, value, key=key):
                     h = locate(m)
@@ -1505,20 +1508,14 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 room[0] -= 1
             elif not generator(f"{label}{shown}", value) and depth < NESTED_HOLDERS and _is_holder(value) \
                     and not isinstance(holder, type):
-                # (by a key or attribute: as the step's code uses that name, ``cfg["tags"][-1]``; by
-                # an index, one subscript further down the holder's)
-                holder_fields(f"{label}{shown}", value, at, depth + 1, lists, names, room,
-                              slack_of(key) if isinstance(key, str) else slack - 1)
+                holder_fields(f"{label}{shown}", value, at, depth + 1, lists, names, room, inner)
             elif lists and not by_length:
                 counter(f"{label}{shown}", value, at)
-            elif not lists and isinstance(value, collections.deque) and (
-                    slack_of(key) if isinstance(key, str) else slack - 1) <= 0:
+            elif inner <= 0 and isinstance(value, collections.deque):
                 sequence(f"{label}{shown}", value, at)
-        if lists and isinstance(holder, list):
+        if (lists or sized) and isinstance(holder, list):  # (sized only for held_values: slack is infinite else)
             counted(label, holder, locate)
-        elif sized and not lists and isinstance(holder, list):
-            counted(label, holder, locate)
-        elif sized and not lists and isinstance(holder, dict):
+        elif sized and isinstance(holder, dict):
             keyed(label, holder, locate)
 
     def keyed(label: str, holder: dict, locate: Callable[[torch.nn.Module], object]) -> None:
