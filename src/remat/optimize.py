@@ -500,8 +500,10 @@ def _grad_strides(param: torch.Tensor) -> tuple[int, ...]:
     """The strides autograd gives a fresh ``.grad`` (its layout contract): the parameter's own
     where its elements are dense and do not overlap (a transposed or channels-last weight),
     else contiguous ones (a parameter that is a strided view, ``w[:, ::2]``: copied into its
-    strides, the gradient took a storage twice its size, over the budget)."""
-    return torch.empty_like(param, device="meta").stride()
+    strides, the gradient took a storage twice its size, over the budget). A contiguous
+    parameter, nearly every one, keeps its own without asking (this runs for each parameter
+    at every step)."""
+    return param.stride() if param.is_contiguous() else torch.empty_like(param, device="meta").stride()
 
 
 def _first_difference(record: dict, traced: TracedStep) -> str:
