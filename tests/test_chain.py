@@ -78,6 +78,35 @@ def test_known_optima_on_a_chain(budget, optimum):
     assert r.cost == optimum and r.peak_bytes <= budget
 
 
+@pytest.mark.parametrize(("fraction", "before"), [(0.2, 121.0), (0.15, 149.0)])
+def test_a_cut_its_own_segment_reads_stays_held_below_the_split(fraction, before):
+    """On Checkmate's chain every gradient reads its layer's output, the value crossing the cut
+    after it: a split keeps it held for that backward instead of computing it again below."""
+    g = chain_graph(32, bytes_per_node=1)
+    model = chain_model(g)
+    assert model.held_cuts == frozenset(range(model.L))
+    budget = int(fraction * solve(g, 2**60, method="checkpoint_all").peak_bytes)
+    r = solve(g, budget, method="chain")
+    assert r.peak_bytes <= budget and r.cost < before  # dropping it: 121 and 149
+    assert r.cost >= solve(g, budget, method="griewank").cost  # (revolve's 111 and 130: see the module)
+
+
+@PROPERTY
+@given(graphs())
+def test_a_held_cut_holds_all_its_segments_backward_reads_and_nothing_later_reads_it(graph):
+    """Held below a split, a cut's values are all its segment's backward reads of the forward
+    pass (it computes nothing again) and no other backward stage reads them (they are freed
+    after it)."""
+    model = ChainModel(graph)
+    stages = model.stage_segments()
+    for k in model.held_cuts:
+        mine = {d for t, seg in stages if seg == k for d in graph.nodes[t].deps
+                if graph.nodes[d].kind is NodeKind.FORWARD}
+        others = {d for t, seg in stages if seg != k for d in graph.nodes[t].deps}
+        assert mine and mine <= set(model.cuts[k].crossing) and not mine & others
+        assert model.own[k] * model.unit <= sum(graph.nodes[v].out_bytes for v in mine)
+
+
 def test_reaches_below_one_level_plans_and_costs_less_than_nested():
     g = chain_graph(24, bytes_per_node=1)
     assert min_budget(g, "chain") < min_budget(g, "nested") < min_budget(g, "segments")
@@ -296,6 +325,21 @@ def _block_with_fixed_outside(g, own, outside):
     return Graph(tuple(nodes), sum(g.nodes[v].out_bytes for v in outside), outputs or (len(own) - 1,), "as fixed")
 
 
+def _below(model: ChainModel, opt: dict, s: int, k: int, M: int) -> np.ndarray:
+    """What segments s..k cost below a split at cut k, level by level: dropping what crosses
+    the cut, or, at a cut whose segment's backward reads only what crosses it, keeping it
+    (its units held): k's backward at once, then s..k-1 with what it read freed."""
+    out = opt[s, k].copy()
+    if k not in model.held_cuts:
+        return out
+    c, own = int(model.c[k]), int(model.own[k])
+    leaf = max(int(model.need[k] - own - model.base), 0)  # k's backward, beside the cut
+    for m in range(M):
+        if m - c >= leaf:
+            out[m] = min(out[m], 0.0 if k == s else opt[s, k - 1][min(m - c + own, M - 1)])
+    return out
+
+
 def _one_pair_at_a_time(model: ChainModel) -> dict[tuple[int, int], np.ndarray]:
     """The programme's table as its recurrence reads, one (s, t) at a time, shortest first."""
     L, base = model.L, model.base
@@ -313,7 +357,7 @@ def _one_pair_at_a_time(model: ChainModel) -> dict[tuple[int, int], np.ndarray]:
                     best[k:] = np.minimum(best[k:], np.float32(max(model.f[s] + extra, 0.0)))
             else:
                 for k, arr, const, plus in [(model.a[s], opt[s + 1, t], model.f[s], None)] + [
-                        (model.c[sp - 1], opt[sp, t], model.prefix[sp] - model.prefix[s], opt[s, sp - 1])
+                        (model.c[sp - 1], opt[sp, t], model.prefix[sp] - model.prefix[s], _below(model, opt, s, sp - 1, M))
                         for sp in range(s + 1, t + 1)]:
                     k = max(int(k), 0)
                     if k < M:
