@@ -92,6 +92,13 @@ class MilpModel:
     peak_col: int | None
     definitions: tuple[tuple, ...]
     infeasible_reason: str | None
+    rounded_down: bool = False  # sizes rounded down: a relaxation of the graph (``build_model``)
+
+    @property
+    def bounds_graph(self) -> bool:
+        """Whether the model's relaxations bound the graph's plans: its sizes are exact, or
+        rounded down."""
+        return self.exact_units or self.rounded_down
 
     @property
     def n_cols(self) -> int:
@@ -337,8 +344,15 @@ def build_model(
     peak_upper_bytes: int | None = None,
     explicit_memory: bool = False,
     integer_live: bool = False,
+    round_down: bool = False,
 ) -> MilpModel:
     """Build the MILP for ``graph`` under ``budget_bytes`` (COST) or without one (PEAK).
+
+    Where sizes are not whole units (``units_are_exact``) they round up: every plan of the
+    model fits the graph, and the model is stricter than it. ``round_down`` rounds them down
+    instead: every plan that fits the graph is a plan of the model (a live set's bytes fit,
+    so its rounded-down units, a whole number, fit the budget's units rounded down), so its
+    relaxations bound the graph's plans, while its plans must be measured before they run.
 
     For PEAK, ``peak_upper_bytes`` (the peak of a known plan) bounds the peak variable.
     Two variants kept for measuring, off by default because neither helped HiGHS:
@@ -350,11 +364,14 @@ def build_model(
     >>> m.n_integer > 0, m.infeasible_reason is None
     (True, True)
     """
+    if round_down and objective is not ModelObjective.COST:
+        raise ValueError("round_down is for COST models (a PEAK model's bounds assume sizes rounded up)")
     n, users, outputs = graph.n, graph.users, graph.output_set
     unit = bytes_unit_of(graph)
-    size = [_units(b, unit) for b in graph.out_bytes]
-    temp = [_units(node.temp_bytes, unit) for node in graph.nodes]
-    kept = [_units(node.kept_bytes, unit) for node in graph.nodes]
+    units = (lambda nbytes: int(nbytes) // unit) if round_down else (lambda nbytes: _units(nbytes, unit))
+    size = [units(b) for b in graph.out_bytes]
+    temp = [units(node.temp_bytes) for node in graph.nodes]
+    kept = [units(node.kept_bytes) for node in graph.nodes]
     exact_units = units_are_exact(graph, unit)
     cost = graph.costs
     pos_r, pos_s = _possible(graph)
@@ -423,6 +440,7 @@ def build_model(
         s_col=s_col,
         peak_col=peak_col,
         definitions=tuple(b.definitions),
+        rounded_down=round_down and not exact_units,
         infeasible_reason=b.infeasible,
     )
 
