@@ -52,7 +52,7 @@ from remat.units import format_bytes, format_bytes_exactly, read_budget
 # Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
 # No markup or emoji codes: what is printed quotes the user's arguments, paths and source lines
 # ("[/]" in a method name raised rich's markup error; "x[idx]" in a quoted line disappeared).
-out = Console(width=None if sys.stdout.isatty() else 160, markup=False, emoji=False)
+out = Console(width=None if sys.stdout is not None and sys.stdout.isatty() else 160, markup=False, emoji=False)
 err = Console(stderr=True, soft_wrap=True, markup=False, emoji=False)
 
 
@@ -379,7 +379,7 @@ def _progress():
 
 def cmd_demo(args: argparse.Namespace) -> int:
     names = method_list(args.methods)
-    out_path = writable_file(json_path(args.out), "--out")
+    out_path = writable_file(json_path(args.out, plot_option=False), "--out")
     writable_file(out_path.with_suffix(".png"), "--out (its plot, .png)")
     budget_list(args.budgets, None)  # checked before the model is traced
     from remat.compare import compare_methods
@@ -442,8 +442,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                   f"remat version); delete it to solve them again", highlight=False)
     from remat.plotting import plot_overhead
 
+    _print_sweep(graph, points, names, reference)  # (first: a plot that fails loses nothing)
     plot_overhead(points, plot_file, title=f"{graph.name} ({graph.n} nodes)")
-    _print_sweep(graph, points, names, reference)
     out.print(f"wrote {out_path} and {plot_file}")
     return EXIT_OK
 
@@ -480,7 +480,10 @@ def _sweep_cell(p: SweepPoint, reference: int, column: Sequence[SweepPoint] = ()
 def _needs_shown(least: int, budget: int, reference: int) -> str:
     """The smallest feasible budget as a percentage of ``reference`` with as many decimals as
     it takes to show it above the budget that failed (as given and as its row shows it: 0
-    decimals); in bytes where no percentage would (5714242 B against 5713218 B is 100.018%)."""
+    decimals); in bytes where no percentage would (5714242 B against 5713218 B is 100.018%),
+    and above the reference (a percentage over 100% is not a budget one can ask for)."""
+    if least > reference:
+        return format_bytes_exactly(least)
     budget_pct = 100 * budget / reference
     shown_budget = float(f"{budget_pct:.0f}")
     for digits in range(1, 4):  # (as many as tell it from the budget; then rounded up, so that it plans)
@@ -612,6 +615,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "allocating" if getattr(args, "model", None) else "")
         err.print(_labelled("error:", f"out of memory: {first}; try again{hint}"), highlight=False)
         return EXIT_INFEASIBLE
+    except BrokenPipeError:  # the reader of the output went away (`| head`): nothing to say
+        _quiet_stdout()
+        return EXIT_INFEASIBLE
+    except OSError as exc:  # writing the output failed (a full disk, a closed stream)
+        _quiet_stdout()
+        err.print(_labelled("error:", f"could not finish: {exc}"), highlight=False)
+        return EXIT_INFEASIBLE
     except KeyboardInterrupt as exc:
         if not isinstance(exc, _Interrupted):
             err.print("interrupted", highlight=False)
@@ -621,6 +631,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_INTERRUPTED)
+
+
+def _quiet_stdout() -> None:
+    """Send what is left of standard output to the null device, so that the interpreter's last
+    flush does not fail a second time."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # (no stdout at all)
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -494,11 +494,16 @@ def _spread(text: str, resolve: Callable[[str], float], *, whole: bool, ordered:
         if k > MAX_BUDGETS:
             raise UsageError(f"--budgets {text!r}: at most {MAX_BUDGETS} budgets (each is a plan per method); e.g. "
                              f"{low}:{high}:{min(k, 50)}")
-        if not ordered:
+        kinds = {part: read_budget(part) for part in (low, high)}
+        mixed = len({spec.bytes is None for spec in kinds.values()}) > 1
+        if not ordered:  # (only ends alike compare before the graph is known)
+            ends = [spec.fraction if spec.bytes is None else spec.bytes for spec in kinds.values()]
+            if not mixed and ends[0] > ends[-1]:
+                raise UsageError(f"--budgets {text!r}: the range runs from LOW to HIGH, and {low} is above {high}; "
+                                 f"write {high}:{low}:{count}")
             return []
         if lo > hi:
-            kinds = {part: read_budget(part) for part in (low, high)}
-            if len({spec.bytes is None for spec in kinds.values()}) > 1:  # (0.3:1:3 is 30% of the peak to 1 byte)
+            if mixed:  # (0.3:1:3 is 30% of the peak to 1 byte)
                 said = " and ".join(f"{part} is {_meaning(spec)}" for part, spec in kinds.items())
                 raise UsageError(f"--budgets {text!r}: {said}, so LOW is above HIGH; write both ends alike, e.g. "
                                  f"30%:100%:{count}")
@@ -604,14 +609,16 @@ def check_methods(names: Sequence[str]) -> None:
             raise UsageError(f"unknown method {name!r}; choose from {', '.join(known)}")
 
 
-def json_path(text: str) -> Path:
+def json_path(text: str, *, plot_option: bool = True) -> Path:
+    """``--out``'s results file, which must end in .json (``plot_option``: the command takes
+    ``--plot`` too, as the message then says)."""
     path = Path(text)
     if path.suffix.lower() != ".json":
         # (a folder: a file in it; a name that is only a suffix, '.json' or '.txt': results.json)
         example = (path / "results.json" if path.is_dir() else path.with_name("results.json") if not path.stem
                    or path.stem.startswith(".") else path.with_suffix(".json"))
         raise UsageError(f"--out {text!r}: the results are JSON, so the file must end in .json (the plot is written "
-                         f"next to it with .png, or where --plot says); e.g. --out {example}")
+                         f"next to it with .png{', or where --plot says' if plot_option else ''}); e.g. --out {example}")
     return path
 
 
@@ -625,6 +632,15 @@ def plot_path(text: str | None, out: Path) -> Path:
     if path.suffix.lower().lstrip(".") not in kinds:
         raise UsageError(f"--plot {text!r}: the plot's format comes from its extension, and "
                          f"{path.suffix or 'none'!r} is not one matplotlib writes; use .png, .pdf or .svg")
+    if path.suffix.lower() == ".pgf":
+        import shutil
+
+        from matplotlib import rcParams
+
+        tex = rcParams["pgf.texsystem"]
+        if shutil.which(tex) is None:
+            raise UsageError(f"--plot {text!r}: matplotlib writes .pgf through {tex}, which is not installed here; "
+                             "use .png, .pdf or .svg")
     if path.resolve() == out.resolve():
         raise UsageError(f"--plot {text!r} is also --out: the plot would overwrite the results; give another path")
     return path
