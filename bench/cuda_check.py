@@ -903,6 +903,9 @@ def summary(results: dict) -> str:
     """One line: how many remat steps ran planned, how many within the peak tolerance, gradients."""
     runs = [v for r in results.get("models", {}).values() for name, v in r.get("variants", {}).items()
             if name.startswith("remat") and "peak_error" in v]
+    if not runs:  # (everything skipped, or only the gradscaler check ran)
+        bad = problems(results)
+        return "no planned remat step was measured" + ("; PROBLEMS: " + "; ".join(bad) if bad else ".")
     within = sum(1 for v in runs if abs(v["peak_error"]) <= PEAK_TOLERANCE)
     worst = max((abs(v["peak_error"]) for v in runs), default=0.0)
     text = (f"{len(runs)} planned remat steps: measured peak within {PEAK_TOLERANCE:.0%} of the prediction in "

@@ -464,3 +464,11 @@ def test_a_gradscaler_record_that_differs_or_never_overflowed_fails_the_check():
     [problem] = cuda_check.problems({"gradscaler": {"error": "RuntimeError: boom"}})
     assert problem == "gradscaler: ERROR RuntimeError: boom"
     assert "| 0 | 2 | 2 | bitwise | bitwise | bitwise |" in "\n".join(cuda_check.gradscaler_markdown(good))
+
+
+def test_a_run_that_measured_no_remat_step_does_not_say_they_all_agree():
+    """With every variant skipped (--deadline-s 0) it said 'gradients agree with eager's in every
+    remat step' after none."""
+    skipped = {"models": {"mobilenet@8": {"variants": {"eager": {"variant": "eager", "skipped": "over the time budget"}}}}}
+    assert cuda_check.summary(skipped) == "no planned remat step was measured."
+    assert cuda_check.summary({}) == "no planned remat step was measured."
