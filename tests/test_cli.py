@@ -1008,3 +1008,13 @@ def test_demo_checks_a_reversed_range_before_tracing(capsys, monkeypatch):
     assert code == 2 and "the range runs from LOW to HIGH, and 100% is above 50%" in err
     code, _, err = run(capsys, "demo", "--out", "x.txt")
     assert code == 2 and "--plot" not in err and "must end in .json" in err
+
+
+def test_options_a_method_does_not_take_are_named_as_ignored(capsys):
+    code, _, err = run(capsys, "solve", "--graph", "chain:8", "--budget", "50%", "--method", "chain", "--backend",
+                       "highs", "--time-limit", "3")
+    assert code == 0 and ("note: method 'chain' ignores --time-limit (which milp and lp_round take) and --backend "
+                          "(which milp takes)") in err
+    code, _, err = run(capsys, "solve", "--graph", "chain:8", "--budget", "50%", "--method", "milp", "--backend",
+                       "highs", "--time-limit", "3")
+    assert code == 0 and "ignores" not in err

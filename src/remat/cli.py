@@ -235,6 +235,12 @@ def cmd_solve(args: argparse.Namespace) -> int:
     check_methods([args.method])
     if args.run and not args.model:
         raise UsageError("--run needs --model: built-in graphs have no tensors to run")
+    unused = [f"{flag} (which {takes} take{'s' * (' and ' not in takes)})"
+              for flag, given, takes in (("--time-limit", args.time_limit, "milp and lp_round"),
+                                         ("--backend", args.backend, "milp"))
+              if given is not None and args.method not in takes.split(" and ")]
+    if unused:
+        err.print(f"note: method {args.method!r} ignores {' and '.join(unused)}", highlight=False)
     graph = _load_graph(args)
     budget = budget_of(args.budget, graph)
     options = solver_options(args.method, args)
