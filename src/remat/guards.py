@@ -1755,11 +1755,23 @@ def _submodule(model: torch.nn.Module, name: str) -> object:
 T = TypeVar("T")
 
 
-def _scalar_attributes(model: torch.nn.Module) -> dict[tuple[str, str], object]:
+def _scalar_attributes(model: torch.nn.Module, loss_fn: object = None) -> dict[tuple[str, str], object]:
     """Every module's attributes holding numbers, strings, bools or None (or tuples of them),
-    private ones included, by (module name, attribute)."""
-    return {(name, key): value for name, module in model.named_modules(remove_duplicate=False)
-            for key, value in vars(module).items() if _recordable(value)}
+    private ones included, by (module name, attribute); and those of ``loss_fn`` where it is a
+    function (``loss_fn.calls += 1``), under the name ``LOSS_FN``."""
+    out = {(name, key): value for name, module in model.named_modules(remove_duplicate=False)
+           for key, value in vars(module).items() if _recordable(value)}
+    if isinstance(loss_fn, types.FunctionType):
+        out.update({(LOSS_FN, key): value for key, value in vars(loss_fn).items() if _recordable(value)})
+    return out
+
+
+#: The name ``PythonState`` gives ``loss_fn`` among the modules whose attributes it compares.
+LOSS_FN = "<loss_fn>"
+
+
+#: What a module registers in dicts of its own: ``PythonState`` restores them after a trace.
+_REGISTERS = ("_parameters", "_buffers", "_modules")
 
 
 @dataclass(frozen=True)
@@ -1773,12 +1785,29 @@ class PythonState:
     loss_fn: object = None
     #: (label, generator, its state) of the random generators the model and ``loss_fn`` own
     generators: tuple[tuple[str, object, object], ...] = ()
+    #: (module name, module, what it registers: _parameters, _buffers or _modules, a copy)
+    registered: tuple[tuple[str, torch.nn.Module, str, dict], ...] = ()
 
     @classmethod
     def of(cls, model: torch.nn.Module, loss_fn: object = None) -> PythonState:
         held, generators = _walk(model, loss_fn, lengths=True, every_field=True)
-        return cls(_scalar_attributes(model), random.getstate(), np.random.get_state(), tuple(held), loss_fn,
-                   tuple((label, g, _generator_state(g)) for label, g in generators))
+        registered = tuple((name, module, kind, dict(module.__dict__.get(kind, {})))
+                           for name, module in model.named_modules(remove_duplicate=False) for kind in _REGISTERS)
+        unrepeatable = next((label for label, g in generators if isinstance(g, random.SystemRandom)), None)
+        if unrepeatable is not None:
+            raise TraceError(f"{unrepeatable} is a random.SystemRandom, whose draws can neither be repeated nor "
+                             f"seen: remat cannot tell whether the step draws from it, and a traced step would "
+                             f"reuse what it drew once; draw with torch instead (torch.rand, torch.randint), or "
+                             f"keep it outside the model and loss_fn")
+        return cls(_scalar_attributes(model, loss_fn), random.getstate(), np.random.get_state(), tuple(held), loss_fn,
+                   tuple((label, g, _generator_state(g)) for label, g in generators), registered)
+
+    def registrations(self) -> list[tuple[str, torch.nn.Module, str, str]]:
+        """(module name, module, kind, key) of each parameter, buffer or submodule the modules
+        registered (or replaced) since: a forward that builds one at its first call (a rotary
+        embedding's cos/sin cache, a lazily made parameter) built it from the trace's stand-ins."""
+        return [(name, module, kind, key) for name, module, kind, before in self.registered
+                for key, value in module.__dict__.get(kind, {}).items() if before.get(key, _MISSING) is not value]
 
     def held_changes(self, model: torch.nn.Module, stashes: bool = True) -> list[tuple[HeldValue, object, object]]:
         """(value, before, now) for each ``HeldValue`` that differs; ``stashes=False``: not the
@@ -1789,8 +1818,9 @@ class PythonState:
     def changes(self, model: torch.nn.Module) -> list[tuple[str, str, object, object]]:
         """(module name, attribute, value before, value now) for each attribute that differs;
         ``_MISSING`` for one absent on either side."""
-        now = _scalar_attributes(model)
-        modules = dict(model.named_modules(remove_duplicate=False))
+        now = _scalar_attributes(model, self.loss_fn)
+        modules: dict[str, object] = dict(model.named_modules(remove_duplicate=False))
+        modules[LOSS_FN] = self.loss_fn
         for (name, key) in self.attributes.keys() - now.keys():  # gone, or no longer a scalar
             module = modules.get(name)
             now[(name, key)] = module.__dict__.get(key, _MISSING) if module is not None else _MISSING
@@ -1812,8 +1842,15 @@ class PythonState:
         return None
 
     def restore(self, model: torch.nn.Module) -> None:
-        """Put the attributes and the generators back as they were."""
-        modules = dict(model.named_modules(remove_duplicate=False))
+        """Put the attributes, the registered tensors and modules, and the generators back as
+        they were."""
+        for _, module, kind, before in self.registered:
+            now = module.__dict__.get(kind)
+            if isinstance(now, dict) and (now.keys() != before.keys() or any(now[k] is not v for k, v in before.items())):
+                now.clear()
+                now.update(before)
+        modules: dict[str, object] = dict(model.named_modules(remove_duplicate=False))
+        modules[LOSS_FN] = self.loss_fn
         for name, key, before, _ in self.changes(model):
             module = modules.get(name)
             if module is None:
@@ -1871,10 +1908,23 @@ class PythonState:
         name, key, second, third = moving[0]
         first = self.attributes.get((name, key), _MISSING)
         attribute = key.lstrip("_")
-        raise _moving(f"{_where(name, modules.get(name))} attribute {key!r}", (first, second, third),
+        where = (f"loss_fn ({getattr(self.loss_fn, '__qualname__', 'a function')})" if name == LOSS_FN
+                 else _where(name, modules.get(name)))
+        raise _moving(f"{where} attribute {key!r}", (first, second, third),
                       f"a tensor buffer the forward updates in place (self.register_buffer({attribute!r}, "
                       f"torch.zeros(())), then self.{attribute}.add_(1)), or change it outside the model between "
                       f"steps")
+
+
+def registered_while_traced(found: list[tuple[str, torch.nn.Module, str, str]]) -> TraceError:
+    """The refusal of a step whose forward registered ``found`` (``PythonState.registrations``)."""
+    name, module, kind, key = found[0]
+    what = {"_parameters": "parameter", "_buffers": "buffer", "_modules": "submodule"}[kind]
+    return TraceError(
+        f"{_where(name, module)} registers {what} {key!r} while the step runs (a forward that builds it at its "
+        f"first call): remat traces the step with stand-ins for every tensor, so what the trace builds is not "
+        f"the model's; run the model once before remat.optimize (with torch.no_grad(): model(*example_batch)), "
+        f"so that it exists, then optimize")
 
 
 def _moving(what: str, values: tuple[object, object, object], keep: str) -> TraceError:

@@ -24,6 +24,7 @@ model itself, so any signature works (keyword arguments, several calls, labels i
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
 import enum
@@ -61,7 +62,8 @@ from remat.errors import TraceError, a_type
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
-from remat.guards import ModelView, ModuleState, OutsideReads, PythonState, _where, module_state
+from remat.guards import (ModelView, ModuleState, OutsideReads, PythonState, _where, module_state,
+                          registered_while_traced)
 from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RngWatch, RnnWatch, check_default_generator,
                                 _describe_module, check_dense, explain_trace_failure,
                                 warn_of_stored_trace_tensors)
@@ -441,14 +443,21 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     real_batch = None if on_meta else tuple(t.detach() for t in batch)
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng, \
             recording_branches(real_batch, len(params) + len(buffers), branches) as branch_points, \
-            OutsideReads() as reads:
+            OutsideReads() as reads, _iterators_refused(model):
         finished: list[int] = []  # (indices into trainable, in the order the backward finished them)
         try:
             gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name,
                                    stashed, finished)
         except BaseException:  # a refused trace changes nothing of the user's Python state
+            found = before.registrations()
             before.restore(model)
+            if found:  # (what the trace registered made it fail: say that)
+                raise registered_while_traced(found) from None
             raise
+        found = before.registrations()
+        if found:
+            before.restore(model)
+            raise registered_while_traced(found)
 
         def again() -> fx.GraphModule:
             kinds_by_name.clear()
@@ -459,7 +468,17 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
             return _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes,
                                      kinds_by_name, stashed, finished)
 
+        first = gm
         gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
+        initialized = _mutated_inputs(first, keys, len(batch)) - _mutated_inputs(gm, keys, len(batch))
+        if initialized:  # the first call wrote them (a flag set once): eager's first step would too
+            before.restore(model)
+            raise TraceError(
+                f"the forward writes {', '.join(sorted(initialized))} in place at its first call only (it sets a "
+                f"flag then, such as an ActNorm's data-dependent initialization): the traced step is taken from "
+                f"the state after that call, so the model would never be initialized as eager initializes it; "
+                f"run the model once before remat.optimize (with torch.no_grad(): model(*example_batch)), then "
+                f"optimize")
         rng.check()
         branch_points = tuple(branch_points)
     warn_of_stored_trace_tensors(model, loss_fn, stashed)
@@ -1170,6 +1189,55 @@ def _lift_constants(gm: fx.GraphModule, inputs: list[InputSlot]) -> list[torch.T
         constants.append(value)
         inputs.append(InputSlot(InputRole.CONSTANT, attr.target, ph.name))
     return constants
+
+
+class _RefusedIterator:
+    """Stands in for an iterator a module holds while the step is traced: advancing it refuses
+    the step (before it takes a value, so the iterator is as it was)."""
+
+    def __init__(self, what: str, inner: object) -> None:
+        self._what, self._inner = what, inner
+
+    def __iter__(self) -> _RefusedIterator:
+        return self
+
+    def __next__(self):
+        raise TraceError(
+            f"{self._what} is an iterator the forward advances (next()): a traced step runs no Python, so every "
+            f"step would reuse the value it gave when traced, while eager PyTorch takes the next one at each step; "
+            f"advance it outside the model and pass the value in the batch, as a tensor")
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def _iterators_refused(model: torch.nn.Module):
+    """Every iterator a module holds as an attribute (an ``itertools.cycle`` of temperatures, a
+    generator) replaced by a ``_RefusedIterator`` while the block runs, and put back after it:
+    a traced step advanced by ``next()`` kept its first value at every step, silently."""
+    swapped = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        for key, value in list(vars(module).items()):
+            if isinstance(value, collections.abc.Iterator) and not isinstance(value, (torch.Tensor, torch.nn.Module)):
+                swapped.append((module, key, value))
+                module.__dict__[key] = _RefusedIterator(f"{_where(name, module)} attribute {key!r}", value)
+    try:
+        yield
+    finally:
+        for module, key, value in swapped:
+            if isinstance(module.__dict__.get(key), _RefusedIterator):
+                module.__dict__[key] = value
+
+
+def _mutated_inputs(gm: fx.GraphModule, keys: list[str], n_batch: int) -> set[str]:
+    """The parameters, buffers (``keys``, in placeholder order) and batch tensors a traced graph
+    writes in place (a ``copy_`` into its placeholder)."""
+    names = keys + [f"batch[{i}]" for i in range(n_batch)]
+    slot = {n.name: names[k] for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+            if k < len(names)}
+    return {slot[n.args[0].name] for n in gm.graph.nodes if n.op == "call_function"
+            and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder" and n.args[0].name in slot}
 
 
 def _output_slots(gm: fx.GraphModule, trainable: list[str], grad_inputs: list[str],
