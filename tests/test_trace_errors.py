@@ -731,3 +731,30 @@ def test_a_failing_op_is_not_logged_by_fake_tensors_before_the_error(caplog):
         remat.optimize(model, (x, y), lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0,
                        method="checkpoint_all", cost_model=None)
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses.fake_tensor")]
+
+
+class _Branched(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(16, 32), nn.Linear(32, 4), how
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.how == "cond":
+            h = torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t * -1, (h,))
+        else:
+            h = h * torch.rand(h.shape, generator=torch.default_generator)
+        return self.b(h)
+
+
+@pytest.mark.parametrize(("how", "said"), [
+    ("cond", "the training step runs code torch.compile captures (torch.cond, torch.while_loop"),
+    ("default", "is given generator=torch.default_generator"),
+])
+def test_refusals_that_blamed_the_wrong_thing_name_what_the_step_does(how, said):
+    """torch.cond was refused as the user's call of torch.random.set_rng_state (dynamo's own);
+    the default generator passed explicitly as 'a torch.Generator of its own'."""
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with pytest.raises(TraceError) as info:
+        remat.optimize(_Branched(how), (x, y), lambda m, x, y: F.mse_loss(m(x), y), "100%")
+    assert said in str(info.value) and "set_rng_state" not in str(info.value) and "of its own" not in str(info.value)

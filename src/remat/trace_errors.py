@@ -512,6 +512,11 @@ class RngWatch:
 
 def _refuse_rng_call(name: str, *args: object, **kwargs: object) -> None:
     frame = sys._getframe(1)
+    if f"{os.sep}torch{os.sep}_dynamo{os.sep}" in frame.f_code.co_filename:  # (not the user's call: dynamo's)
+        raise TraceError(
+            "the training step runs code torch.compile captures (torch.cond, torch.while_loop, a function under "
+            "torch.compile or torch.compiler) while it is traced, which remat cannot trace; write the branch with "
+            "torch.where, or compile the whole step with remat.backend instead")
     raise _rng_error(f"calls {name} at {_line_shown(frame.f_code.co_filename, frame.f_lineno)}")
 
 
@@ -651,6 +656,12 @@ def check_default_generator(gm: torch.fx.GraphModule, model: torch.nn.Module) ->
         holders = [f"{name + '.' if name else ''}{attr}" for name, m in model.named_modules()
                    for attr, value in vars(m).items() if _same_generator(value, gen)]
         where = f" ({', '.join(holders)} of the model)" if holders else ""
+        if not holders and _same_generator(torch.default_generator, gen):
+            raise TraceError(
+                f"node {n.name} ({n.target}) is given generator=torch.default_generator: remat replays the default "
+                f"generator for random ops that name no generator, and a traced generator argument is a copy of "
+                f"it, which a recomputation would not follow; drop generator=... (the op then draws from the "
+                f"default generator, as it does now)")
         raise TraceError(
             f"node {n.name} ({n.target}) draws from a torch.Generator of its own{where}; remat replays "
             f"torch's default generator where a plan recomputes a random op, so a recomputation would "
