@@ -758,3 +758,25 @@ def test_refusals_that_blamed_the_wrong_thing_name_what_the_step_does(how, said)
     with pytest.raises(TraceError) as info:
         remat.optimize(_Branched(how), (x, y), lambda m, x, y: F.mse_loss(m(x), y), "100%")
     assert said in str(info.value) and "set_rng_state" not in str(info.value) and "of its own" not in str(info.value)
+
+
+def test_an_unseeded_numpy_generator_made_in_the_forward_is_refused_and_a_seeded_one_is_not():
+    """np.random.default_rng() draws fresh numbers from the system at every call; the traced step
+    reused the first draw (losses constant where eager's varied)."""
+    import numpy as np
+
+    class Jitter(nn.Module):
+        def __init__(self, seed) -> None:
+            super().__init__()
+            self.a, self.seed = nn.Linear(8, 2), seed
+
+        def forward(self, x):
+            return self.a(x) * float(np.random.default_rng(self.seed).uniform(0.5, 1.5))
+
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    with pytest.raises(TraceError, match=r"makes an unseeded numpy generator \(np\.random\.default_rng\(\) at "):
+        remat.optimize(Jitter(None), (x, y), loss_fn, "100%")
+    assert np.random.default_rng.__module__.startswith("numpy")  # (put back)
+    step = remat.optimize(Jitter(7), (x, y), loss_fn, "100%")  # the same numbers at every call, as in eager
+    assert verify.check_step(step, loss_fn, (x, y)).bitwise

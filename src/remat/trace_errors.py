@@ -498,6 +498,10 @@ class RngWatch:
             if hasattr(module, attr):
                 self.saved.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, functools.partial(_refuse_rng_call, name))
+        import numpy as np
+
+        self.saved.append((np.random, "default_rng", np.random.default_rng))
+        np.random.default_rng = functools.partial(_unseeded_numpy_generator, np.random.default_rng)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -508,6 +512,20 @@ class RngWatch:
         if not torch.equal(torch.get_rng_state(), self.state):
             torch.default_generator.set_state(self.state)  # (torch.set_rng_state is the watch's here)
             raise _rng_error("changes torch's default random generator (its state differs after the trace)")
+
+
+def _unseeded_numpy_generator(default_rng, seed=None, *args: object, **kwargs: object):
+    """``np.random.default_rng`` while a step is traced: seeded, as it is; without a seed (fresh
+    numbers from the system at every call, which a traced step would draw once), refused."""
+    if seed is None:
+        frame = sys._getframe(1)
+        raise TraceError(
+            f"the training step makes an unseeded numpy generator (np.random.default_rng() at "
+            f"{_line_shown(frame.f_code.co_filename, frame.f_lineno)}) while it runs: a traced step runs no Python, "
+            f"so every step would reuse the numbers it drew once; draw with torch instead (torch.rand, "
+            f"torch.randint: remat replays torch's generator), or draw outside the step and pass the values in the "
+            f"batch")
+    return default_rng(seed, *args, **kwargs)
 
 
 def _refuse_rng_call(name: str, *args: object, **kwargs: object) -> None:
