@@ -780,3 +780,15 @@ def test_an_unseeded_numpy_generator_made_in_the_forward_is_refused_and_a_seeded
     assert np.random.default_rng.__module__.startswith("numpy")  # (put back)
     step = remat.optimize(Jitter(7), (x, y), loss_fn, "100%")  # the same numbers at every call, as in eager
     assert verify.check_step(step, loss_fn, (x, y)).bitwise
+
+
+def test_a_lazy_module_not_yet_initialized_is_refused_with_the_remedy():
+    """An uninitialized nn.LazyLinear gave PyTorch's own ValueError."""
+    model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(4, 16), torch.randn(4, 2)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    with pytest.raises(TraceError, match=r"'0\.weight' is not initialized yet \(a lazy module"):
+        remat.optimize(model, (x, y), loss_fn, "100%")
+    with torch.no_grad():
+        model(x)
+    assert verify.check_step(remat.optimize(model, (x, y), loss_fn, "100%"), loss_fn, (x, y)).bitwise

@@ -416,6 +416,13 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
            allow_native_batch_norm: bool, branches: Sequence[bool] | None = None) -> TracedStep:
     batch = _as_batch(example_inputs)
     params = dict(model.named_parameters())
+    lazy = next((k for k, t in [*params.items(), *model.named_buffers()]
+                 if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)), None)
+    if lazy is not None:
+        raise TraceError(
+            f"{lazy!r} is not initialized yet (a lazy module, such as nn.LazyLinear, sets its shape at its first "
+            f"call): run the model once before remat.optimize (with torch.no_grad(): model(*example_batch)), "
+            f"then optimize")
     trainable = [k for k, p in params.items() if p.requires_grad]
     frozen = [k for k, p in params.items() if not p.requires_grad]
     buffers = dict(model.named_buffers())
