@@ -792,3 +792,28 @@ def test_a_lazy_module_not_yet_initialized_is_refused_with_the_remedy():
     with torch.no_grad():
         model(x)
     assert verify.check_step(remat.optimize(model, (x, y), loss_fn, "100%"), loss_fn, (x, y)).bitwise
+
+
+@torch.jit.script
+def _scripted_branch(h: torch.Tensor) -> torch.Tensor:
+    if bool(h.sum() > 0):
+        return h * 2.0
+    return h * -1.0
+
+
+def test_a_failing_torchscript_function_is_named_with_its_line():
+    """The message said only that an operation failed in the TorchScript interpreter; the line
+    it failed at was in the cause, dropped."""
+
+    class Scripted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return _scripted_branch(self.a(x))
+
+    with pytest.raises(TraceError) as info:
+        remat.optimize(Scripted(), (torch.randn(4, 8), torch.randn(4, 2)), lambda m, x, y: F.mse_loss(m(x), y), "100%")
+    assert "a TorchScript function failed while traced, at test_trace_errors.py:" in str(info.value)
+    assert "in _scripted_branch `if bool(h.sum() > 0):`" in str(info.value) and "drop @torch.jit.script" in str(info.value)

@@ -191,10 +191,34 @@ def explain_trace_failure(exc: BaseException, model: torch.nn.Module, loss_fn: o
                   "view op (transpose_, t_, swapdims_, squeeze_, unsqueeze_, as_strided_) on a view followed by "
                   "another in-place op, and torch.compile fails on it the same way; use the out-of-place form "
                   "(h = h.transpose(1, 2))")
+    elif (script := _torchscript_line(chain)) is not None:
+        what = f"a TorchScript function failed while traced, at {script}"
+        remedy = ("a scripted function runs as one call that remat cannot look into, and one that reads a tensor's "
+                  "value (bool(), .item(), `if tensor`) cannot be traced at all; call its Python source instead "
+                  "of the scripted function (drop @torch.jit.script), writing a branch on a tensor with torch.where")
     else:
         what = f"{type(exc).__name__}: {_first_line(exc)}"
         remedy = "check that loss_fn(model, *batch) runs eagerly and uses only traceable tensor operations"
     return TraceError(f"cannot trace the training step: {what} in {where}; {remedy}")
+
+
+def _torchscript_line(chain: Sequence[BaseException]) -> str | None:
+    """``file.py:4 `the line``` where a TorchScript function failed, from the innermost frame of
+    its traceback in an error's message (the line marked ``<--- HERE``), or None."""
+    for exc in chain:
+        text = str(exc)
+        if "Traceback of TorchScript" not in text:
+            continue
+        frames = list(re.finditer(r'File "([^"]+)", line (\d+), in (\w+)', text))
+        if not frames:
+            continue
+        last = frames[-1]
+        lines = text[last.end():].splitlines()
+        marked = next((k for k, line in enumerate(lines) if "<--- HERE" in line), None)
+        code = lines[marked - 1].strip() if marked is not None and marked > 0 else ""
+        return (f"{os.path.basename(last.group(1))}:{last.group(2)} in {last.group(3)}"
+                + (f" `{code}`" if code else ""))
+    return None
 
 
 _DISTRIBUTION_BASE = os.path.join("torch", "distributions", "distribution.py")
