@@ -42,7 +42,7 @@ from remat.cli_args import (
     solver_options,
     writable_file,
 )
-from remat.errors import GraphError, InfeasibleBudgetError, RematError, UnsupportedGraphError
+from remat.errors import GraphError, InfeasibleBudgetError, RematError, UnsupportedGraphError, user_line
 from remat.graph import Graph
 from remat.solvers import methods as registered_methods
 from remat.solvers import solve
@@ -94,7 +94,7 @@ def _workload(args: argparse.Namespace, *, meta: bool = False):
     except Exception as exc:  # noqa: BLE001 - a user's factory failed: say which and how it should look
         if ":" not in args.model:
             raise
-        where = _user_line(exc)
+        where = user_line(exc)
         raise UsageError(f"--model {args.model!r}: calling it with the batch size failed{where} ({type(exc).__name__}: "
                          f"{exc}); a model spec names `def make(batch_size: int) -> remat.models.Workload`") from None
 
@@ -106,19 +106,6 @@ def _out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
-
-
-def _user_line(exc: BaseException) -> str:
-    """`` at file.py:12`` of the innermost frame of ``exc``'s traceback outside remat and the
-    libraries installed beside it (the user's code), or ``""``."""
-    import os
-    import sysconfig
-    import traceback
-
-    skip = (os.path.dirname(os.path.abspath(__file__)), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"])
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith("<frozen") and not os.path.abspath(f.filename).startswith(skip)]
-    return f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
 
 
 def _on_meta(args: argparse.Namespace) -> bool:
@@ -231,19 +218,23 @@ def _activity(message: str):
 
 
 # ---------------------------------------------------------------- commands
+#: The solver flags ``solver_options`` passes on: (flag, its value, the option it becomes, the
+#: methods that take it, in words), so that ``solve`` can say which its method ignores.
+_SOLVER_FLAGS = (("--time-limit", lambda a: a.time_limit, "time_limit_s", "milp and lp_round take"),
+                 ("--backend", lambda a: a.backend, "backend", "milp takes"))
+
+
 def cmd_solve(args: argparse.Namespace) -> int:
     check_methods([args.method])
     if args.run and not args.model:
         raise UsageError("--run needs --model: built-in graphs have no tensors to run")
-    unused = [f"{flag} (which {takes} take{'s' * (' and ' not in takes)})"
-              for flag, given, takes in (("--time-limit", args.time_limit, "milp and lp_round"),
-                                         ("--backend", args.backend, "milp"))
-              if given is not None and args.method not in takes.split(" and ")]
+    options = solver_options(args.method, args)
+    unused = [f"{flag} (which {takers})" for flag, given, option, takers in _SOLVER_FLAGS
+              if given(args) is not None and option not in options]
     if unused:
         err.print(f"note: method {args.method!r} ignores {' and '.join(unused)}", highlight=False)
     graph = _load_graph(args)
     budget = budget_of(args.budget, graph)
-    options = solver_options(args.method, args)
     if args.model and args.run:
         return _solve_and_run(args, budget, options)
     if args.model:

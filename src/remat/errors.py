@@ -80,3 +80,19 @@ def a_type(value: object) -> str:
     """``value``'s type with its article, for messages: "an int", "a float", "a NoneType"."""
     name = type(value).__name__
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def user_line(exc: BaseException) -> str:
+    """`` at file.py:12`` where ``exc`` arose in the user's code: a syntax error's own place, else
+    the innermost frame of its traceback outside remat and the libraries installed beside it;
+    or ``""``."""
+    import os
+    import sysconfig
+    import traceback
+
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" at {os.path.basename(exc.filename)}:{exc.lineno}"
+    skip = (os.path.dirname(os.path.abspath(__file__)), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"])
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<frozen") and not os.path.abspath(f.filename).startswith(skip)]
+    return f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from remat.errors import TraceError, a_type
+from remat.errors import TraceError, a_type, user_line
 
 
 class WorkloadError(TraceError):
@@ -63,17 +63,6 @@ def names() -> tuple[str, ...]:
     return tuple(sorted(_builtins()))
 
 
-def _raised_at(exc: BaseException) -> str:
-    """`` at file:line`` where ``exc`` was raised (a syntax error: where it is), or nothing."""
-    import os
-    import traceback
-
-    if isinstance(exc, SyntaxError) and exc.filename:
-        return f" at {os.path.basename(exc.filename)}:{exc.lineno}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
-
-
 def load_factory(spec: str) -> Factory:
     """Import a factory from ``"package.module:function"``.
 
@@ -94,7 +83,7 @@ def load_factory(spec: str) -> Factory:
         ) from exc
     except Exception as exc:  # noqa: BLE001 - the module itself failed: say where
         raise WorkloadError(
-            f"factory spec {spec!r}: importing module {module_name!r} failed{_raised_at(exc)} "
+            f"factory spec {spec!r}: importing module {module_name!r} failed{user_line(exc)} "
             f"({type(exc).__name__}: {exc}); fix the module and try again"
         ) from exc
     factory = getattr(module, func_name, None)
