@@ -175,6 +175,7 @@ class ChainModel:
         if self.exact:
             return
         self._plain = copy.copy(self)  # the programme without them (its tables are replaced below, not changed)
+        self._plain._dropping = None  # (its plans come once, with this model's)
         self.exact = True
         self.menus_id = next(_MENUS)
         self.menus = self._leaf_menus(exact=True)
@@ -539,22 +540,32 @@ class ChainModel:
         if k not in self.held_cuts:
             return dropped
         out = np.full_like(dropped, np.inf) if forced else dropped.copy()
-        start = max(int(self.need[k] - self.own[k] - self.base), 0) + int(self.c[k])
+        start = self._held_need(k) + int(self.c[k])
         if start >= out.size:
             return out
         if below is None:
             out[start:] = np.minimum(out[start:], 0.0)
         else:
             m = np.arange(start, out.size)
-            np.minimum(out[start:], below[np.minimum(m - self.c[k] + self.own[k], out.size - 1)], out=out[start:])
+            np.minimum(out[start:], below[self._freed(m - self.c[k], k)], out=out[start:])
         return out
 
     def _held(self, s: int, k: int, m: int) -> float:
         """``_left``'s cost of keeping cut k held below a split there, s..k with m units free
         beside it."""
-        if m < max(int(self.need[k] - self.own[k] - self.base), 0):
+        if m < self._held_need(k):
             return math.inf
-        return 0.0 if k == s else float(self.opt[s, k - 1][min(m + int(self.own[k]), self.M - 1)])
+        return 0.0 if k == s else float(self.opt[s, k - 1][self._freed(m, k)])
+
+    def _held_need(self, k: int) -> int:
+        """The units segment k's backward needs beside its held cut's values (the programme's
+        levels, from ``base``)."""
+        return max(int(self.need[k] - self.own[k] - self.base), 0)
+
+    def _freed(self, m, k: int):
+        """The units free for the segments before k once k's backward has freed its held cut's
+        values, with ``m`` free beside them (a number or an array of them)."""
+        return np.minimum(m + self.own[k], self.M - 1)
 
     def _front(self, cost: np.ndarray) -> list[int]:
         """The model's budgets (levels) where ``cost`` gets cheaper: the front the bisection walks."""
@@ -700,7 +711,7 @@ class ChainModel:
             if held_t:  # t's backward at once, reading what crosses cut t (held), then s..t-1
                 held[t] = path + ((_CROSS, t), (_LEAF, t))
                 if s < t:
-                    stack.append((s, t - 1, min(m + int(self.own[t]), self.M - 1), path, False))
+                    stack.append((s, t - 1, int(self._freed(m, t)), path, False))
                 continue
             if s == t:
                 held[s] = path + (self._leaf_option(s, m),)
