@@ -1846,7 +1846,7 @@ class PythonState:
         they were."""
         for _, module, kind, before in self.registered:
             now = module.__dict__.get(kind)
-            if isinstance(now, dict) and (now.keys() != before.keys() or any(now[k] is not v for k, v in before.items())):
+            if isinstance(now, dict):
                 now.clear()
                 now.update(before)
         modules: dict[str, object] = dict(model.named_modules(remove_duplicate=False))

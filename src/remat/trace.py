@@ -416,7 +416,8 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
            allow_native_batch_norm: bool, branches: Sequence[bool] | None = None) -> TracedStep:
     batch = _as_batch(example_inputs)
     params = dict(model.named_parameters())
-    lazy = next((k for k, t in [*params.items(), *model.named_buffers()]
+    buffers = dict(model.named_buffers())
+    lazy = next((k for k, t in [*params.items(), *buffers.items()]
                  if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)), None)
     if lazy is not None:
         raise TraceError(
@@ -425,7 +426,6 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
             f"then optimize")
     trainable = [k for k, p in params.items() if p.requires_grad]
     frozen = [k for k, p in params.items() if not p.requires_grad]
-    buffers = dict(model.named_buffers())
     grad_inputs = [i for i, t in enumerate(batch) if t.requires_grad]
     if not trainable and not grad_inputs:
         raise TraceError(
@@ -433,6 +433,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
             f"no batch tensor requires grad; there is no gradient to compute"
         )
     keys = trainable + frozen + list(buffers)
+    slot_keys = keys + [f"batch[{i}]" for i in range(len(batch))]  # (the graph's placeholders, in order)
     flat = [*(params[k].detach() for k in trainable + frozen), *(buffers[k].detach() for k in buffers),
             *(t.detach() for t in batch)]
     on_meta = any(t.device.type == "meta" for t in flat)
@@ -477,7 +478,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
 
         first = gm
         gm = before.settle(model, again) or gm  # (traced again where the first trace set a flag)
-        initialized = _mutated_inputs(first, keys, len(batch)) - _mutated_inputs(gm, keys, len(batch))
+        initialized = _written_inputs(first, slot_keys) - _written_inputs(gm, slot_keys)
         if initialized:  # the first call wrote them (a flag set once): eager's first step would too
             before.restore(model)
             raise TraceError(
@@ -494,7 +495,6 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     check_default_generator(gm, model)
 
     roles = [InputRole.PARAM] * len(params) + [InputRole.BUFFER] * len(buffers) + [InputRole.INPUT] * len(batch)
-    slot_keys = keys + [f"batch[{i}]" for i in range(len(batch))]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = [InputSlot(r, k, p.name) for r, k, p in zip(roles, slot_keys, placeholders, strict=True)]
     constants = _lift_constants(gm, inputs)
@@ -1237,14 +1237,19 @@ def _iterators_refused(model: torch.nn.Module):
                 module.__dict__[key] = value
 
 
-def _mutated_inputs(gm: fx.GraphModule, keys: list[str], n_batch: int) -> set[str]:
-    """The parameters, buffers (``keys``, in placeholder order) and batch tensors a traced graph
-    writes in place (a ``copy_`` into its placeholder)."""
-    names = keys + [f"batch[{i}]" for i in range(n_batch)]
-    slot = {n.name: names[k] for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
-            if k < len(names)}
-    return {slot[n.args[0].name] for n in gm.graph.nodes if n.op == "call_function"
-            and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder" and n.args[0].name in slot}
+def _input_writes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The ``copy_`` nodes through which a functionalized graph writes an input in place (into
+    its placeholder)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+            and n.args[0].op == "placeholder"]
+
+
+def _written_inputs(gm: fx.GraphModule, slot_keys: list[str]) -> set[str]:
+    """The inputs (parameters, buffers, batch tensors: ``slot_keys``, in placeholder order) a
+    traced graph writes in place."""
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    key = dict(zip(placeholders, slot_keys))
+    return {key[n.args[0].name] for n in _input_writes(gm) if n.args[0].name in key}
 
 
 def _output_slots(gm: fx.GraphModule, trainable: list[str], grad_inputs: list[str],
@@ -1260,16 +1265,14 @@ def _output_slots(gm: fx.GraphModule, trainable: list[str], grad_inputs: list[st
     roles = [OutputRole.GRAD] * len(trainable) + [OutputRole.INPUT_GRAD] * len(grad_inputs)
     slots += [OutputSlot(r, k, v.name if v is not None else None)
               for r, k, v in zip(roles, trainable + grad_inputs, values[1:], strict=True)]
-    for n in list(gm.graph.nodes):
-        if n.op != "call_function":
-            continue
-        schema = getattr(n.target, "_schema", None)
-        if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
-            target, source = n.args[0], n.args[1]
-            slots.append(OutputSlot(OutputRole.UPDATE, slot_of[target.name].key, source.name))
-            values.append(source)
-            gm.graph.erase_node(n)
-        elif schema is not None and schema.is_mutable:
+    for n in _input_writes(gm):
+        target, source = n.args[0], n.args[1]
+        slots.append(OutputSlot(OutputRole.UPDATE, slot_of[target.name].key, source.name))
+        values.append(source)
+        gm.graph.erase_node(n)
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is not None and schema.is_mutable:
             raise TraceError(
                 f"op {n.target} (node {n.name!r}) still mutates a tensor after functionalization; "
                 f"remat plans functional graphs only: replace the in-place op in the model"
