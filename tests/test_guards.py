@@ -4,6 +4,7 @@ changed (eager PyTorch would compute something else), naming what changed; uncha
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import re
@@ -846,7 +847,7 @@ class _CountingLoss:
 @pytest.mark.parametrize("kind, message", [
     ("deque", r"len\(model.state\) changes each time the step runs \(0 -> 1 -> 2"),
     ("set", r"len\(model.state\) changes each time the step runs \(0 -> 1 -> 2"),
-    ("count", r"the model \(_Counts\) attribute 'state' is an iterator the forward advances \(next\(\)\)"),
+    ("count", r"the model \(_Counts\) attribute 'state' is an iterator the step advances \(next\(\)\)"),
     ("loss", r"len\(loss_fn.calls\) changes each time the step runs \(0 -> 1 -> 2"),
 ])
 def test_counters_in_deques_sets_itertools_counts_and_loss_objects_are_refused(kind, message):
@@ -1297,8 +1298,7 @@ class _AppendsToGlobals(nn.Module):
     ("list", r"len\(_AppendsToGlobals.forward's global 'CALLS'\) changes each time the step runs \(1 -> 2 -> 3 over "
              r"two traces\)"),
     ("deque", r"len\(_AppendsToGlobals.seen's global 'SEEN'\) changes each time the step runs \(0 -> 1 -> 2"),
-    ("count", r"_AppendsToGlobals.forward's global 'TICKS' changes each time the step runs \('count\(1\)' -> "
-              r"'count\(2\)' -> 'count\(3\)'"),
+    ("count", r"_AppendsToGlobals.forward's global 'TICKS' is an iterator the step advances \(next\(\)\)"),
     ("closure", r"len\(loss_fn's closure variable 'calls'\) changes each time the step runs \(0 -> 1 -> 2"),
 ])
 def test_a_global_or_closure_list_the_step_appends_to_is_a_counter_refused_and_put_back(kind, message):
@@ -1316,10 +1316,13 @@ def test_a_global_or_closure_list_the_step_appends_to_is_a_counter_refused_and_p
             calls.append(1)
         return m(x).sum() * min(1.0, (len(calls) + 1) / 10)
 
-    with pytest.raises(TraceError, match=message + r".*keep such state in a tensor buffer"):
+    remedy = r".*pass the value in the batch" if kind == "count" else r".*keep such state in a tensor buffer"
+    ticks = repr(TICKS)
+    with pytest.raises(TraceError, match=message + remedy):
         remat.optimize(_AppendsToGlobals(kind), (torch.randn(4, 8),), loss_fn, budget=1.0, method="checkpoint_all",
                        cost_model=None)
     assert CALLS == [0] and OUTPUTS == [] and len(SEEN) == 0 and calls == []  # (put back as they were)
+    assert repr(TICKS) == ticks
 
 
 def test_a_global_list_the_loop_appends_to_between_steps_is_not_refused():
@@ -1948,10 +1951,129 @@ def test_an_iterator_the_forward_advances_is_refused_without_advancing_it():
             return self.b(torch.tanh(self.a(x)) * next(self.temps))
 
     model, x, y = Tempered(), torch.randn(8, 16), torch.randn(8, 4)
-    with pytest.raises(TraceError, match="the model \\(Tempered\\) attribute 'temps' is an iterator the forward "
+    with pytest.raises(TraceError, match="the model \\(Tempered\\) attribute 'temps' is an iterator the step "
                                          "advances"):
         remat.optimize(model, (x, y), lambda m, x, y: F.mse_loss(m(x), y), "100%")
     assert isinstance(model.temps, itertools.cycle) and next(model.temps) == 1.0
+
+
+TEMPERATURES = None  # (set by the test below: an iterator a global holds)
+
+
+def _closure_scaler(values):
+    it = iter(values)
+
+    def scale(h):
+        return h * next(it)
+    return scale, lambda: it
+
+
+@pytest.mark.parametrize("where", ["global", "closure"])
+def test_an_iterator_held_by_a_global_or_a_closure_is_refused_without_advancing_it(where):
+    """next() on an iterator a global or a closure variable holds: every step reused the value it
+    gave when traced, silently (only a module's own were refused)."""
+    import itertools
+
+    global TEMPERATURES
+    TEMPERATURES = itertools.cycle([1.0, 2.0, 3.0])
+    scale, inner = _closure_scaler([1.0, 2.0, 3.0])
+
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return self.b(h * next(TEMPERATURES) if where == "global" else scale(h))
+
+    model, x, y = Tempered(), torch.randn(8, 16), torch.randn(8, 4)
+    label = "global 'TEMPERATURES'" if where == "global" else "closure variable 'scale''s closure variable 'it'"
+    with pytest.raises(TraceError, match=f"Tempered.forward's {label} is an iterator the step advances"):
+        remat.optimize(model, (x, y), lambda m, x, y: F.mse_loss(m(x), y), "100%")
+    if where == "global":  # (put back, not advanced)
+        assert isinstance(TEMPERATURES, itertools.cycle) and next(TEMPERATURES) == 1.0
+    else:
+        assert next(inner()) == 1.0
+
+
+class _Temperature:
+    """A class used as a configuration object, not an instance of it."""
+    value = 2.0
+
+
+class _WarmTemperature(_Temperature):
+    warm = True
+
+
+def _scaled(h):
+    return h * _scaled.factor
+
+
+_scaled.factor = 2.0
+
+
+def _scaled_by(h, table):
+    return h * table["mult"]
+
+
+_SCALE = 2.0
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_scale():
+    return _SCALE
+
+
+@pytest.mark.parametrize("holder", ["class", "base class", "function attribute", "partial's dict", "lru_cache"])
+def test_values_read_through_classes_function_attributes_partials_and_cached_helpers_are_guarded(holder):
+    """Each of these was read when traced and changed after, and every later step computed with
+    the old value, silently: a class held as a config (``self.cfg = Config``), a class attribute
+    of its base, an attribute of a helper function, a dict bound into a ``functools.partial``, a
+    global read by an ``lru_cache``d helper after ``cache_clear()``."""
+    global _SCALE
+    partial = functools.partial(_scaled_by, table={"mult": 2.0})
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+            self.cfg = _WarmTemperature if holder == "base class" else _Temperature
+
+        def forward(self, x):
+            h = F.relu(self.a(x))
+            if holder in ("class", "base class"):
+                h = h / self.cfg.value
+            elif holder == "function attribute":
+                h = _scaled(h)
+            elif holder == "partial's dict":
+                h = partial(h)
+            else:
+                h = h * _cached_scale()
+            return self.b(h)
+
+    model, x, y = Scaled(), torch.randn(4, 8), torch.randint(0, 2, (4,))
+    step = remat.optimize(model, (x, y), lambda m, x, y: F.cross_entropy(m(x), y), "100%", method="checkpoint_all")
+    step(x, y)
+    changes = {"class": (_Temperature, "value"), "base class": (_Temperature, "value"),
+               "function attribute": (_scaled, "factor")}
+    if holder in changes:
+        owner, key = changes[holder]
+        setattr(owner, key, 5.0)
+    elif holder == "partial's dict":
+        partial.keywords["table"]["mult"] = 5.0
+    else:
+        _SCALE = 5.0
+        _cached_scale.cache_clear()
+    shown = {"class": r"model\.cfg\.value", "base class": r"model\.cfg's base _Temperature\.value",
+             "function attribute": r"global '_scaled'\.factor", "partial's dict": r"keyword 'table'\['mult'\]",
+             "lru_cache": r"global '_cached_scale''s global '_SCALE'"}[holder]
+    try:
+        with pytest.raises(TraceError, match=f"{shown} is now 5.0 but was 2.0 when the step was traced"):
+            step(x, y)
+    finally:
+        _Temperature.value, _scaled.factor, _SCALE = 2.0, 2.0, 2.0
+        _cached_scale.cache_clear()
 
 
 def test_a_counter_kept_on_the_loss_function_is_refused():

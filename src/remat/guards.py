@@ -745,6 +745,20 @@ class HeldValue:
     stash: Callable[[torch.nn.Module], bool] | None = None
 
 
+def _iterator(value: object) -> bool:
+    """Is ``value`` an iterator the step could advance with ``next()`` (an ``itertools.cycle``, a
+    generator), not a tensor or a module?"""
+    return isinstance(value, Iterator) and not isinstance(value, (torch.Tensor, torch.nn.Module))
+
+
+def _held_class(value: object) -> bool:
+    """Is ``value`` a class of the user's that a module or the step's code may hold as a
+    configuration (``self.cfg = Config``, read as ``self.cfg.temp``): not a module's or an
+    autograd function's class, whose code runs rather than being read?"""
+    return isinstance(value, type) and _user_class(value) and value is not object \
+        and not issubclass(value, (torch.nn.Module, torch.autograd.Function))
+
+
 def _is_holder(value: object) -> bool:
     """An object whose scalar fields a step may read: a dict, a list, a namespace, a dataclass or
     a config object (anything with a ``__dict__`` that is not a module, tensor, function, class,
@@ -1010,8 +1024,8 @@ def _loops_class(cls: type) -> bool:
 def _the_loops(value: object) -> bool:
     """Is ``value``, a holder, an object of the training loop's (``_loops_class``), not a
     container, a module or a class?"""
-    return not isinstance(value, (dict, list, tuple, type, torch.nn.Module)) and not _mapping(value) \
-        and _loops_class(type(value))
+    return not isinstance(value, (dict, list, tuple, type, torch.nn.Module, types.FunctionType)) \
+        and not _mapping(value) and _loops_class(type(value))
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -1407,7 +1421,8 @@ def _loss_object(loss_fn: object) -> tuple[object, types.FunctionType, str] | No
     return owner, fn, label
 
 
-def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = False, every_field: bool = False
+def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = False, every_field: bool = False,
+          iterators: list[tuple[str, Callable[[], object], Callable[[object], None]]] | None = None
           ) -> tuple[list[tuple[HeldValue, object]], list[tuple[str, object]]]:
     """``held_values``, and (label, generator) of every random generator of ``_GENERATORS``
     found where they are looked for: module attributes (private ones too), holders, and the
@@ -1425,7 +1440,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     with the names and strings of the step's code (``_step_strings``) and of the code of the
     object's own class where it is the user's, so ``self.opt.param_groups[0]['lr']`` read in a
     forward is guarded. ``every_field``: walked whole all the same (``PythonState``: a forward
-    that updates its progress bar changes it at every call, which a traced step never would)."""
+    that updates its progress bar changes it at every call, which a traced step never would).
+    ``iterators``: gets (label, read, write) of each iterator that is a global or a closure
+    variable the step's functions name (``next(SCHEDULE)``, refused while the step is traced)."""
     found: list[tuple[HeldValue, object]] = []
     generators: list[tuple[str, object]] = []
     seen: set[int] = set()
@@ -1598,6 +1615,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                                             lambda m, v, k=key, p=fn: _put_back(p.keywords, k, v)), _snapshot(value)))
                 elif _holds_values(value, model):
                     holder_fields(label, value, lambda m, v=value: v)
+        if f.__dict__ and _user_module(f.__module__):  # (``scale.factor = 2.0``, read as ``scale.factor``)
+            holder_fields(what, f, lambda m, f=f: f, lists=lengths)
         code, functions = f.__code__, []
         if not lengths:  # (code found here that ``_step_depths`` did not reach: a callable object's)
             _merge_depths(depths, code)
@@ -1623,12 +1642,16 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             # one at every call is a counter, as one of the model's is; a list's length below)
             by_length = lengths and isinstance(value, (set, collections.deque, itertools.count)) \
                 and counter(label, value, lambda m, v=value: v)
+            if iterators is not None and _iterator(value):
+                iterators.append((label, read, write))
+                continue
             if _guarded(value) and not (kind == "global" and name.startswith("__")):
                 found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, r=read, w=write: _in_place(r(), v)
                                         or w(_snapshot(v))), _snapshot(value)))
-                if isinstance(value, types.FunctionType) and depth < USER_DEPTH and _user_module(value.__module__):
-                    named_by(label, value, depth + 1)  # (a helper it calls reads a global too)
+                helper(label, value, depth)  # (a helper it calls reads a global too)
             elif by_length or generator(label, value) or callable_object(label, value, lambda m, v=value: v):
+                continue
+            elif helper(label, value, depth):  # (an ``lru_cache``d helper: the function it wraps)
                 continue
             elif _holds_values(value, model):
                 holder_fields(label, value, lambda m, r=read: r(), lists=lengths, slack=slack_of(name))
@@ -1639,6 +1662,16 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 member = _member_function(vars(cls).get(key))
                 if member is not None:
                     named_by(f"{label}.{key}", member, depth)
+
+    def helper(label: str, value: object, depth: int) -> bool:
+        """Walk the user's function that ``value`` is or wraps (a function, a partial, a
+        ``functools.lru_cache`` or ``wraps`` wrapper) as the step's code: what it names, its
+        attributes, a partial's arguments. False where ``value`` is none of these."""
+        inner = _function_of(value) if callable(value) and not isinstance(value, (type, torch.nn.Module)) else None
+        if inner is None or depth >= USER_DEPTH or not _user_module(inner.__module__):
+            return False
+        named_by(label, value, depth + 1)
+        return True
 
     def user_module(label: str, module: types.ModuleType, read: Callable[[], object], names: frozenset[str],
                     depth: int) -> None:
@@ -1661,8 +1694,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             if _guarded(value):
                 found.append((HeldValue(where, at, lambda m, v, r=read, key=key: _put_back(r(), key, v)),
                               _snapshot(value)))
-                if isinstance(value, types.FunctionType) and depth < USER_DEPTH and _user_module(value.__module__):
-                    named_by(where, value, depth + 1)
+                helper(where, value, depth)
             elif not (generator(where, value) or callable_object(where, value, at)) and _holds_values(value, model):
                 if isinstance(value, type) and issubclass(value, torch.autograd.Function):
                     continue
@@ -1694,6 +1726,12 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             if generator(where, value) or (key.startswith("_") and not named.private(module, key)):
                 continue
             locate = lambda m, n=name, k=key: getattr(_submodule(m, n), k, _MISSING)  # noqa: E731
+            if _held_class(value):  # (its class attributes and its bases': ``Config.temp``)
+                for base in value.__mro__:
+                    if _held_class(base):
+                        holder_fields(where if base is value else f"{where}'s base {base.__qualname__}", base,
+                                      locate if base is value else lambda m, b=base: b, lists=lengths)
+                continue
             if _is_holder(value) and not _metadata(module, key):
                 # (a list or dict the step's code names: its length and keys too; one it does not
                 # name, such as a history the loop appends to, only its entries)
@@ -1787,10 +1825,14 @@ class PythonState:
     generators: tuple[tuple[str, object, object], ...] = ()
     #: (module name, module, what it registers: _parameters, _buffers or _modules, a copy)
     registered: tuple[tuple[str, torch.nn.Module, str, dict], ...] = ()
+    #: (label, read, write) of the iterators that are globals or closure variables the step's
+    #: functions name (``_walk``): refused while the step is traced, as a module's are
+    iterators: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...] = ()
 
     @classmethod
     def of(cls, model: torch.nn.Module, loss_fn: object = None) -> PythonState:
-        held, generators = _walk(model, loss_fn, lengths=True, every_field=True)
+        iterators: list[tuple[str, Callable[[], object], Callable[[object], None]]] = []
+        held, generators = _walk(model, loss_fn, lengths=True, every_field=True, iterators=iterators)
         registered = tuple((name, module, kind, dict(module.__dict__.get(kind, {})))
                            for name, module in model.named_modules(remove_duplicate=False) for kind in _REGISTERS)
         unrepeatable = next((label for label, g in generators if isinstance(g, random.SystemRandom)), None)
@@ -1800,7 +1842,7 @@ class PythonState:
                              f"reuse what it drew once; draw with torch instead (torch.rand, torch.randint), or "
                              f"keep it outside the model and loss_fn")
         return cls(_scalar_attributes(model, loss_fn), random.getstate(), np.random.get_state(), tuple(held), loss_fn,
-                   tuple((label, g, _generator_state(g)) for label, g in generators), registered)
+                   tuple((label, g, _generator_state(g)) for label, g in generators), registered, tuple(iterators))
 
     def registrations(self) -> list[tuple[str, torch.nn.Module, str, str]]:
         """(module name, module, kind, key) of each parameter, buffer or submodule the modules

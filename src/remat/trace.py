@@ -62,7 +62,7 @@ from remat.errors import TraceError, a_type
 from remat.fx_graph import build_graph, dead_code_elimination, split_multi_outputs, with_scratch
 from remat.scratch import ScratchModel, node_scratch
 from remat.graph import Graph, NodeKind
-from remat.guards import (ModelView, ModuleState, OutsideReads, PythonState, _where, module_state,
+from remat.guards import (ModelView, ModuleState, OutsideReads, PythonState, _iterator, _where, module_state,
                           registered_while_traced)
 from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RngWatch, RnnWatch, check_default_generator,
                                 _describe_module, check_dense, explain_trace_failure,
@@ -451,7 +451,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     real_batch = None if on_meta else tuple(t.detach() for t in batch)
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng, \
             recording_branches(real_batch, len(params) + len(buffers), branches) as branch_points, \
-            OutsideReads() as reads, _iterators_refused(model):
+            OutsideReads() as reads, _iterators_refused(model, before.iterators):
         finished: list[int] = []  # (indices into trainable, in the order the backward finished them)
         try:
             gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name,
@@ -1199,8 +1199,9 @@ def _lift_constants(gm: fx.GraphModule, inputs: list[InputSlot]) -> list[torch.T
 
 
 class _RefusedIterator:
-    """Stands in for an iterator a module holds while the step is traced: advancing it refuses
-    the step (before it takes a value, so the iterator is as it was)."""
+    """Stands in for an iterator a module holds, or a global or closure variable the step's code
+    names, while the step is traced: advancing it refuses the step (before it takes a value, so
+    the iterator is as it was)."""
 
     def __init__(self, what: str, inner: object) -> None:
         self._what, self._inner = what, inner
@@ -1210,31 +1211,46 @@ class _RefusedIterator:
 
     def __next__(self):
         raise TraceError(
-            f"{self._what} is an iterator the forward advances (next()): a traced step runs no Python, so every "
+            f"{self._what} is an iterator the step advances (next()): a traced step runs no Python, so every "
             f"step would reuse the value it gave when traced, while eager PyTorch takes the next one at each step; "
-            f"advance it outside the model and pass the value in the batch, as a tensor")
+            f"advance it outside the model and loss_fn and pass the value in the batch, as a tensor")
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
+    def __repr__(self) -> str:  # (an ``itertools.count``'s state shows in its repr: compared as a counter)
+        return repr(self._inner)
+
 
 @contextlib.contextmanager
-def _iterators_refused(model: torch.nn.Module):
+def _iterators_refused(model: torch.nn.Module,
+                       named: Sequence[tuple[str, Callable[[], object], Callable[[object], None]]] = ()):
     """Every iterator a module holds as an attribute (an ``itertools.cycle`` of temperatures, a
-    generator) replaced by a ``_RefusedIterator`` while the block runs, and put back after it:
-    a traced step advanced by ``next()`` kept its first value at every step, silently."""
+    generator), and every one of ``named`` (``PythonState.iterators``: the globals and closure
+    variables the step's functions name), replaced by a ``_RefusedIterator`` while the block
+    runs, and put back after it: a traced step advanced by ``next()`` kept its first value at
+    every step, silently."""
     swapped = []
     for name, module in model.named_modules(remove_duplicate=False):
         for key, value in list(vars(module).items()):
-            if isinstance(value, collections.abc.Iterator) and not isinstance(value, (torch.Tensor, torch.nn.Module)):
+            if _iterator(value):
                 swapped.append((module, key, value))
                 module.__dict__[key] = _RefusedIterator(f"{_where(name, module)} attribute {key!r}", value)
+    put = []
+    for label, read, write in named:
+        value = read()
+        if _iterator(value):
+            put.append((read, write, value))
+            write(_RefusedIterator(label, value))
     try:
         yield
     finally:
         for module, key, value in swapped:
             if isinstance(module.__dict__.get(key), _RefusedIterator):
                 module.__dict__[key] = value
+        for read, write, value in put:
+            if isinstance(read(), _RefusedIterator):
+                write(value)
 
 
 def _input_writes(gm: fx.GraphModule) -> list[fx.Node]:
