@@ -29,7 +29,10 @@ medians over ``--rounds`` rounds; ratios are to eager in the same run.
 
 Results go to ``bench/results/step_overhead.json``, the plot to
 ``bench/plots/step_overhead.png``; ``markdown(results)`` renders the BENCHMARKS.md section
-(``python bench/report.py``). ``--replot`` redraws both from the JSON.
+(``python bench/report.py``). ``--replot`` redraws both from the JSON. A run of some models
+(``--models gpt2-tiny``) measures those again and keeps the other models' stored rows; each
+row names the run that measured it (``run``: command, threads, rounds, date, environment), and
+the file's ``meta`` holds only what every row's run shares.
 """
 
 from __future__ import annotations
@@ -157,13 +160,59 @@ def plot(results: dict) -> None:
     plt.close(fig)
 
 
-def markdown(results: dict) -> str:
+def merge(stored: dict, rows: list[dict]) -> dict:
+    """The results file after a run that measured ``rows`` (each with its ``run``): those rows,
+    and every row of ``stored`` of a model the run did not measure, kept as it was, in the order
+    of ``MODELS`` (a model no longer there after them). A kept row keeps the run that measured
+    it: its own ``run``, or, in a file written before rows named theirs (when every run replaced
+    the whole file), the file's ``meta``. ``meta`` holds what every row's run shares, so it
+    never claims a kept row was measured by this run."""
+    stored_meta = stored.get("meta") if isinstance(stored.get("meta"), dict) else {}
+    measured = {row["model"] for row in rows}
+    kept = [{**row, "run": row.get("run", stored_meta)} for row in stored.get("models", [])
+            if isinstance(row, dict) and isinstance(row.get("model"), str) and row["model"] not in measured]
+    order = {name: i for i, name in enumerate(MODELS)}
+    models = sorted([*kept, *rows], key=lambda row: order.get(row["model"], len(MODELS)))
+    runs = [row["run"] for row in models]
+    shared = {key: value for key, value in (runs[0].items() if runs else ())
+              if all(run.get(key) == value for run in runs[1:])}
+    return {"meta": shared, "models": models}
+
+
+def _runs(results: dict) -> list[tuple[dict, list[str]]]:
+    """Each run that measured a row of ``results`` (a row without its own ``run``: the file's
+    ``meta``), with the models it measured, in the order of the rows."""
     meta = results.get("meta", {})
+    runs: list[tuple[dict, list[str]]] = []
+    for row in results.get("models", []):
+        run = row.get("run", meta)
+        for seen, names in runs:
+            if seen == run:
+                names.append(row["model"])
+                break
+        else:
+            runs.append((run, [row["model"]]))
+    return runs or [(meta, [])]
+
+
+def _provenance(run: dict) -> str:
+    return (f"CPU, {run.get('threads', 1)} thread, median of {run.get('rounds', '?')} interleaved rounds, measured "
+            f"{run.get('measured', '?')}")
+
+
+def markdown(results: dict) -> str:
+    runs = _runs(results)
+    if len(runs) == 1:
+        run = runs[0][0]
+        command = f"Command: `{run.get('command', 'python bench/step_overhead.py')}`; {_provenance(run)}."
+    else:  # (rows kept from earlier runs: each run's command and settings, with its models)
+        command = "Commands: " + "; ".join(
+            f"`{run.get('command', 'python bench/step_overhead.py')}` for {', '.join(f'`{m}`' for m in names)} "
+            f"({_provenance(run)})" for run, names in runs) + "."
     lines = [
         "## Host time of a planned step (`bench/step_overhead.py`)",
         "",
-        f"Command: `{meta.get('command', 'python bench/step_overhead.py')}`; CPU, {meta.get('threads', 1)} thread, "
-        f"median of {meta.get('rounds', '?')} interleaved rounds, measured {meta.get('measured', '?')}. Models whose "
+        f"{command} Models whose "
         "ops are tiny, so that a step's time is the host's, as for a GPU step whose kernels are short: "
         "`residual-cnn` (24 residual blocks, 8 channels, batch norms; batch 4 of 8x8) and `gpt2-tiny` (batch 8 of 32 "
         "tokens). `remat step` is `remat.optimize(...)(batch)` as users call it (the plan runs as Python code "
@@ -189,7 +238,7 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from remat.cli_args import Parser, thread_count
+    from remat.cli_args import Parser, UsageError, results_file, thread_count
 
     # (remat's parser: a usage error is one line, exit code 2, checked before any work)
     parser = Parser(prog="step_overhead.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,20 +261,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
     if args.rounds < 3:
         parser.error(f"--rounds must be at least 3, not {args.rounds}")
+    try:  # (the stored rows this run keeps, read before any work)
+        stored = results_file(RESULTS, {}, option="results file", of="step_overhead.py")
+    except UsageError as exc:
+        parser.error(str(exc))
+    if not isinstance(stored, dict) or not isinstance(stored.get("models", []), list):
+        parser.error(f"results file {str(RESULTS)!r} is not a results file of step_overhead.py (no 'models' list); "
+                     f"move it away")
     import torch
 
     from remat.sweep import environment, save_json
 
     torch.set_num_threads(args.threads)
     command = " ".join(["python bench/step_overhead.py", *(argv if argv is not None else sys.argv[1:])])
-    results = {"meta": {"command": command, "threads": args.threads, "rounds": args.rounds,
-                        "measured": time.strftime("%Y-%m-%d"), "environment": environment()},
-               "models": []}
+    run = {"command": command, "threads": args.threads, "rounds": args.rounds, "measured": time.strftime("%Y-%m-%d"),
+           "environment": environment()}
+    rows = []
     for name in models:
         row = measure(name, args.rounds)
-        results["models"].append(row)
+        rows.append({**row, "run": run})
         print(json.dumps(row))
-    save_json(results, RESULTS)
+        results = merge(stored, rows)
+        save_json(results, RESULTS)
     plot(results)
     print(markdown(results))
     return 0

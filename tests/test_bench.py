@@ -14,7 +14,7 @@ import torch
 from remat.builders import chain_graph, unet_graph
 from remat.cli import main
 from remat.models import get_workload, names
-from scripts import load_script
+from scripts import ROOT, load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 FAST = "checkpoint_all,chen_sqrtn,chen_greedy,griewank,lp_round,milp"
@@ -578,6 +578,48 @@ def test_step_overhead_measures_every_variant_against_eager_and_renders_them(mon
     assert text.count("| gpt2-tiny |") == len(overhead.BUDGETS) and "step_overhead.png" in text
     overhead.plot(results)
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_step_overhead_run_of_one_model_keeps_the_others_rows_with_their_run(monkeypatch, tmp_path, capsys):
+    """``--models gpt2-tiny`` replaced the whole file: residual-cnn's stored row was lost."""
+    import remat.sweep
+
+    overhead = _load("step_overhead")
+    stored = json.loads((ROOT / "bench" / "results" / "step_overhead.json").read_text())  # (rows name no run)
+    by_model = {row["model"]: row for row in stored["models"]}
+    assert set(by_model) == set(overhead.MODELS)
+    out = tmp_path / "step_overhead.json"
+    # (stored out of MODELS' order; the run's rows go back in it)
+    out.write_text(json.dumps({"meta": stored["meta"], "models": stored["models"][::-1]}))
+    monkeypatch.setattr(overhead, "RESULTS", out)
+    monkeypatch.setattr(overhead, "PLOT", tmp_path / "plot.png")
+    monkeypatch.setattr(remat.sweep, "environment", lambda: {"torch": "now"})
+    measured = []
+    monkeypatch.setattr(overhead, "measure",
+                        lambda name, rounds: measured.append(name) or {**by_model[name], "eager_ms": 123.0})
+    assert overhead.main(["--models", "gpt2-tiny", "--rounds", "3"]) == 0
+    assert measured == ["gpt2-tiny"]
+    results = json.loads(out.read_text())
+    assert [row["model"] for row in results["models"]] == list(overhead.MODELS)
+    cnn, gpt2 = (next(r for r in results["models"] if r["model"] == m) for m in ("residual-cnn", "gpt2-tiny"))
+    assert {k: v for k, v in cnn.items() if k != "run"} == by_model["residual-cnn"]
+    assert cnn["run"] == stored["meta"]  # (measured by the run that wrote the file, not by this one)
+    assert gpt2["eager_ms"] == 123.0 and gpt2["run"]["rounds"] == 3 and gpt2["run"]["environment"] == {"torch": "now"}
+    assert gpt2["run"]["command"] == "python bench/step_overhead.py --models gpt2-tiny --rounds 3"
+    # the file's meta: only what both runs share (here: the thread count)
+    assert results["meta"] == {"threads": 1}
+    text = overhead.markdown(results)
+    assert "`python bench/step_overhead.py` for `residual-cnn` (CPU, 1 thread, median of 40 interleaved rounds" in text
+    assert "`python bench/step_overhead.py --models gpt2-tiny --rounds 3` for `gpt2-tiny` (CPU, 1 thread, median of 3 " in text
+    assert text.count("| residual-cnn |") == text.count("| gpt2-tiny |") == len(overhead.BUDGETS)
+    assert "| 123.00 |" in text
+    # a run of every model again: one run, the whole meta
+    assert overhead.main(["--rounds", "3"]) == 0
+    results = json.loads(out.read_text())
+    assert measured == ["gpt2-tiny", "residual-cnn", "gpt2-tiny"]
+    assert results["meta"] == results["models"][0]["run"] == results["models"][1]["run"]
+    assert overhead.markdown(results).count("Command: `python bench/step_overhead.py --rounds 3`; CPU, 1 thread") == 1
+    capsys.readouterr()
 
 
 # ---------------------------------------------------------------------------- bench/busy_cpu.py

@@ -205,6 +205,18 @@ def test_replots_of_a_missing_file_are_one_line(capsys, monkeypatch, tmp_path):
     assert not missing.exists()
 
 
+def test_step_overhead_refuses_a_results_file_it_would_lose_before_any_work(capsys, monkeypatch, tmp_path):
+    """A run keeps the stored rows of the models it does not measure: a file it cannot read is
+    refused before measuring, and left as it is."""
+    overhead = no_work(monkeypatch, "bench/step_overhead.py")
+    bad = tmp_path / "step_overhead.json"
+    monkeypatch.setattr(overhead, "RESULTS", bad)
+    for text in ("{not json", '{"models": {}}'):
+        bad.write_text(text)
+        line = refused(capsys, overhead.main, ["--models", "gpt2-tiny"], "step_overhead.py", "results file")
+        assert "is not a results file of step_overhead.py" in line and bad.read_text() == text
+
+
 def stored_meta(path: Path) -> dict:
     return json.loads(path.read_text())["meta"]
 
