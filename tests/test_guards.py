@@ -63,6 +63,26 @@ def test_a_changed_attribute_is_refused_and_restored_it_runs():
     assert check_step(step, loss_fn, x, y).bitwise
 
 
+def test_a_counter_the_loop_keeps_on_the_model_is_not_refused_and_what_the_step_reads_still_is():
+    """``model.global_step += 1`` between steps, a field no code of the step names, refused
+    every later step; a module of torch's (``nn.Dropout``'s ``p``, read by torch's code) and an
+    attribute the step's code names are still guarded."""
+    model, x, y, loss_fn, step = _step()
+    model.global_step, model.drop.tag = 0, "a"
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    for _ in range(2):
+        model.global_step += 1
+        step(x, y)
+    assert check_step(step, loss_fn, x, y).bitwise
+    model.drop.tag = "b"  # (torch's class: its code is not read, so every attribute is held)
+    with pytest.raises(TraceError, match=r"module 'drop' \(Dropout\) attribute 'tag' is now 'b' but was 'a'"):
+        step(x, y)
+    model.drop.tag = "a"
+    model.scale = 0.25
+    with pytest.raises(TraceError, match=r"the model \(_Scaled\) attribute 'scale' is now 0.25 but was 0.5"):
+        step(x, y)
+
+
 def test_a_submodule_switched_to_eval_is_refused():
     model, x, y, loss_fn, step = _step()
     model.drop.eval()

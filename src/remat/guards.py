@@ -383,8 +383,8 @@ def _hook_name(hook: object) -> str:
     return f"{name} at {os.path.basename(code)}:{line}" if code and line else name
 
 
-#: The remedy of a changed value the step may never read (a module attribute is guarded whether
-#: or not the step reads it: ``model.global_step += 1`` in the loop refused the next step).
+#: The remedy of a changed value the step may never read (an attribute of a module of a library's
+#: class is guarded whether or not the step reads it: ``_Unread``).
 _ELSEWHERE = ("; a value the step never reads (a log, a counter the loop keeps, such as a global step) belongs "
               "outside what the model and loss_fn hold")
 
@@ -434,9 +434,11 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
     ``reads``: ``OutsideReads.held()`` of its trace; ``onednn_off``: ``RnnWatch.onednn_off``."""
     attributes, hooks, modules = [], [], []
     named = _NamedBy(model, loss_fn)
+    unread = _Unread(model, loss_fn, named)
     for name, module in model.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
-            if (key == "training" or not key.startswith("_") or named.private(module, key)) and _plain(value):
+            if (key == "training" or not key.startswith("_") or named.private(module, key)) and _plain(value) \
+                    and not unread(module, key):
                 attributes.append((name, key, value))
         hooks.append((name, _hooks_of(module)))
         modules.append((name, type(module), _forward_key(module)))
@@ -1374,6 +1376,35 @@ class _NamedBy:
             return False
         names = self.names(type(module))
         return key in names or _reads_built_names(type(module), names)
+
+
+class _Unread:
+    """Which public attributes of the model's modules no code of the step can read: those of a
+    module whose classes are all the user's own (``nn.Module`` aside: no installed package's
+    code runs as its methods) that no code of the step names (``_step_strings``), where none of
+    that code reads attributes by names built at run time (``_DYNAMIC``). A counter the loop
+    keeps on the model (``model.global_step += 1`` between steps) refused every later step."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: object, named: _NamedBy) -> None:
+        self._model, self._loss_fn, self._named = model, loss_fn, named
+        self._strings: frozenset[str] | None = None
+
+    def __call__(self, module: torch.nn.Module, key: str) -> bool:
+        if key == "training" or key.startswith("_") or not _own_classes(type(module)):
+            return False
+        if self._strings is None:
+            modules = list(self._model.modules())
+            self._strings = _step_strings(self._named, {type(m) for m in modules}, self._loss_fn,
+                                          [hook for m in modules for hook in _hooks_of(m)])
+        return key not in self._strings and _DYNAMIC.isdisjoint(self._strings)
+
+
+@functools.lru_cache(maxsize=1024)
+def _own_classes(cls: type) -> bool:
+    """Are ``cls`` and its bases (``nn.Module`` and ``object`` aside) all classes of the user's own
+    code, none of an installed package's or of torch's?"""
+    return all(base in (object, torch.nn.Module) or (_user_class(base) and not _installed(base.__module__))
+               for base in cls.__mro__)
 
 
 def _step_strings(named: _NamedBy, classes: Iterable[type], loss_fn: object, hooks: Iterable[object],
