@@ -2118,3 +2118,136 @@ def test_a_system_random_generator_is_refused_by_name():
     model.r = random.SystemRandom()
     with pytest.raises(TraceError, match="is a random.SystemRandom, whose draws can neither be repeated nor seen"):
         remat.optimize(model, (torch.randn(4, 8), torch.randn(4, 2)), lambda m, x, y: F.mse_loss(m(x), y), "100%")
+
+
+_WEIGHTS = {"w": 1.0}
+_CLASS_WEIGHTS = {"w": 1.0}
+
+
+class _Holder:
+    """An object of the user's a module holds, whose method reads a global."""
+    kind = "plain"
+
+    def scale(self, t):
+        return t * _WEIGHTS["w"]
+
+
+class _ScaleHook:
+    def __init__(self) -> None:
+        self.k = 1.0
+
+    def __call__(self, module, inputs, output):
+        return output * self.k
+
+
+class _Served(nn.Module):
+    """The ways a forward reaches a value that were kept as traced, silently, when changed."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.cast, self.keep = torch.float32, slice(0, 32)
+        self.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+        self.lam = (lambda t: t * _WEIGHTS["w"]) if case == "lambda" else None
+        self.holder = _Holder() if case.startswith("held") else None
+        self.__dict__["_extra"] = {"k": 1.0}
+        if case == "hook object":
+            self.a.register_forward_hook(_ScaleHook())
+
+    def __getattr__(self, name):
+        extra = self.__dict__.get("_extra", {})
+        return extra[name] if name in extra else super().__getattr__(name)
+
+    @staticmethod
+    def static():
+        return _WEIGHTS["w"]
+
+    @classmethod
+    def of_class(cls):
+        return _CLASS_WEIGHTS["w"]
+
+    def forward(self, x):
+        h, case = torch.tanh(self.a(x)), self.case
+        if case == "static method":
+            h = h * self.static()
+        elif case == "class method":
+            h = h * self.of_class()
+        elif case == "dtype":
+            h = h.to(self.cast).float()
+        elif case == "slice":
+            h = h * (torch.arange(32) < self.keep.stop)
+        elif case == "partial":
+            h = self.act(h)
+        elif case == "lambda":
+            h = self.lam(h)
+        elif case == "held object's method":
+            h = self.holder.scale(h)
+        elif case == "held object's class":
+            h = h * (2.0 if _Holder.kind == "plain" and self.holder.kind == "plain" else 3.0)
+        elif case == "__getattr__":
+            h = h * self.k
+        return self.b(h)
+
+
+@pytest.mark.parametrize("case, change, shown", [
+    ("static method", lambda m: _WEIGHTS.update(w=3.0), r"_Served.static's global '_WEIGHTS'\['w'\]"),
+    ("class method", lambda m: _CLASS_WEIGHTS.update(w=3.0), r"_Served.of_class's global '_CLASS_WEIGHTS'\['w'\]"),
+    ("dtype", lambda m: setattr(m, "cast", torch.bfloat16), r"attribute 'cast' is now torch.bfloat16"),
+    ("slice", lambda m: setattr(m, "keep", slice(0, 8)), r"attribute 'keep' is now slice\(0, 8, None\)"),
+    ("partial", lambda m: setattr(m, "act", functools.partial(F.leaky_relu, negative_slope=0.5)),
+     r"attribute 'act' is now functools.partial\(leaky_relu, negative_slope=0.5\) but was "
+     r"functools.partial\(leaky_relu, negative_slope=0.1\)"),
+    ("lambda", lambda m: _WEIGHTS.update(w=3.0), r"model.lam's global '_WEIGHTS'\['w'\]"),
+    ("held object's method", lambda m: _WEIGHTS.update(w=3.0), r"global '_WEIGHTS'\['w'\]"),
+    ("held object's class", lambda m: setattr(_Holder, "kind", "other"), r"class _Holder.kind is now 'other'"),
+    ("__getattr__", lambda m: m._extra.update(k=3.0), r"model._extra\['k'\] is now 3.0"),
+    ("hook object", lambda m: [setattr(h, "k", 3.0) for h in m.a._forward_hooks.values()],
+     r"a hook of module 'a' \(Linear\).k is now 3.0"),
+])
+def test_values_served_by_methods_hooks_and_attributes_of_torch_types_are_guarded(case, change, shown):
+    """Each was kept as traced after the loop changed it, while eager used the new value: a
+    global read by a static or class method, a module attribute holding a dtype, a slice or a
+    partial with other arguments, a lambda's global, a method or class attribute of an object
+    the model holds, a value a module's ``__getattr__`` serves, a hook object's field."""
+    torch.manual_seed(0)
+    model, x, y = _Served(case), torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert check_step(step, loss_fn, x, y).bitwise
+    try:
+        change(model)
+        with pytest.raises(TraceError, match=shown):
+            step(x, y)
+    finally:
+        _WEIGHTS["w"], _CLASS_WEIGHTS["w"], _Holder.kind = 1.0, 1.0, "plain"
+
+
+class _Tagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.a.weight.scale = 2.0  # (a Python attribute on a parameter, as some libraries tag them)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if isinstance(self.a.weight, nn.Parameter):
+            h = h * self.a.weight.scale
+        return self.b(h)
+
+
+def test_a_parameters_type_and_python_attributes_are_the_tracers():
+    """The forward asks whether a weight is a parameter and reads a tag on it. Traced with
+    stand-ins that were neither, the step took the other branch from its first step on (loss
+    1.44 against eager's 1.70), silently, and a tag read as ``w.scale`` failed the trace; the
+    tag changed after tracing is refused, and ``check_step``'s copy keeps it."""
+    torch.manual_seed(0)
+    model, x, y = _Tagged(), torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    eager = loss_fn(model, x, y)
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert torch.equal(step(x, y), eager.detach())
+    assert check_step(step, loss_fn, x, y).bitwise
+    model.a.weight.scale = 3.0
+    with pytest.raises(TraceError, match=r"parameter 'a.weight' attribute 'scale' is now 3.0 but was 2.0"):
+        step(x, y)

@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import decimal
 import dis
 import enum
+import fractions
 import functools
 import itertools
 import logging
@@ -65,7 +67,11 @@ from torch.overrides import TorchFunctionMode
 
 from remat.errors import TraceError
 
-_SCALARS = (bool, int, float, str, type(None), np.generic, enum.Enum)  # (numpy scalars, enum members too)
+#: (numpy scalars and enum members too, and values of torch's own that a step may read: a dtype
+#: a forward casts to, ``self.cast = torch.bfloat16``; a slice it cuts with; each was kept
+#: as traced, silently)
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic, enum.Enum, slice, range, fractions.Fraction,
+            decimal.Decimal, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _MISSING = object()
 
@@ -364,9 +370,18 @@ def _callable_key(fn: object) -> object:
         return fn
     if isinstance(fn, types.MethodType):
         return ("method", fn.__func__)
-    if isinstance(fn, functools.partial):
-        return ("partial", _callable_key(fn.func))
+    if isinstance(fn, functools.partial):  # (with its arguments: another ``negative_slope`` is another function)
+        return ("partial", _callable_key(fn.func), tuple(map(_argument_key, fn.args)),
+                tuple(sorted((k, _argument_key(v)) for k, v in fn.keywords.items())))
     return ("object", type(fn))
+
+
+def _argument_key(value: object) -> object:
+    """What tells a partial's argument from another: a number, string and the like by value, a
+    function by ``_callable_key``, anything else by its class (a copy of the model copies it)."""
+    if _recordable(value):
+        return ("value", type(value), value)
+    return _callable_key(value) if isinstance(value, _FUNCTIONS) else ("object", type(value))
 
 
 def _forward_key(module: torch.nn.Module) -> object:
@@ -410,6 +425,10 @@ def _value_shown(value: object) -> str:
         except TypeError:  # (of mixed kinds)
             members = sorted(value, key=repr)
         return "{" + ", ".join(map(repr, members)) + "}" if value else "an empty set"
+    if isinstance(value, functools.partial):
+        shown = [*map(repr, value.args), *(f"{k}={v!r}" for k, v in value.keywords.items())]
+        name = getattr(value.func, "__qualname__", None) or type(value.func).__name__
+        return f"functools.partial({', '.join([name, *shown])})"
     if isinstance(value, types.BuiltinFunctionType) and getattr(value, "__module__", None):
         return f"the function {value.__module__}.{value.__name__}"
     return f"the function {_hook_name(value)}" if isinstance(value, _FUNCTIONS) else repr(value)
@@ -447,8 +466,26 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
                     for key, t in named)
     return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state(),
-                       tuple(held_values(model, loss_fn)) + tuple(reads), tuple(modules), tuple(onednn_off),
+                       tuple(held_values(model, loss_fn)) + tuple(reads) + tuple(_parameter_attributes(model)),
+                       tuple(modules), tuple(onednn_off),
                        tuple(torch_settings() + library_functions(model, loss_fn)))
+
+
+def _parameter_attributes(model: torch.nn.Module) -> list[tuple[HeldValue, object]]:
+    """The Python attributes of the model's parameters that are numbers, strings and the like
+    (a tag, ``w.scale = 2.0``): the step is traced with them (``trace._dressed_as``), so one
+    changed after is built in as a module's attribute is."""
+    found = []
+    for name, p in model.named_parameters():
+        for key, value in vars(p).items():
+            if _plain(value):
+                def read(m, name=name, key=key):
+                    try:
+                        return vars(m.get_parameter(name)).get(key, _MISSING)
+                    except AttributeError:
+                        return _MISSING
+                found.append((HeldValue(f"parameter {name!r} attribute {key!r}", read, lambda m, v: None), value))
+    return found
 
 
 #: torch's hooks on every module (``torch.nn.modules.module.register_module_forward_hook`` and
@@ -761,6 +798,13 @@ def _held_class(value: object) -> bool:
         and not issubclass(value, (torch.nn.Module, torch.autograd.Function))
 
 
+def _user_object(value: object) -> bool:
+    """Is ``value`` an object of a class of the user's (not a container, a class, a module or a
+    tensor) whose methods the step may call (``self.holder.scale(h)``)?"""
+    return not isinstance(value, (dict, list, tuple, type, torch.nn.Module, torch.Tensor, types.ModuleType)) \
+        and _held_class(type(value))
+
+
 def _is_holder(value: object) -> bool:
     """An object whose scalar fields a step may read: a dict, a list, a namespace, a dataclass or
     a config object (anything with a ``__dict__`` that is not a module, tensor, function, class,
@@ -856,6 +900,17 @@ def _read_unset_dtype(read: Callable[[torch.nn.Module], object], dtypes: frozens
     if isinstance(now, str) and any(now == str(d).removeprefix("torch.") for d in dtypes):
         return None
     return now
+
+
+def _dtype_name(value: object) -> object:
+    """A ``torch.dtype`` as its name (``'float32'``), as ``save_pretrained`` writes a transformers
+    config's ``dtype``; anything else as it is."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
+def _read_dtype_name(read: Callable[[torch.nn.Module], object], model: torch.nn.Module) -> object:
+    """``read(model)``, a transformers config's ``dtype`` traced as a ``torch.dtype``, by name."""
+    return _dtype_name(read(model))
 
 
 class _Length:
@@ -1265,7 +1320,8 @@ def user_members(cls: type) -> Iterator[tuple[str, str, types.FunctionType]]:
         if base is object or not _user_class(base):
             continue
         for key, member in vars(base).items():
-            if isinstance(member, (types.FunctionType, property)) and not key.startswith("__"):
+            if isinstance(member, (types.FunctionType, property, staticmethod, classmethod,
+                                   functools.cached_property)) and not key.startswith("__"):
                 fn = _member_function(member)
                 if fn is not None:
                     yield base.__qualname__, key, fn
@@ -1347,8 +1403,12 @@ _DYNAMIC = frozenset({"getattr", "__dict__", "vars", "__getattribute__", "attrge
 
 def _reads_built_names(cls: type, names: frozenset[str]) -> bool:
     """Does code of ``cls``, a class of the user's, that names ``names`` read attributes by names
-    built at run time (``getattr(self, '_scale_' + self.which)``): then any field may be read."""
-    return _user_class(cls) and not _DYNAMIC.isdisjoint(names)
+    built at run time (``getattr(self, '_scale_' + self.which)``), or does one of its classes of
+    the user's answer attributes itself (``__getattr__``: ``self.k`` served from a private
+    ``self._extra`` dict)? Then any field may be read."""
+    return _user_class(cls) and (not _DYNAMIC.isdisjoint(names) or any(
+        _user_class(base) and ("__getattr__" in vars(base) or "__getattribute__" in vars(base))
+        for base in cls.__mro__))
 
 
 class _NamedBy:
@@ -1527,6 +1587,12 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             loops.append((label, holder, locate, depth, lists))  # (its names are known once all code is walked)
             return
         seen.add(id(holder))
+        if names is None and _user_object(holder):  # (its class's attributes, and what its methods name)
+            for base in type(holder).__mro__:
+                if _held_class(base):
+                    holder_fields(f"class {base.__qualname__}", base, lambda m, b=base: b, lists=lists)
+            for owner, key, fn in user_members(type(holder)):
+                named_by(f"{label}'s {owner}.{key}", fn)
         private = names or (_behind_properties(type(holder)) if hasattr(holder, "__dict__")
                             and not isinstance(holder, (type, torch.nn.Module)) else frozenset())
         if names is not None and not _loops_class(type(holder)) and _reads_built_names(type(holder), names):
@@ -1552,6 +1618,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                         _put_back(h, key, value)
                 if value is None and _unset_dtype(holder, key):  # (save_pretrained's, read as unset)
                     at = functools.partial(_read_unset_dtype, at, parameter_dtypes())
+                elif isinstance(value, torch.dtype) and _unset_dtype(holder, key):  # (save_pretrained names it)
+                    at, value = functools.partial(_read_dtype_name, at), _dtype_name(value)
                 found.append((HeldValue(f"{label}{shown}", at, write), _snapshot(value)))
                 room[0] -= 1
             elif not generator(f"{label}{shown}", value) and depth < NESTED_HOLDERS and _is_holder(value) \
@@ -1777,8 +1845,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 # model, such as a log of losses or ids already seen, is its bookkeeping)
                 found.append((HeldValue(where, locate, lambda m, v, n=name, k=key: _put_back(_submodule(m, n), k, v)),
                               _snapshot(value)))
-            elif not by_length:
-                callable_object(where, value, locate)
+            elif not by_length and not callable_object(where, value, locate) and _plain(value):
+                helper(where, value, -1)  # (``self.lam = lambda t: t * G['w']``: what it names)
     for cls in sorted(classes, key=lambda c: c.__qualname__):
         for base in cls.__mro__:
             if _user_class(base) and base is not object:
@@ -1806,6 +1874,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             fn = _function_of(hook)
             if fn is not None and _user_module(fn.__module__):
                 named_by(f"a hook of {_where(name, module)}", hook)
+            elif fn is None:  # (an object of the user's class: ``ScaleHook().k``)
+                callable_object(f"a hook of {_where(name, module)}", hook, lambda m, h=hook: h)
     if loops:
         step_names = _step_strings(named, classes, loss_fn, hooks, strings)
         for label, holder, locate, depth, lists in loops:

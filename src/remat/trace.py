@@ -844,8 +844,11 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
             marks["forward_end"] = _last_node_name()
 
     cache_enabled = torch.is_autocast_cache_enabled()  # make_fx turns it off; eager has it as the user set it
+    originals = [model.get_parameter(k) for k in trainable + frozen]
 
     def step(*tensors):
+        for t, p in zip(tensors[: n_train + n_frozen], originals):
+            _dressed_as(t, p)
         batch = tensors[n_train + n_frozen + n_buf :]
         wrt = [*tensors[:n_train], *(batch[i] for i in grad_inputs)]  # (the batch's as eager: leaves)
         for t in wrt:
@@ -894,6 +897,18 @@ def _trace_functional(model, loss_fn, trainable, frozen, buffer_keys, grad_input
     finally:
         for h in handles:
             h.remove()
+
+
+def _dressed_as(stand_in: torch.Tensor, parameter: torch.Tensor) -> None:
+    """Give a parameter's stand-in what the user's code may ask of the parameter: to be one
+    (``isinstance(w, nn.Parameter)``, true of a tensor marked ``_is_param``) and its Python
+    attributes (``w.scale``, a tag ``getattr(w, 'no_decay', False)``). A forward branching on
+    them took the other branch while traced, and the step computed another loss from the
+    first step on, silently."""
+    if isinstance(parameter, torch.nn.Parameter):
+        stand_in._is_param = True
+    for key, value in vars(parameter).items():
+        setattr(stand_in, key, value)
 
 
 def _storages_bytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -95,13 +95,21 @@ def copied_model(model: torch.nn.Module) -> torch.nn.Module:
     """``copy.deepcopy(model)``, also of a model whose modules hold a tensor computed with
     autograd as a plain attribute, which ``deepcopy`` refuses: the weight that the legacy
     ``torch.nn.utils.weight_norm`` computes before each forward from its parameters (so the
-    copy's is recomputed too). Such attributes are copied detached."""
+    copy's is recomputed too). Such attributes are copied detached. A parameter's Python
+    attributes (a tag, ``w.no_decay = True``), which ``deepcopy`` of a parameter drops, are
+    given to the copy's (a forward reading one computed another loss in the copy)."""
     computed = [(module, key, value) for module in model.modules() for key, value in vars(module).items()
                 if isinstance(value, torch.Tensor) and value.grad_fn is not None]
     try:
         for module, key, value in computed:
             module.__dict__[key] = value.detach()
-        return copy.deepcopy(model)
+        copied = copy.deepcopy(model)
+        mine = dict(copied.named_parameters(remove_duplicate=False))
+        for name, p in model.named_parameters(remove_duplicate=False):
+            for key, value in vars(p).items():
+                if key not in vars(mine[name]):
+                    setattr(mine[name], key, copy.deepcopy(value))
+        return copied
     finally:
         for module, key, value in computed:
             module.__dict__[key] = value
