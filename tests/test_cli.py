@@ -366,6 +366,32 @@ def test_a_model_factory_that_fails_is_named_with_the_line_that_raised(capsys, t
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_model_module_in_the_current_directory_is_imported(capsys, tmp_path, monkeypatch):
+    """README: `cd` to the folder of mymodels.py, then `remat solve --model mymodels:make`; the
+    `remat` script's sys.path has its own folder first, not the current one, and the module
+    could not be imported. The current directory is searched for that import only."""
+    (tmp_path / "mymodels_in_cwd.py").write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "from remat.models import Workload\n"
+        "def make(batch_size):\n"
+        "    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))\n"
+        "    batch = (torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,)))\n"
+        "    return Workload('mlp16', model, batch, lambda m, x, y: F.cross_entropy(m(x), y))\n")
+    monkeypatch.chdir(tmp_path)
+    path = [entry for entry in sys.path if entry not in ("", ".", str(tmp_path))]  # (as the script's)
+    monkeypatch.setattr(sys, "path", path)
+    monkeypatch.delitem(sys.modules, "mymodels_in_cwd", raising=False)
+    code, out, err = run(capsys, "solve", "--model", "mymodels_in_cwd:make", "--batch", "4", "--costs", "estimate",
+                         "--budget", "100%", "--method", "checkpoint_all", "--json")
+    assert code == 0, err
+    assert json.loads(out)["model"] == "mymodels_in_cwd:make"
+    assert sys.path == path  # (taken off again)
+    code, _, err = run(capsys, "solve", "--model", "no_such_module_in_cwd:make", "--budget", "50%")
+    _one_line_usage_error(code, err)
+    assert "module 'no_such_module_in_cwd' cannot be imported" in err
+    assert "that it is in the current directory or on PYTHONPATH" in err and sys.path == path
+
+
 def test_out_and_plot_paths_are_checked_before_any_work(capsys, tmp_path):
     code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path / "r.png"))
     assert code == 2 and "must end in .json" in err and not (tmp_path / "r.png").exists()

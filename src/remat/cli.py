@@ -79,18 +79,38 @@ def _load_graph(args: argparse.Namespace) -> Graph:
         raise UsageError(str(exc)) from None
 
 
+@contextlib.contextmanager
+def _current_directory_importable():
+    """The current directory on ``sys.path`` (first, as ``python -m`` puts it) while a
+    ``--model package.module:function`` is imported and called: the ``remat`` script's
+    ``sys.path`` starts with its own folder, not the one it runs in. Taken off again after."""
+    cwd = os.getcwd()
+    if any(isinstance(entry, str) and os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
+        yield
+        return
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # (the module took it off itself)
+            sys.path.remove(cwd)
+
+
 def _workload(args: argparse.Namespace, *, meta: bool = False):
     import torch
 
     from remat.models import WorkloadError, get_workload
 
     try:
-        if meta:
-            with torch.device("meta"):
-                return get_workload(args.model, args.batch)
-        return get_workload(args.model, args.batch)
+        with _current_directory_importable():
+            if meta:
+                with torch.device("meta"):
+                    return get_workload(args.model, args.batch)
+            return get_workload(args.model, args.batch)
     except WorkloadError as exc:
-        raise UsageError(str(exc)) from None
+        # (the message is the API's: here the current directory is searched too)
+        raise UsageError(str(exc).replace("that it is on sys.path (PYTHONPATH)",
+                                          "that it is in the current directory or on PYTHONPATH")) from None
     except Exception as exc:  # noqa: BLE001 - a user's factory failed: say which and how it should look
         if ":" not in args.model:
             raise
