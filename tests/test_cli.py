@@ -450,6 +450,20 @@ def test_paper_scale_model_with_estimated_costs_answers_quickly_without_allocati
     assert grown_kib < 2 * 2**20  # a real batch of 256 images and VGG16's activations would be > 17 GB
 
 
+def test_python_m_remat_is_the_remat_command():
+    """`python -m remat` failed: "No module named remat.__main__"."""
+    done = subprocess.run([sys.executable, "-m", "remat", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: remat ") and "solve" in done.stdout, done.stderr
+    done = subprocess.run([sys.executable, "-m", "remat", "solve", "--graph", "chain:4", "--budget", "lots"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.startswith("remat solve: error: ") and "not understood" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "remat", "solve", "--graph", "chain:8", "--budget", "50%",
+                           "--method", "checkpoint_all"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.startswith("no plan fits: "), done.stderr
+
+
 def test_json_output_is_only_json(capsys):
     # native solver code writes to file descriptor 1; --json must stay parseable
     code = [sys.executable, "-m", "remat.cli", "solve", "--graph", "chain:6", "--budget", "60%", "--method", "milp",
