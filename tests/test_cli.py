@@ -399,6 +399,15 @@ def test_out_and_plot_paths_are_checked_before_any_work(capsys, tmp_path):
                        "--plot", str(tmp_path / "x.txt"))
     assert code == 2 and "'.txt' is not one matplotlib writes" in err and not (tmp_path / "r.json").exists()
     code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path / "r.json"),
+                       "--plot", str(tmp_path / "g"))  # (it said "'none' is not one matplotlib writes")
+    _one_line_usage_error(code, err)
+    assert f"--plot {str(tmp_path / 'g')!r} has no extension" in err and "'none'" not in err
+    assert ".png, .pdf or .svg (or .avif, .eps" in err and f"e.g. --plot {tmp_path / 'g.png'}" in err
+    assert not (tmp_path / "r.json").exists()
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path))
+    _one_line_usage_error(code, err)
+    assert f"is a folder; give a file in it, e.g. --plot {tmp_path / 'r.png'}" in err
+    code, _, err = run(capsys, "sweep", "--graph", "chain:4", "--out", str(tmp_path / "r.json"),
                        "--plot", str(tmp_path / "r.json"))
     assert code == 2 and "must end in" not in err and "is not one matplotlib writes" in err
     code, _, err = run(capsys, "demo", "--out", str(tmp_path / "d.png"))

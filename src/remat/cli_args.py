@@ -629,9 +629,16 @@ def plot_path(text: str | None, out: Path) -> Path:
 
     path = Path(text)
     kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    others = ", ".join(f".{kind}" for kind in kinds if kind not in ("png", "pdf", "svg"))
+    if path.is_dir():
+        raise UsageError(f"--plot {text!r} is a folder; give a file in it, e.g. --plot {path / f'{out.stem}.png'}")
+    if not path.suffix:
+        example = path.with_name(f"{path.name.rstrip('.')}.png")
+        raise UsageError(f"--plot {text!r} has no extension, and the plot's format comes from it; end it in .png, "
+                         f".pdf or .svg (or {others}), e.g. --plot {example}")
     if path.suffix.lower().lstrip(".") not in kinds:
         raise UsageError(f"--plot {text!r}: the plot's format comes from its extension, and "
-                         f"{path.suffix or 'none'!r} is not one matplotlib writes; use .png, .pdf or .svg")
+                         f"{path.suffix!r} is not one matplotlib writes; use .png, .pdf or .svg (or {others})")
     if path.suffix.lower() == ".pgf":
         import shutil
 
