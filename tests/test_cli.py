@@ -1067,3 +1067,38 @@ def test_options_a_method_does_not_take_are_named_as_ignored(capsys):
     code, _, err = run(capsys, "solve", "--graph", "chain:8", "--budget", "50%", "--method", "milp", "--backend",
                        "highs", "--time-limit", "3")
     assert code == 0 and "ignores" not in err
+
+
+def test_a_bare_number_budget_that_fits_no_plan_says_how_to_ask_for_a_percentage(capsys):
+    """`--budget 60` is 60 bytes (as documented); the refusal said nothing of 60%, which
+    `remat.optimize(budget="60")` says (the same rule: units.percent_meant)."""
+    hint = "(--budget 60 is read as 60 bytes; for 60% of the checkpoint-all peak write --budget 60%)"
+    code, out, err = run(capsys, "solve", "--graph", "chain:16", "--budget", "60", "--method", "chen_sqrtn")
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("no plan fits: budget 60 B is infeasible") and hint in err
+    code, out, err = run(capsys, "solve", "--graph", "chain:16", "--budget", "60", "--method", "chen_sqrtn", "--json")
+    assert code == 1 and json.loads(out)["status"] == "infeasible" and hint in err
+    for model in ([], ["--run"]):
+        code, _, err = run(capsys, "solve", "--model", "mlp", "--batch", "4", "--costs", "estimate", "--budget", "60",
+                           "--method", "checkpoint_all", *model)
+        assert code == 1 and err.strip().splitlines()[-1].startswith("no plan fits: ") and hint in err, err
+    for budget in ("60B", "1KiB", "101"):  # (bytes said as such, or more than a percentage)
+        code, _, err = run(capsys, "solve", "--graph", "chain:16", "--budget", budget, "--method", "chen_sqrtn")
+        assert code == 1 and "is read as" not in err, err
+
+
+def test_bare_number_budgets_that_fit_no_plan_in_a_sweep_or_demo_are_noted(capsys, tmp_path):
+    code, _, err = run(capsys, "sweep", "--graph", "chain:8", "--methods", "checkpoint_all", "--budgets",
+                       "30,60,100%,1GiB", "--out", str(tmp_path / "s.json"))
+    assert code == 0 and ("note: --budgets '30,60,100%,1GiB' reads 30 and 60 as bytes; for percentages of the "
+                          "checkpoint-all peak write --budgets 30%,60%,100%,1GiB") in err, err
+    code, _, err = run(capsys, "sweep", "--graph", "chain:8", "--methods", "checkpoint_all", "--budgets", "30:100:3",
+                       "--out", str(tmp_path / "r.json"))
+    assert code == 0 and "reads 30 and 100 as bytes" in err and "write --budgets 30%:100%:3" in err, err
+    code, _, err = run(capsys, "sweep", "--graph", "chain:8", "--methods", "checkpoint_all", "--budgets", "50%,100%",
+                       "--out", str(tmp_path / "p.json"))
+    assert code == 0 and "note:" not in err, err
+    code, _, err = run(capsys, "demo", "--model", "mlp", "--batch", "4", "--costs", "estimate", "--methods",
+                       "checkpoint_all", "--budgets", "60,100%", "--out", str(tmp_path / "d.json"))
+    assert code == 0 and ("note: --budgets '60,100%' reads 60 as bytes; for percentages of the checkpoint-all peak "
+                          "write --budgets 60%,100%") in err, err

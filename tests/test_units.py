@@ -86,3 +86,13 @@ def test_exact_byte_counts_are_shown_only_where_the_size_is_rounded():
     assert format_bytes_exactly(139) == "139 B"  # (the backend wrote "139 B (139 B)")
     assert format_bytes_exactly(69529) == "67.90 KiB (69529 B)"
     assert format_bytes_exactly(3 * 2**20) == "3.00 MiB (3145728 B)"
+
+
+def test_a_bare_whole_number_up_to_100_is_taken_as_a_percentage_meant():
+    """The rule optimize and the remat command share for their 'for 60% write ...' hint."""
+    from remat.units import percent_hint, percent_meant
+
+    assert [percent_meant(v) for v in ("60", " 60 ", "100", "1")] == [60, 60, 100, 1]
+    assert [percent_meant(v) for v in ("101", "60B", "60%", "0.6", "6e1", 60, None)] == [None] * 7
+    assert percent_hint("60") == "budget='60' is read as 60 bytes; for 60% of the checkpoint-all peak write budget='60%'"
+    assert percent_hint("60", "--budget {}").endswith("write --budget 60%") and percent_hint("60B") == ""

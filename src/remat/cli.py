@@ -47,7 +47,7 @@ from remat.graph import Graph
 from remat.solvers import methods as registered_methods
 from remat.solvers import solve
 from remat.sweep import ResultStore, SweepPoint, checkpoint_all_peak, run_interruptibly, sweep
-from remat.units import format_bytes, format_bytes_exactly, read_budget
+from remat.units import format_bytes, format_bytes_exactly, percent_hint, percent_meant, read_budget
 
 # Tables stay readable when output goes to a file or a CI log (rich assumes 80 columns there).
 # No markup or emoji codes: what is printed quotes the user's arguments, paths and source lines
@@ -265,7 +265,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     except InfeasibleBudgetError as exc:
         if args.json:  # (on stdout: outside the activity, which sends native output to stderr)
             _print_infeasible(args, graph, budget, exc.min_budget_bytes)
-        raise  # (the message on stderr, exit code 1)
+        raise _hinted(exc, args) from None  # (the message on stderr, exit code 1)
     record = result.summary()
     if args.json:
         print(json.dumps(record))
@@ -297,7 +297,7 @@ def _solve_model(args: argparse.Namespace, graph: Graph, budget: int, options: d
                                           f"checkpoint-all)")
         if args.json:  # (on stdout: outside the activity, which sends native output to stderr)
             _print_infeasible(args, graph, budget, least)
-        err.print(_labelled("no plan fits:", f"{exc}{needs}"), highlight=False)
+        err.print(_labelled("no plan fits:", f"{_hinted(exc, args)}{needs}"), highlight=False)
         return EXIT_INFEASIBLE
     r = planned.result
     record = {
@@ -334,8 +334,10 @@ def _solve_and_run(args: argparse.Namespace, budget: int, options: dict[str, obj
         if args.json:
             _print_infeasible(args, _traced(args).graph, budget, record.min_budget_bytes,
                               reference=comparison.checkpoint_all_peak_bytes)
+        hint = percent_hint(args.budget, _BUDGET_SPELLED)
         err.print(_labelled("no plan fits:", f"budget {format_bytes_exactly(budget)} is infeasible for "
-                            f"method {args.method!r} on {args.model}: {record.note}"), highlight=False)
+                            f"method {args.method!r} on {args.model}: {record.note}{f' ({hint})' if hint else ''}"),
+                  highlight=False)
         return EXIT_INFEASIBLE
     if record.status == "not applicable":
         raise UsageError(record.note)
@@ -351,6 +353,33 @@ def _solve_and_run(args: argparse.Namespace, budget: int, options: dict[str, obj
     else:
         _print_runs(comparison)
     return EXIT_OK if record.bitwise_equal is not False else EXIT_INFEASIBLE
+
+
+#: How ``percent_hint`` spells a budget of `remat solve`.
+_BUDGET_SPELLED = "--budget {}"
+
+
+def _hinted(exc: InfeasibleBudgetError, args: argparse.Namespace) -> InfeasibleBudgetError:
+    """``exc``, saying how to ask for a percentage where --budget was a bare whole number up to
+    100, which is bytes (as ``optimize`` says it for ``budget="60"``)."""
+    hint = percent_hint(args.budget, _BUDGET_SPELLED)
+    return exc.with_detail(hint) if hint else exc
+
+
+def _note_bytes_meant_as_percent(text: str, no_plan: Sequence[int]) -> None:
+    """After a sweep or demo: where --budgets ``text`` names a bare whole number up to 100
+    (bytes, as documented; ``percent_meant``) and no plan fits at it, how to ask for
+    percentages instead."""
+    ranged = text.count(":") == 2
+    parts = text.split(":")[:2] if ranged else text.split(",")
+    bare = list(dict.fromkeys(part.strip() for part in parts if percent_meant(part) is not None))
+    if not {percent_meant(part) for part in bare} & set(no_plan):
+        return
+    written = [f"{part.strip()}%" if part.strip() in bare else part.strip() for part in parts if part.strip()]
+    written = ":".join([*written, text.split(":")[2].strip()]) if ranged else ",".join(written)
+    listed = bare[0] if len(bare) == 1 else f"{', '.join(bare[:-1])} and {bare[-1]}"
+    err.print(f"note: --budgets {text!r} reads {listed} as bytes; for percentages of the checkpoint-all peak write "
+              f"--budgets {written}", highlight=False)
 
 
 def _print_infeasible(args: argparse.Namespace, graph: Graph, budget: int, least: int | None, *,
@@ -411,6 +440,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             on_run=lambda r: progress.update(task, advance=1, description=f"{r.method} @ {format_bytes(r.budget_bytes)}"),
         )
     _print_runs(comparison)
+    _note_bytes_meant_as_percent(args.budgets, [r.budget_bytes for r in comparison.runs if r.status == "infeasible"])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(comparison.to_json(), indent=1))
     plot_file = plot_comparison(comparison, out_path.with_suffix(".png"))
@@ -460,6 +490,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from remat.plotting import plot_overhead
 
     _print_sweep(graph, points, names, reference)  # (first: a plot that fails loses nothing)
+    _note_bytes_meant_as_percent(args.budgets, [p.budget_bytes for p in points if p.result is None and not p.skipped])
     plot_overhead(points, plot_file, title=f"{graph.name} ({graph.n} nodes)")
     out.print(f"wrote {out_path} and {plot_file}")
     return EXIT_OK

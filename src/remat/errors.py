@@ -75,6 +75,11 @@ class InfeasibleBudgetError(RematError):
             message += f" ({detail})"
         super().__init__(message)
 
+    def with_detail(self, detail: str) -> InfeasibleBudgetError:
+        """The same refusal with ``detail`` in place of this one's."""
+        return InfeasibleBudgetError(budget_bytes=self.budget_bytes, min_budget_bytes=self.min_budget_bytes,
+                                     method=self.method, graph_name=self.graph_name, detail=detail)
+
 
 def a_type(value: object) -> str:
     """``value``'s type with its article, for messages: "an int", "a float", "a NoneType"."""

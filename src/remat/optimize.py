@@ -56,7 +56,7 @@ from remat.solvers import SolveStatus
 from remat.solvers.base import relative_gap
 from remat.trace import (KeywordBatch, LossFn, TracedStep, batch_index, check_arguments, keys_shown, keyword_batch,
                          named_by_key, tensors_of, trace, wrapped_dict)
-from remat.units import BudgetError, check_budget, format_bytes, parse_budget
+from remat.units import BudgetError, check_budget, format_bytes, parse_budget, percent_hint
 
 log = logging.getLogger("remat")
 
@@ -676,13 +676,10 @@ def optimize(
     try:
         step = _planned(model, traced, budget, method, replan, **solver_options)
     except InfeasibleBudgetError as exc:
-        if not (isinstance(given, str) and given.strip().isdigit() and int(given) <= 100):
+        hint = percent_hint(given)  # (budget="60": bytes, as documented, but likely meant as a percentage)
+        if not hint:
             raise
-        raise InfeasibleBudgetError(  # (budget="60": bytes, as documented, but likely meant as a percentage)
-            budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes, method=exc.method,
-            graph_name=exc.graph_name, detail=f"budget={given!r} is read as {int(given)} bytes; for {int(given)}% of "
-                                              f"the checkpoint-all peak write budget='{int(given)}%'",
-        ) from exc
+        raise exc.with_detail(hint) from exc
     step.batch_keys = keys
     return step
 

@@ -210,6 +210,26 @@ def parse_budget(value: object, reference_bytes: int | None = None) -> int:
     return read_budget(value).resolve(reference_bytes)
 
 
+def percent_meant(given: object) -> int | None:
+    """The percentage a budget that no plan fits was likely meant as: text that is a bare whole
+    number up to 100 (``"60"``) is bytes, as documented, and no training step fits in 100 bytes.
+    None for any other budget (an ``int`` is bytes by intent; ``"60B"`` says bytes)."""
+    if isinstance(given, str) and _INTEGER_RE.match(given) and int(given) <= 100:
+        return int(given)
+    return None
+
+
+def percent_hint(given: object, spelled: str = "budget={!r}") -> str:
+    """When ``percent_meant(given)``: that ``given`` was read as bytes and how to ask for the
+    percentage, with ``spelled`` how the caller's budget is written (``"budget={!r}"`` for
+    ``optimize``, ``"--budget {}"`` on the command line); otherwise ''."""
+    percent = percent_meant(given)
+    if percent is None:
+        return ""
+    return (f"{spelled.format(given)} is read as {percent} bytes; for {percent}% of the checkpoint-all peak write "
+            f"{spelled.format(f'{percent}%')}")
+
+
 def check_time_limit(value: object) -> float | None:
     """A solver time limit in seconds: None (the method's default) or a positive finite number.
 
