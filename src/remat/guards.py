@@ -1542,6 +1542,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     loops: list[tuple[str, object, Callable[[torch.nn.Module], object], int, bool]] = []
     #: the names and strings of the code of the loss and callable objects found
     strings: set[str] = set()
+    #: (label, object, lists) of the objects of the user's classes found in holders, whose
+    #: class attributes and methods that the step's code names are walked last
+    objects: list[tuple[str, object, bool]] = []
 
     @functools.cache
     def parameter_dtypes() -> frozenset[torch.dtype]:
@@ -1587,12 +1590,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             loops.append((label, holder, locate, depth, lists))  # (its names are known once all code is walked)
             return
         seen.add(id(holder))
-        if names is None and _user_object(holder):  # (its class's attributes, and what its methods name)
-            for base in type(holder).__mro__:
-                if _held_class(base):
-                    holder_fields(f"class {base.__qualname__}", base, lambda m, b=base: b, lists=lists)
-            for owner, key, fn in user_members(type(holder)):
-                named_by(f"{label}'s {owner}.{key}", fn)
+        if names is None and _user_object(holder):  # (its class's attributes and methods the step's code names)
+            objects.append((label, holder, lists))
         private = names or (_behind_properties(type(holder)) if hasattr(holder, "__dict__")
                             and not isinstance(holder, (type, torch.nn.Module)) else frozenset())
         if names is not None and not _loops_class(type(holder)) and _reads_built_names(type(holder), names):
@@ -1845,7 +1844,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 # model, such as a log of losses or ids already seen, is its bookkeeping)
                 found.append((HeldValue(where, locate, lambda m, v, n=name, k=key: _put_back(_submodule(m, n), k, v)),
                               _snapshot(value)))
-            elif not by_length and not callable_object(where, value, locate) and _plain(value):
+            elif not by_length and not callable_object(where, value, locate) and _plain(value) \
+                    and key in named.names(type(module)):  # (one the step's code calls, not the loop's)
                 helper(where, value, -1)  # (``self.lam = lambda t: t * G['w']``: what it names)
     for cls in sorted(classes, key=lambda c: c.__qualname__):
         for base in cls.__mro__:
@@ -1876,11 +1876,22 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 named_by(f"a hook of {_where(name, module)}", hook)
             elif fn is None:  # (an object of the user's class: ``ScaleHook().k``)
                 callable_object(f"a hook of {_where(name, module)}", hook, lambda m, h=hook: h)
-    if loops:
+    if loops or objects:
         step_names = _step_strings(named, classes, loss_fn, hooks, strings)
         for label, holder, locate, depth, lists in loops:
             holder_fields(label, holder, locate, depth, lists,
                           names=_reached(type(holder), step_names, own=True, readers=True))
+        done: set[tuple[int, str]] = set()
+        while objects:  # (a method the step calls, ``self.holder.scale(h)``, not one the loop calls, ``log``)
+            label, holder, lists = objects.pop()
+            reached = _reached(type(holder), step_names)
+            for base in type(holder).__mro__:
+                if _held_class(base):
+                    holder_fields(f"class {base.__qualname__}", base, lambda m, b=base: b, lists=lists, names=reached)
+            for owner, key, fn in user_members(type(holder)):
+                if key in reached and (id(type(holder)), key) not in done:
+                    done.add((id(type(holder)), key))
+                    named_by(f"{label}'s {owner}.{key}", fn)
     return found, generators
 
 
