@@ -1236,8 +1236,9 @@ def test_only_methods_that_only_read_are_followed_into_installed_code():
 
 
 def test_only_the_fields_the_step_names_of_the_loops_objects_are_held_values():
-    """The loop's objects give the fields the step's code names; configurations, whatever they
-    hold, give every field as before (a dataclass, a namespace, a class of the user's)."""
+    """The loop's objects, and objects of the user's classes that are not configurations (a
+    meter, a logger), give the fields the step's code names; configurations, whatever they
+    hold, give every field as before (a dataclass, a namespace)."""
     import dataclasses
     import types
 
@@ -1252,7 +1253,7 @@ def test_only_the_fields_the_step_names_of_the_loops_objects_are_held_values():
     model.options.unused = 1.0
     labels = {h.label for h, _ in guards.held_values(model)}
     assert "model.opt.param_groups[0]['lr']" in labels and "model.cfg['temperature']" in labels
-    assert {"model.options.unused", "model.settings.unused", "model.ns.unused"} <= labels
+    assert {"model.settings.unused", "model.ns.unused"} <= labels and "model.options.unused" not in labels
     assert not any(label.startswith(("model.sched", "model.plateau", "model.loader")) for label in labels)
     assert not any(label.startswith("model.opt.") and "['lr']" not in label for label in labels)
     assert not any(h.label.startswith("model.opt.") for h, _ in guards.held_values(_SelfContained()))
@@ -2276,3 +2277,103 @@ def test_a_method_of_a_held_object_that_only_the_loop_calls_is_not_the_steps():
         assert check_step(step, loss_fn, x, y).bitwise
     finally:
         _LOGGED_AT["step"] = 0
+
+
+class _Meter:
+    """An object of the user's the model holds that the loop updates (not a configuration)."""
+
+    def __init__(self) -> None:
+        self.n, self.total = 0, 0.0
+
+    def update(self, value):
+        self.n += 1
+        self.total += value
+
+
+class _Recorded(nn.Module):
+    """A model holding a meter and a ``record`` method that only the loop calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.meter, self.records = _Meter(), {}
+
+    def record(self, key, value):
+        self.records[key] = value
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_what_the_loop_keeps_on_objects_and_methods_the_step_never_runs_is_not_refused():
+    """A meter the loop updates (``model.meter.update(loss)``) and a dict a ``record`` method
+    fills were both refused at the next step: the meter was walked whole as a configuration, and
+    the method's ``self.records[key]`` made the dict's keys held, though no step runs it."""
+    torch.manual_seed(0)
+    model, x, y = _Recorded(), torch.randn(4, 8), torch.randint(0, 3, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    for i in range(3):
+        loss = step(x, y)
+        model.meter.update(float(loss))
+        model.record(f"loss{i}", float(loss))
+    assert model.meter.n == 3 and len(model.records) == 3
+    assert check_step(step, loss_fn, x, y).bitwise
+
+
+_OPS = {"mul": lambda t: t * _OPS_WEIGHT[0]}
+_OPS_WEIGHT = [1.0]
+
+
+class _Scaler:
+    def __init__(self) -> None:
+        self.k = 1.0
+
+    def scale(self, t):
+        return t * self.k
+
+
+_BOUND = {}
+
+
+class _Dispatched(nn.Module):
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.case == "function in a dict":
+            h = _OPS["mul"](h)
+        elif self.case == "bound method in a dict":
+            h = _BOUND["scale"](h)
+        else:
+            h = self.act(h)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("case, change, shown", [
+    ("function in a dict", lambda m: _OPS_WEIGHT.__setitem__(0, 0.5), r"global '_OPS'\['mul'\]'s global '_OPS_WEIGHT'\[0\]"),
+    ("bound method in a dict", lambda m: setattr(_BOUND["scale"].__self__, "k", 0.5),
+     r"global '_BOUND'\['scale'\]'s _Scaler.k is now 0.5"),
+    ("partial changed in place", lambda m: m.act.keywords.__setitem__("negative_slope", 0.3),
+     r"attribute 'act' is now functools.partial\(leaky_relu, negative_slope=0.3\)"),
+])
+def test_functions_in_dicts_and_a_partial_changed_in_place_are_guarded(case, change, shown):
+    """A helper in a global dict (``OPS['mul']``) reading a global, a bound method of an object
+    in one reading its field, and a module's partial whose keyword the loop changed in place:
+    each was kept as traced, silently."""
+    _BOUND["scale"] = _Scaler().scale
+    torch.manual_seed(0)
+    model, x, y = _Dispatched(case), torch.randn(4, 8), torch.randint(0, 3, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    step(x, y)
+    try:
+        change(model)
+        with pytest.raises(TraceError, match=shown):
+            step(x, y)
+    finally:
+        _OPS_WEIGHT[0] = 1.0

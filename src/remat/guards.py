@@ -122,8 +122,11 @@ def _guarded(value: object) -> bool:
 
 
 def _snapshot(value: object) -> object:
-    """What ``value`` is recorded as: a copy of an array or a set (changed in place, the copy
-    keeps the values traced), the value itself otherwise."""
+    """What ``value`` is recorded as: a copy of an array, a set or a partial (changed in place,
+    the copy keeps the values traced: ``act.keywords['negative_slope'] = 0.5``), the value
+    itself otherwise."""
+    if isinstance(value, functools.partial) and type(value) is functools.partial:
+        return functools.partial(value.func, *value.args, **value.keywords)
     return value.copy() if isinstance(value, (np.ndarray, set)) else value
 
 
@@ -458,7 +461,7 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
         for key, value in vars(module).items():
             if (key == "training" or not key.startswith("_") or named.private(module, key)) and _plain(value) \
                     and not unread(module, key):
-                attributes.append((name, key, value))
+                attributes.append((name, key, _snapshot(value)))
         hooks.append((name, _hooks_of(module)))
         modules.append((name, type(module), _forward_key(module)))
     requires_grad = tuple((key, p.requires_grad) for key, p in model.named_parameters())
@@ -1079,10 +1082,14 @@ def _loops_class(cls: type) -> bool:
 
 
 def _the_loops(value: object) -> bool:
-    """Is ``value``, a holder, an object of the training loop's (``_loops_class``), not a
-    container, a module or a class?"""
-    return not isinstance(value, (dict, list, tuple, type, torch.nn.Module, types.FunctionType)) \
-        and not _mapping(value) and _loops_class(type(value))
+    """Is ``value``, a holder, an object of the training loop's (``_loops_class``), or an object of
+    a class of the user's that is not a configuration (``_configuration``: a meter the loop
+    updates, a logger, a trainer), not a container, a module or a class? Only the fields the
+    step's code names are held of such an object (``_walk``): a meter's count, walked whole,
+    refused every later step."""
+    if isinstance(value, (dict, list, tuple, type, torch.nn.Module, types.FunctionType)) or _mapping(value):
+        return False
+    return _loops_class(type(value)) or (_user_object(value) and not _configuration(type(value)))
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -1268,15 +1275,27 @@ def _merge_depths(into: dict[str, int], code: types.CodeType) -> None:
         into[name] = min(depth, into.get(name, depth))
 
 
-def _step_depths(classes: Iterable[type], loss_fn: object, hooks: Iterable[object]) -> dict[str, int]:
+def _step_depths(named: _NamedBy, classes: Iterable[type], loss_fn: object, hooks: Iterable[object]
+                 ) -> dict[str, int]:
     """``_name_depths`` of the step's code of the user's: the methods of the modules' classes
-    that are the user's, ``loss_fn`` (a loss object's method too), the user's hooks, and the
-    user's functions these name or take as defaults, ``USER_DEPTH`` levels down."""
+    that are the user's and that the step reaches (``_stepped``: not a ``record`` method only
+    the loop calls), ``loss_fn`` (a loss object's method too), the user's hooks, and the user's
+    functions these name or take as defaults, ``USER_DEPTH`` levels down."""
     depths: dict[str, int] = {}
-    roots = [fn for cls in classes for _owner, _key, fn in user_members(cls)] + _step_functions(loss_fn, hooks)
+    roots = [fn for cls in classes for _owner, key, fn in user_members(cls) if _stepped(named, cls, key)] \
+        + _step_functions(loss_fn, hooks)
     for f in _user_helpers(roots, defaults=True):
         _merge_depths(depths, f.__code__)
     return depths
+
+
+def _stepped(named: _NamedBy, cls: type, key: str) -> bool:
+    """Is ``cls``'s member ``key`` code the step may run: named by the code the step reaches from
+    ``forward``, ``loss_fn`` and the hooks (``_NamedBy.names``), or any member where that code
+    reads attributes by names built at run time? A method only the loop calls (``model.record(k,
+    v)`` filling a dict) is not: what it reads or writes refused every later step."""
+    names = named.names(cls)
+    return key in names or _reads_built_names(cls, names)
 
 
 def _user_helpers(roots: Iterable[object], *, defaults: bool) -> Iterator[types.FunctionType]:
@@ -1610,6 +1629,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             # (below it by a key or attribute: as the step's code uses that name, ``cfg["tags"][-1]``;
             # by an index, one subscript further down than the holder)
             inner = slack_of(key) if isinstance(key, str) else slack - 1
+            if isinstance(value, _FUNCTIONS) and not isinstance(holder, type):  # (``OPS['mul']``: what it reads)
+                helper(f"{label}{shown}", value, 0)
             if _guarded(value):  # (a set's content after its length: a count that moves is named as one)
                 def write(m, value, key=key):
                     h = locate(m)
@@ -1702,6 +1723,10 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         if f is None or id(f.__code__) in seen:
             return
         seen.add(id(f.__code__))
+        owner = getattr(fn, "__self__", None)
+        if isinstance(fn, types.MethodType) and _user_object(owner):  # (a bound method: its object's fields)
+            holder_fields(f"{what}'s {type(owner).__qualname__}", owner, lambda m, o=owner: o,
+                          names=_reached(type(owner), _code_strings(f.__code__)))
         if isinstance(fn, functools.partial):  # (its arguments are the step's values too)
             for i, value in enumerate(fn.args):
                 if _holds_values(value, model) and not _guarded(value):
@@ -1817,7 +1842,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     hooks = [hook for _, m in modules for hook in _hooks_of(m)]
     # (how the step's code uses each name, for the lists and dicts whose lengths and keys it may
     # read; none for PythonState, which holds the lengths of lists as counters)
-    depths = {} if lengths else _step_depths(classes, loss_fn, hooks)
+    depths = {} if lengths else _step_depths(named, classes, loss_fn, hooks)
     for name, module in modules:
         for key, value in vars(module).items():
             where = f"model.{name}.{key}" if name else f"model.{key}"
@@ -1854,7 +1879,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         if _user_class(cls):
             named_by(f"{cls.__qualname__}.forward", cls.forward)
             for owner, key, fn in user_members(cls):  # (the helper methods forward calls: self.scale(x))
-                if key != "forward":
+                if key != "forward" and _stepped(named, cls, key):
                     named_by(f"{owner}.{key}", fn)
     if loss_fn is not None:
         named_by("loss_fn", loss_fn)
@@ -1881,6 +1906,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         for label, holder, locate, depth, lists in loops:
             holder_fields(label, holder, locate, depth, lists,
                           names=_reached(type(holder), step_names, own=True, readers=True))
+            if _user_object(holder):
+                objects.append((label, holder, lists))
         done: set[tuple[int, str]] = set()
         while objects:  # (a method the step calls, ``self.holder.scale(h)``, not one the loop calls, ``log``)
             label, holder, lists = objects.pop()
