@@ -2377,3 +2377,71 @@ def test_functions_in_dicts_and_a_partial_changed_in_place_are_guarded(case, cha
             step(x, y)
     finally:
         _OPS_WEIGHT[0] = 1.0
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_mask(n):
+    return torch.triu(torch.full((n, n), float("-inf")), 1)
+
+
+class _Masked(nn.Module):
+    _SCALE = 1.0  # (a private class constant its forward reads)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        q = self.q(x)
+        att = torch.softmax(q @ q.transpose(1, 2) / 4 + _causal_mask(x.shape[1]), -1)
+        return self.o(att @ q).mean(1) * self._SCALE
+
+
+@pytest.mark.parametrize("filled_before", [False, True])
+def test_an_lru_cache_the_forward_fills_is_left_as_eager_would_find_it(filled_before):
+    """A causal mask built by an ``lru_cache``d helper: the trace left its fake tensor in the
+    cache, and the next eager forward (an evaluation pass) failed; a mask cached by an eager
+    call before ``optimize`` was refused as a tensor that is no input of the step."""
+    torch.manual_seed(0)
+    _causal_mask.cache_clear()
+    model, x, y = _Masked(), torch.randn(4, 8, 16), torch.randint(0, 4, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    if filled_before:
+        loss_fn(model, x, y)
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert check_step(step, loss_fn, x, y).bitwise
+    assert type(_causal_mask(8)) is torch.Tensor
+    with torch.no_grad():
+        assert torch.isfinite(loss_fn(model, x, y))
+
+
+def test_a_private_class_constant_the_forward_reads_is_guarded():
+    """``self._SCALE``, a private class attribute, changed after tracing: kept as traced,
+    silently (public ones were guarded)."""
+    torch.manual_seed(0)
+    model, x, y = _Masked(), torch.randn(4, 8, 16), torch.randint(0, 4, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    step(x, y)
+    _Masked._SCALE = 0.5
+    try:
+        with pytest.raises(TraceError, match=r"class _Masked._SCALE is now 0.5 but was 1.0"):
+            step(x, y)
+    finally:
+        _Masked._SCALE = 1.0
+
+
+def test_weights_untied_after_tracing_are_refused():
+    """A head tied to the embedding when traced, untied by the loop after: the step went on with
+    one tensor and one gradient for both (the head's .grad stayed None), silently."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(20, 8), nn.Linear(8, 20, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    x = torch.randint(0, 20, (4, 6))
+    loss_fn = lambda m, x: F.cross_entropy(m(x).flatten(0, 1), x.flatten())  # noqa: E731
+    step = remat.optimize(model, (x,), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    assert check_step(step, loss_fn, x).bitwise
+    head.weight = nn.Parameter(emb.weight.detach().clone())
+    with pytest.raises(TraceError, match=r"parameter '1.weight' is no longer '0.weight' \(they were one tied tensor"):
+        step(x)

@@ -193,6 +193,9 @@ class ModuleState:
     #: the default dtype and device) and the functions of torch's and other packages' modules that
     #: the model's code names (``library_functions``), each with its value when traced
     settings: tuple[tuple[HeldValue, object], ...] = ()
+    #: the names of each parameter shared by several modules when traced (tied weights): the
+    #: step has one input and one gradient for them
+    tied: tuple[tuple[str, ...], ...] = ()
 
     def check(self, model: torch.nn.Module, view: ModelView | None = None) -> None:
         """Raise ``TraceError`` naming the first value that differs from when the step was traced.
@@ -277,6 +280,15 @@ class ModuleState:
                     f"{_layout(shape, dtype, device, stride)} when the step was traced; the traced step's "
                     f"kernels were chosen for that layout: trace again (remat.optimize) after changing it"
                 )
+        if self.tied:
+            every = dict(model.named_parameters(remove_duplicate=False))
+            for names in self.tied:
+                apart = [n for n in names[1:] if every.get(n) is not every.get(names[0])]
+                if apart:
+                    raise TraceError(
+                        f"parameter {apart[0]!r} is no longer {names[0]!r} (they were one tied tensor when the step "
+                        f"was traced, and the step computes with one tensor and one gradient for both); trace again "
+                        f"(remat.optimize) after untying them")
         params = view.parameters
         for key, flag in self.requires_grad:
             p = params.get(key)
@@ -468,10 +480,14 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
     layouts = tuple((kind, key, tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
                     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers()))
                     for key, t in named)
+    shared: dict[int, list[str]] = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(key)
     return ModuleState(tuple(attributes), tuple(hooks), requires_grad, layouts, _autocast_state(),
                        tuple(held_values(model, loss_fn)) + tuple(reads) + tuple(_parameter_attributes(model)),
                        tuple(modules), tuple(onednn_off),
-                       tuple(torch_settings() + library_functions(model, loss_fn)))
+                       tuple(torch_settings() + library_functions(model, loss_fn)),
+                       tuple(tuple(names) for names in shared.values() if len(names) > 1))
 
 
 def _parameter_attributes(model: torch.nn.Module) -> list[tuple[HeldValue, object]]:
@@ -1532,8 +1548,8 @@ def _loss_object(loss_fn: object) -> tuple[object, types.FunctionType, str] | No
 
 
 def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = False, every_field: bool = False,
-          iterators: list[tuple[str, Callable[[], object], Callable[[object], None]]] | None = None
-          ) -> tuple[list[tuple[HeldValue, object]], list[tuple[str, object]]]:
+          iterators: list[tuple[str, Callable[[], object], Callable[[object], None]]] | None = None,
+          caches: list[object] | None = None) -> tuple[list[tuple[HeldValue, object]], list[tuple[str, object]]]:
     """``held_values``, and (label, generator) of every random generator of ``_GENERATORS``
     found where they are looked for: module attributes (private ones too), holders, and the
     globals and closure variables the step's functions name. ``lengths``: also the length of
@@ -1552,7 +1568,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     forward is guarded. ``every_field``: walked whole all the same (``PythonState``: a forward
     that updates its progress bar changes it at every call, which a traced step never would).
     ``iterators``: gets (label, read, write) of each iterator that is a global or a closure
-    variable the step's functions name (``next(SCHEDULE)``, refused while the step is traced)."""
+    variable the step's functions name (``next(SCHEDULE)``, refused while the step is traced).
+    ``caches``: gets each ``functools.lru_cache`` wrapper of the user's the step's code reaches
+    (emptied around the trace: ``PythonState.caches``)."""
     found: list[tuple[HeldValue, object]] = []
     generators: list[tuple[str, object]] = []
     seen: set[int] = set()
@@ -1584,14 +1602,15 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
 
     def holder_fields(label: str, holder: object, locate: Callable[[torch.nn.Module], object], depth: int = 0,
                       lists: bool = False, names: frozenset[str] | None = None, room: list[int] | None = None,
-                      slack: float = math.inf) -> None:
+                      slack: float = math.inf, named_private: frozenset[str] = frozenset()) -> None:
         """The held values of ``holder`` and of the holders in it (``NESTED_HOLDERS`` deep),
         at most ``HELD_PER_HOLDER`` in all; ``names``: only keys its code can read. ``slack``:
         how many constant subscripts the step's code takes below ``holder`` before it may read
         it whole (``_name_depths``; infinite: never, as for ``PythonState``). At 0 it may read a
         list's length or last entry or look a key up in a dict, so their lengths and dicts' key
         sets are held too (a list the loop appends to that no step code names is its
-        bookkeeping, and is not)."""
+        bookkeeping, and is not). ``named_private``: private keys the step's code names, held
+        too (a class's ``_SCALE`` read as ``self._SCALE``: kept as traced, silently)."""
         room = [HELD_PER_HOLDER] if room is None else room
         sized = slack <= 0
         if id(holder) in seen:
@@ -1611,8 +1630,8 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         seen.add(id(holder))
         if names is None and _user_object(holder):  # (its class's attributes and methods the step's code names)
             objects.append((label, holder, lists))
-        private = names or (_behind_properties(type(holder)) if hasattr(holder, "__dict__")
-                            and not isinstance(holder, (type, torch.nn.Module)) else frozenset())
+        private = (names or (_behind_properties(type(holder)) if hasattr(holder, "__dict__")
+                             and not isinstance(holder, (type, torch.nn.Module)) else frozenset())) | named_private
         if names is not None and not _loops_class(type(holder)) and _reads_built_names(type(holder), names):
             names = None  # (its code reads fields by names built at run time: every field)
             private = frozenset(k for k in getattr(holder, "__dict__", ()) if isinstance(k, str))
@@ -1776,8 +1795,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 continue
             elif helper(label, value, depth):  # (an ``lru_cache``d helper: the function it wraps)
                 continue
-            elif _holds_values(value, model):
-                holder_fields(label, value, lambda m, r=read: r(), lists=lengths, slack=slack_of(name))
+            elif _holds_values(value, model):  # (a class's private constants its code names: ``Consts._EPS``)
+                holder_fields(label, value, lambda m, r=read: r(), lists=lengths, slack=slack_of(name),
+                              named_private=_code_strings(code) if isinstance(value, type) else frozenset())
             elif isinstance(value, collections.deque) and slack_of(name) <= 0:
                 sequence(label, value, lambda m, r=read: r())
         for label, cls in functions:
@@ -1793,6 +1813,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         inner = _function_of(value) if callable(value) and not isinstance(value, (type, torch.nn.Module)) else None
         if inner is None or depth >= USER_DEPTH or not _user_module(inner.__module__):
             return False
+        if caches is not None and callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info") \
+                and all(c is not value for c in caches):
+            caches.append(value)
         named_by(label, value, depth + 1)
         return True
 
@@ -1875,7 +1898,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     for cls in sorted(classes, key=lambda c: c.__qualname__):
         for base in cls.__mro__:
             if _user_class(base) and base is not object:
-                holder_fields(f"class {base.__qualname__}", base, lambda m, b=base: b)
+                holder_fields(f"class {base.__qualname__}", base, lambda m, b=base: b, named_private=named.names(cls))
         if _user_class(cls):
             named_by(f"{cls.__qualname__}.forward", cls.forward)
             for owner, key, fn in user_members(cls):  # (the helper methods forward calls: self.scale(x))
@@ -1967,11 +1990,16 @@ class PythonState:
     #: (label, read, write) of the iterators that are globals or closure variables the step's
     #: functions name (``_walk``): refused while the step is traced, as a module's are
     iterators: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...] = ()
+    #: the ``functools.lru_cache`` wrappers of the user's that the step's code reaches: emptied
+    #: before and after the trace, which would fill them with its stand-ins (a causal mask
+    #: cached as a fake tensor failed the next eager forward) or read a tensor cached before
+    caches: tuple[object, ...] = ()
 
     @classmethod
     def of(cls, model: torch.nn.Module, loss_fn: object = None) -> PythonState:
         iterators: list[tuple[str, Callable[[], object], Callable[[object], None]]] = []
-        held, generators = _walk(model, loss_fn, lengths=True, every_field=True, iterators=iterators)
+        caches: list[object] = []
+        held, generators = _walk(model, loss_fn, lengths=True, every_field=True, iterators=iterators, caches=caches)
         registered = tuple((name, module, kind, dict(module.__dict__.get(kind, {})))
                            for name, module in model.named_modules(remove_duplicate=False) for kind in _REGISTERS)
         unrepeatable = next((label for label, g in generators if isinstance(g, random.SystemRandom)), None)
@@ -1981,7 +2009,8 @@ class PythonState:
                              f"reuse what it drew once; draw with torch instead (torch.rand, torch.randint), or "
                              f"keep it outside the model and loss_fn")
         return cls(_scalar_attributes(model, loss_fn), random.getstate(), np.random.get_state(), tuple(held), loss_fn,
-                   tuple((label, g, _generator_state(g)) for label, g in generators), registered, tuple(iterators))
+                   tuple((label, g, _generator_state(g)) for label, g in generators), registered, tuple(iterators),
+                   tuple(caches))
 
     def registrations(self) -> list[tuple[str, torch.nn.Module, str, str]]:
         """(module name, module, kind, key) of each parameter, buffer or submodule the modules

@@ -451,7 +451,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     real_batch = None if on_meta else tuple(t.detach() for t in batch)
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng, \
             recording_branches(real_batch, len(params) + len(buffers), branches) as branch_points, \
-            OutsideReads() as reads, _iterators_refused(model, before.iterators):
+            OutsideReads() as reads, _iterators_refused(model, before.iterators), _emptied(before.caches):
         finished: list[int] = []  # (indices into trainable, in the order the backward finished them)
         try:
             gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name,
@@ -1266,6 +1266,22 @@ def _iterators_refused(model: torch.nn.Module,
         for read, write, value in put:
             if isinstance(read(), _RefusedIterator):
                 write(value)
+
+
+@contextlib.contextmanager
+def _emptied(caches: Sequence[object]):
+    """Empty each ``functools.lru_cache`` of ``caches`` (``PythonState.caches``) before the block
+    and after it: the trace would otherwise read a tensor cached by an eager call before it (a
+    tensor that is no input of the step) and leave its own stand-ins cached for the next eager
+    call (a causal mask cached as a fake tensor failed the user's evaluation pass). An
+    ``lru_cache`` returns what its function computes, so emptying it changes no result."""
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        yield
+    finally:
+        for cache in caches:
+            cache.cache_clear()
 
 
 def _input_writes(gm: fx.GraphModule) -> list[fx.Node]:
