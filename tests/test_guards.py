@@ -2445,3 +2445,67 @@ def test_weights_untied_after_tracing_are_refused():
     head.weight = nn.Parameter(emb.weight.detach().clone())
     with pytest.raises(TraceError, match=r"parameter '1.weight' is no longer '0.weight' \(they were one tied tensor"):
         step(x)
+
+
+_REGISTRY = {"relu": F.relu}
+_RAMP = [1.0, 2.0]
+
+
+class _Registered(nn.Module):
+    """Looks its activation up in a global registry by a name it holds, and a weight up in a
+    global list by an index it holds (-1: the last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.act_name, self.which = "relu", -1
+
+    def forward(self, x):
+        return self.b(_REGISTRY[self.act_name](self.a(x)) * _RAMP[self.which])
+
+
+def test_a_registry_read_by_a_key_the_model_holds_may_grow_and_a_list_read_by_an_index_may_not():
+    """``REG[self.act_name]``: the loop registering another activation refused every later step,
+    as the registry's keys were held; what the step reads is that entry, held by its value. A
+    list read by a variable index keeps its length held: ``w[i]`` with ``i = -1`` reads another
+    entry once the loop appends one."""
+    torch.manual_seed(0)
+    model, x, y = _Registered(), torch.randn(4, 8), torch.randint(0, 3, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    try:
+        _REGISTRY["silu"] = F.silu
+        step(x, y)
+        assert check_step(step, loss_fn, x, y).bitwise
+        _REGISTRY["relu"] = F.gelu
+        with pytest.raises(TraceError, match=r"global '_REGISTRY'\['relu'\] is now"):
+            step(x, y)
+        _REGISTRY["relu"] = F.relu
+        _RAMP.append(3.0)
+        with pytest.raises(TraceError, match=r"len\(.*global '_RAMP'\) is now 3 but was 2"):
+            step(x, y)
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY["relu"] = F.relu
+        _RAMP[:] = [1.0, 2.0]
+
+
+def test_a_tensor_method_patched_after_tracing_is_refused():
+    """``torch.Tensor.relu`` replaced after tracing: eager's ``x.relu()`` ran the new one and the
+    step the old one, silently (``F.relu`` rebound was refused already)."""
+    torch.manual_seed(0)
+    model, x, y = _Served("slice"), torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(x).relu(), y)
+
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    step(x, y)
+    original = torch.Tensor.relu
+    torch.Tensor.relu = lambda t: F.leaky_relu(t, 0.2)
+    try:
+        with pytest.raises(TraceError, match=r"torch.Tensor.relu \(a tensor method loss_fn may call\) is now"):
+            step(x, y)
+    finally:
+        torch.Tensor.relu = original
+    step(x, y)

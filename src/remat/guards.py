@@ -560,6 +560,7 @@ def library_functions(model: torch.nn.Module, loss_fn: object = None) -> list[tu
     it names directly, and the user's own modules, are ``held_values``'."""
     found: dict[tuple[int, str], tuple[HeldValue, object]] = {}
     walked: set[int] = set()
+    methods: dict[str, str] = {}  # (a name the code reads as an attribute: who reads it first)
 
     def names_in(fn: types.FunctionType, who: str, depth: int, users: bool = False) -> None:
         """``users``: ``fn`` is the user's code: only what it names through installed modules."""
@@ -570,6 +571,8 @@ def library_functions(model: torch.nn.Module, loss_fn: object = None) -> list[tu
         if isinstance(inner, types.FunctionType):
             names_in(inner, who, depth, users)
         scope, names = fn.__globals__, _code_names(fn.__code__)
+        for name in names:
+            methods.setdefault(name, who)
         for name in sorted(names):
             value = scope.get(name, _MISSING)
             if isinstance(value, types.ModuleType) and (not users or _installed(value.__name__)):
@@ -606,6 +609,12 @@ def library_functions(model: torch.nn.Module, loss_fn: object = None) -> list[tu
     hooks = [hook for m in model.modules() for hook in _hooks_of(m)]
     for fn in _step_functions(loss_fn, hooks):
         names_in(fn, "loss_fn" if fn is _function_of(loss_fn) else fn.__qualname__, 1, users=True)
+    for name in sorted(methods):  # (``torch.Tensor.relu = ...`` after tracing: ``x.relu()`` ran the old one)
+        method = getattr(torch.Tensor, name, None) if not name.startswith("__") else None
+        if callable(method) and not isinstance(method, type):
+            found[(id(torch.Tensor), name)] = (HeldValue(
+                f"torch.Tensor.{name} (a tensor method {methods[name]} may call)",
+                lambda m, k=name: getattr(torch.Tensor, k, _MISSING), _unchangeable), method)
     return list(found.values())
 
 
@@ -1244,8 +1253,17 @@ _NAME_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_DEREF"
                          "LOAD_FAST"})
 
 
+#: The loads a subscript's key may start with (``d[key]``, ``d[self.name]``, ``d[NAME]``).
+_KEY_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME"})
+
+#: How deep a subscript by a variable key takes ``_name_depths``: below one, so a dict read
+#: that way has its entries held and not its keys (``holder_fields``), while a list's length is
+#: held still.
+VARIABLE_SUBSCRIPT = 0.5
+
+
 @functools.lru_cache(maxsize=4096)
-def _name_depths(code: types.CodeType) -> tuple[tuple[str, int], ...]:
+def _name_depths(code: types.CodeType) -> tuple[tuple[str, float], ...]:
     """(name, depth) for the names and string keys of ``code`` (and the code nested in it): how
     many subscripts by a constant index or key every use of the name is followed by, at least
     (``self.scales[1]``: 1; ``cfg["tags"][-1]``: ``cfg`` 1, the key ``"tags"`` 0). A list or
@@ -1257,13 +1275,26 @@ def _name_depths(code: types.CodeType) -> tuple[tuple[str, int], ...]:
     are held too. A string constant used otherwise (``getattr(self, "w")``) counts 0."""
     ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
 
-    def fixed_subscript(k: int) -> bool:
-        if k + 1 >= len(ins) or ins[k].opname != "LOAD_CONST" or ins[k + 1].opname != "BINARY_SUBSCR":
-            return False
-        key = ins[k].argval
-        return isinstance(key, str) or (type(key) is int and key >= 0)
+    def fixed_subscript(k: int) -> tuple[int, float]:
+        """(how many instructions, how deep) a subscript at ``k`` takes: 1 by a constant (``[1]``,
+        ``["b"]``); ``VARIABLE_SUBSCRIPT`` by a name or attribute (``REG[self.act_name]``: the
+        entry a traced step read is held by its value, and the step failed if it was missing,
+        so an entry added under another key changes nothing it reads, while a list's index may
+        be negative, ``w[i]`` with ``i = -1``, so its length stays held); (0, 0) else."""
+        if k + 1 < len(ins) and ins[k].opname == "LOAD_CONST" and ins[k + 1].opname == "BINARY_SUBSCR":
+            key = ins[k].argval
+            return (2, 1) if isinstance(key, str) or (type(key) is int and key >= 0) else (0, 0)
+        end = k
+        if end < len(ins) and ins[end].opname in _KEY_LOADS:
+            end += 1
+            while end < len(ins) and ins[end].opname == "LOAD_ATTR" and not (
+                    sys.version_info >= (3, 12) and (ins[end].arg or 0) & 1):
+                end += 1  # (an attribute, not a method: ``self.act_name``)
+            if end < len(ins) and ins[end].opname == "BINARY_SUBSCR":
+                return end + 1 - k, VARIABLE_SUBSCRIPT
+        return 0, 0
 
-    depths: dict[str, int] = {}
+    depths: dict[str, float] = {}
     for k, op in enumerate(ins):
         if not isinstance(op.argval, str):
             continue
@@ -1276,8 +1307,8 @@ def _name_depths(code: types.CodeType) -> tuple[tuple[str, int], ...]:
         else:
             continue
         depth = 0
-        while after is not None and fixed_subscript(after):
-            depth, after = depth + 1, after + 2
+        while after is not None and (subscript := fixed_subscript(after))[0]:
+            depth, after = depth + subscript[1], after + subscript[0]
         depths[op.argval] = min(depth, depths.get(op.argval, depth))
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
@@ -1286,18 +1317,18 @@ def _name_depths(code: types.CodeType) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(depths.items()))
 
 
-def _merge_depths(into: dict[str, int], code: types.CodeType) -> None:
+def _merge_depths(into: dict[str, float], code: types.CodeType) -> None:
     for name, depth in _name_depths(code):
         into[name] = min(depth, into.get(name, depth))
 
 
 def _step_depths(named: _NamedBy, classes: Iterable[type], loss_fn: object, hooks: Iterable[object]
-                 ) -> dict[str, int]:
+                 ) -> dict[str, float]:
     """``_name_depths`` of the step's code of the user's: the methods of the modules' classes
     that are the user's and that the step reaches (``_stepped``: not a ``record`` method only
     the loop calls), ``loss_fn`` (a loss object's method too), the user's hooks, and the user's
     functions these name or take as defaults, ``USER_DEPTH`` levels down."""
-    depths: dict[str, int] = {}
+    depths: dict[str, float] = {}
     roots = [fn for cls in classes for _owner, key, fn in user_members(cls) if _stepped(named, cls, key)] \
         + _step_functions(loss_fn, hooks)
     for f in _user_helpers(roots, defaults=True):
@@ -1612,7 +1643,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         bookkeeping, and is not). ``named_private``: private keys the step's code names, held
         too (a class's ``_SCALE`` read as ``self._SCALE``: kept as traced, silently)."""
         room = [HELD_PER_HOLDER] if room is None else room
-        sized = slack <= 0
+        sized = slack <= 0 or (slack < 1 and isinstance(holder, list))  # (``w[i]``: ``i`` may be -1)
         if id(holder) in seen:
             return
         if isinstance(holder, (list, tuple)) and len(holder) > LONG_LIST:
