@@ -2509,3 +2509,31 @@ def test_a_tensor_method_patched_after_tracing_is_refused():
     finally:
         torch.Tensor.relu = original
     step(x, y)
+
+
+_CONTEXT_SCALE = __import__("contextvars").ContextVar("scale", default=1.0)
+
+
+class _Contextual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.a(x) * _CONTEXT_SCALE.get()
+
+
+def test_a_context_variable_the_forward_reads_is_guarded():
+    """``SCALE.get()`` of a ``contextvars.ContextVar`` the loop sets after tracing: kept as
+    traced, silently (a ``threading.local`` was refused already)."""
+    model, x, y = _Contextual(), torch.randn(4, 8), torch.randint(0, 3, (4,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    step(x, y)
+    token = _CONTEXT_SCALE.set(0.5)
+    try:
+        with pytest.raises(TraceError, match=r"global '_CONTEXT_SCALE'.get\(\) is now 0.5 but was 1.0"):
+            step(x, y)
+    finally:
+        _CONTEXT_SCALE.reset(token)
+    step(x, y)

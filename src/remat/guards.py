@@ -43,6 +43,7 @@ trace leaves the attributes and generators as they were before it.
 from __future__ import annotations
 
 import collections
+import contextvars
 import dataclasses
 import decimal
 import dis
@@ -810,6 +811,15 @@ class HeldValue:
     #: for a list's, deque's or set's length (``PythonState``): does it now hold a tensor (a
     #: stash the trace filled, which is warned about, rather than a counter)?
     stash: Callable[[torch.nn.Module], bool] | None = None
+
+
+def _context_value(var: contextvars.ContextVar) -> object:
+    """What ``var.get()`` gives in this context (its default where unset), ``_MISSING`` where it
+    has neither."""
+    try:
+        return var.get()
+    except LookupError:
+        return _MISSING
 
 
 def _iterator(value: object) -> bool:
@@ -1817,6 +1827,13 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
                 and counter(label, value, lambda m, v=value: v)
             if iterators is not None and _iterator(value):
                 iterators.append((label, read, write))
+                continue
+            if isinstance(value, contextvars.ContextVar):  # (``SCALE.get()``: the value set in this context)
+                now = _context_value(value)
+                if now is _MISSING or _guarded(now):
+                    found.append((HeldValue(f"{label}.get()", lambda m, v=value: _context_value(v),
+                                            lambda m, before, v=value: before is not _MISSING and v.set(before)),
+                                  _snapshot(now)))
                 continue
             if _guarded(value) and not (kind == "global" and name.startswith("__")):
                 found.append((HeldValue(label, lambda m, r=read: r(), lambda m, v, r=read, w=write: _in_place(r(), v)
