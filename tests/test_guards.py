@@ -2537,3 +2537,70 @@ def test_a_context_variable_the_forward_reads_is_guarded():
     finally:
         _CONTEXT_SCALE.reset(token)
     step(x, y)
+
+
+def _loss_through_a_helper(m, x, y):
+    return m.compute_loss(x, y)
+
+
+def _attention_scaled(module, h):
+    return h * module.softmax_scale
+
+
+_ATTENTION = {"scaled": _attention_scaled}
+
+
+class _Indirect(nn.Module):
+    """Reads its attributes only from code the step reaches indirectly: a method ``loss_fn``
+    calls through a helper, a function held as an attribute, and one picked from a registry."""
+
+    def __init__(self, via: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.via, self.w, self.softmax_scale = via, 1.0, 0.5
+        self.attend = _attention_scaled
+        self._logs: dict = {}
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.via == "held function":
+            h = self.attend(self, h)
+        elif self.via == "registry":
+            h = _ATTENTION["scaled"](self, h)
+        return self.b(h)
+
+    def compute_loss(self, x, y):
+        loss = F.cross_entropy(self(x), y) * self.w
+        self.log("train_loss", loss.detach())
+        return loss
+
+    def log(self, name, value):  # (Lightning's: stores, never read by the step)
+        self._logs[name] = value
+
+
+@pytest.mark.parametrize("via, change, shown", [
+    ("helper", lambda m: setattr(m, "w", 0.5), r"attribute 'w' is now 0.5"),
+    ("held function", lambda m: setattr(m, "softmax_scale", 1.0), r"attribute 'softmax_scale' is now 1.0"),
+    ("registry", lambda m: setattr(m, "softmax_scale", 1.0), r"attribute 'softmax_scale' is now 1.0"),
+])
+def test_attributes_read_by_code_the_step_reaches_indirectly_are_guarded(via, change, shown):
+    """``loss_fn`` calling a helper that calls ``m.compute_loss``, which reads ``self.w``; a
+    function held as ``self.attend`` or picked from a registry dict reading
+    ``module.softmax_scale``: none of that code counted as the step's, so the attribute went
+    unchecked once the loop changed it, silently. A dict a method only stores into
+    (``self._logs[name] = v``, Lightning's ``log``) may take new keys between steps."""
+    torch.manual_seed(0)
+    model, x, y = _Indirect(via), torch.randn(4, 8), torch.randint(0, 3, (4,))
+    loss_fn = (lambda m, x, y: _loss_through_a_helper(m, x, y)) if via == "helper" else \
+        (lambda m, x, y: F.cross_entropy(m(x), y))  # noqa: E731
+    if via == "helper":  # (the logged loss is the trace's: step() never updates it, and says so)
+        with pytest.warns(UserWarning, match=r"model._logs\['train_loss'\] holds a tensor the training step made"):
+            step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    else:
+        step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
+    step(x, y)
+    model.log("val_loss", 1.0)  # (an evaluation pass between steps)
+    step(x, y)
+    change(model)
+    with pytest.raises(TraceError, match=shown):
+        step(x, y)

@@ -1304,6 +1304,17 @@ def _name_depths(code: types.CodeType) -> tuple[tuple[str, float], ...]:
                 return end + 1 - k, VARIABLE_SUBSCRIPT
         return 0, 0
 
+    def stored_into(k: int) -> bool:
+        """Is the use ending before ``k`` an entry stored or deleted (``self.stats['mean'] = v``,
+        ``self._logs[name] = v``): a write, which reads neither the keys nor the length?"""
+        end = k + 1 if k < len(ins) and ins[k].opname == "LOAD_CONST" else k
+        if end == k and k < len(ins) and ins[k].opname in _KEY_LOADS:
+            end += 1
+            while end < len(ins) and ins[end].opname == "LOAD_ATTR" and not (
+                    sys.version_info >= (3, 12) and (ins[end].arg or 0) & 1):
+                end += 1
+        return end > k and end < len(ins) and ins[end].opname in ("STORE_SUBSCR", "DELETE_SUBSCR")
+
     depths: dict[str, float] = {}
     for k, op in enumerate(ins):
         if not isinstance(op.argval, str):
@@ -1319,6 +1330,8 @@ def _name_depths(code: types.CodeType) -> tuple[tuple[str, float], ...]:
         depth = 0
         while after is not None and (subscript := fixed_subscript(after))[0]:
             depth, after = depth + subscript[1], after + subscript[0]
+        if after is not None and stored_into(after):
+            continue  # (a write into it: what it holds is the loop's to read)
         depths[op.argval] = min(depth, depths.get(op.argval, depth))
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
@@ -1355,6 +1368,24 @@ def _stepped(named: _NamedBy, cls: type, key: str) -> bool:
     return key in names or _reads_built_names(cls, names)
 
 
+def _user_function(value: object) -> bool:
+    """Is ``value`` a function of the user's, or a partial, bound method or wrapper of one?"""
+    if isinstance(value, (type, torch.nn.Module)) or not callable(value):
+        return False
+    f = _function_of(value)
+    return f is not None and _user_module(f.__module__)
+
+
+def _table_functions(values: Iterable[object]) -> list[object]:
+    """The functions in the dicts, lists and tuples of at most ``FUNCTION_TABLE`` entries among
+    ``values``: a table the code picks a helper from (``ATTN_IMPLS[self.config.impl]``)."""
+    found = []
+    for value in values:
+        if isinstance(value, (dict, list, tuple)) and len(value) <= FUNCTION_TABLE:
+            found += [v for v in (value.values() if isinstance(value, dict) else value) if callable(v)]
+    return found
+
+
 def _user_helpers(roots: Iterable[object], *, defaults: bool) -> Iterator[types.FunctionType]:
     """The functions of ``roots`` and the user's functions their code names (as globals or
     closure variables; ``defaults``: or takes as default arguments), ``USER_DEPTH`` levels
@@ -1372,8 +1403,8 @@ def _user_helpers(roots: Iterable[object], *, defaults: bool) -> Iterator[types.
             continue
         named = [value for _kind, _name, value, _read, _write in function_names(f)]
         given = [*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values()] if defaults else []
-        todo.extend((value, depth + 1) for value in (*named, *given)
-                    if isinstance(value, types.FunctionType) and _user_module(value.__module__))
+        todo.extend((value, depth + 1) for value in (*named, *given, *_table_functions(named))
+                    if _user_function(value))
 
 
 def _member_function(member: object) -> types.FunctionType | None:
@@ -1464,13 +1495,34 @@ def _step_functions(loss_fn: object, hooks: Iterable[object]) -> list[types.Func
 
 
 def _step_roots(model: torch.nn.Module, loss_fn: object) -> frozenset[str]:
-    """What the step's code outside the modules' classes names: ``forward``, and the names and
-    strings of ``loss_fn`` (a loss object's code too) and of the user's hooks (``m._scale`` read
-    in ``loss_fn``)."""
-    names = {"forward"}
-    for f in _step_functions(loss_fn, [hook for module in model.modules() for hook in _hooks_of(module)]):
+    """What the step's code names: ``forward``, the names and strings of ``loss_fn`` (a loss
+    object's code too) and of the user's hooks (``m._scale`` read in ``loss_fn``), and, until
+    nothing more is found, of the methods of the modules' classes of the user's these reach, of
+    the functions a module holds under a name they use (``self.fn = attn_fn``), and of the
+    user's helpers all of these name (``_user_helpers``). A method reached only through a helper
+    (``loss_fn`` calling ``helper(m, x)``, which calls ``m.compute_loss(x)``, which reads
+    ``self.w``) was not the step's, so ``w`` went unchecked, silently."""
+    modules = list(model.modules())
+    steps = _step_functions(loss_fn, [hook for module in modules for hook in _hooks_of(module)])
+    classes = [cls for cls in dict.fromkeys(type(m) for m in modules) if _user_class(cls)]
+    held = [(key, value) for m in modules for key, value in vars(m).items()
+            if not isinstance(value, (type, torch.nn.Module)) and callable(value) and _function_of(value) is not None]
+    names: set[str] = {"forward"}
+    for f in steps:
         names |= _code_strings(f.__code__)
-    return frozenset(names)
+    while True:
+        roots: list[object] = [*steps]
+        for cls in classes:
+            reached = _reached(cls, frozenset(names))
+            names |= reached
+            roots += [fn for _owner, key, fn in user_members(cls) if key in reached]
+        roots += [value for key, value in held if key in names]
+        more: set[str] = set()
+        for f in _user_helpers(roots, defaults=False):
+            more |= _code_strings(f.__code__)
+        if more <= names:
+            return frozenset(names)
+        names |= more
 
 
 #: Names in code that read an object's attributes by names built at run time.
