@@ -1294,26 +1294,29 @@ def _name_depths(code: types.CodeType) -> tuple[tuple[str, float], ...]:
         if k + 1 < len(ins) and ins[k].opname == "LOAD_CONST" and ins[k + 1].opname == "BINARY_SUBSCR":
             key = ins[k].argval
             return (2, 1) if isinstance(key, str) or (type(key) is int and key >= 0) else (0, 0)
-        end = k
-        if end < len(ins) and ins[end].opname in _KEY_LOADS:
-            end += 1
-            while end < len(ins) and ins[end].opname == "LOAD_ATTR" and not (
-                    sys.version_info >= (3, 12) and (ins[end].arg or 0) & 1):
-                end += 1  # (an attribute, not a method: ``self.act_name``)
-            if end < len(ins) and ins[end].opname == "BINARY_SUBSCR":
-                return end + 1 - k, VARIABLE_SUBSCRIPT
+        end = key_end(k)
+        if k < end < len(ins) and ins[end].opname == "BINARY_SUBSCR":
+            return end + 1 - k, VARIABLE_SUBSCRIPT
         return 0, 0
+
+    def key_end(k: int) -> int:
+        """Where a key loaded at ``k`` ends: after a constant, or after a name and its
+        attributes (``self.act_name``; not a method); ``k`` where none is loaded there."""
+        if k < len(ins) and ins[k].opname == "LOAD_CONST":
+            return k + 1
+        if k >= len(ins) or ins[k].opname not in _KEY_LOADS:
+            return k
+        end = k + 1
+        while end < len(ins) and ins[end].opname == "LOAD_ATTR" and not (
+                sys.version_info >= (3, 12) and (ins[end].arg or 0) & 1):
+            end += 1
+        return end
 
     def stored_into(k: int) -> bool:
         """Is the use ending before ``k`` an entry stored or deleted (``self.stats['mean'] = v``,
         ``self._logs[name] = v``): a write, which reads neither the keys nor the length?"""
-        end = k + 1 if k < len(ins) and ins[k].opname == "LOAD_CONST" else k
-        if end == k and k < len(ins) and ins[k].opname in _KEY_LOADS:
-            end += 1
-            while end < len(ins) and ins[end].opname == "LOAD_ATTR" and not (
-                    sys.version_info >= (3, 12) and (ins[end].arg or 0) & 1):
-                end += 1
-        return end > k and end < len(ins) and ins[end].opname in ("STORE_SUBSCR", "DELETE_SUBSCR")
+        end = key_end(k)
+        return k < end < len(ins) and ins[end].opname in ("STORE_SUBSCR", "DELETE_SUBSCR")
 
     depths: dict[str, float] = {}
     for k, op in enumerate(ins):
