@@ -2604,3 +2604,25 @@ def test_attributes_read_by_code_the_step_reaches_indirectly_are_guarded(via, ch
     change(model)
     with pytest.raises(TraceError, match=shown):
         step(x, y)
+
+
+class _ShapeHook:
+    def __init__(self) -> None:
+        self.shapes: list = []
+
+    def __call__(self, module, inputs, output):
+        self.shapes.append(tuple(output.shape))
+
+
+def test_a_hook_object_appending_to_its_own_list_is_refused_and_put_back():
+    """A hook object recording each call in its own list: the traced step never runs it (its
+    list stayed at the trace's one entry while eager's grew at every step), silently; an int
+    counter on the same object was refused already."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    hook = _ShapeHook()
+    model[0].register_forward_hook(hook)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    with pytest.raises(TraceError, match=r"len\(a hook of module '0' \(Linear\).shapes\) changes each time the step"):
+        remat.optimize(model, (x, y), lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0,
+                       method="checkpoint_all", cost_model=None)
+    assert hook.shapes == []

@@ -1829,7 +1829,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             return False
         names = _reached(type(value), _code_strings(call.__code__))
         strings.update(names)
-        holder_fields(label, value, locate, names=names)
+        holder_fields(label, value, locate, names=names, lists=lengths)
         named_by(f"{label}'s {type(value).__qualname__}", call)
         return True
 
