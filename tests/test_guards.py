@@ -2626,3 +2626,37 @@ def test_a_hook_object_appending_to_its_own_list_is_refused_and_put_back():
         remat.optimize(model, (x, y), lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0,
                        method="checkpoint_all", cost_model=None)
     assert hook.shapes == []
+
+
+class _Scaling:
+    """A descriptor of the user's: the value it serves lives on its class."""
+    value = 1.0
+
+    def __get__(self, obj, owner=None):
+        return _Scaling.value
+
+
+class _Described(nn.Module):
+    scale = _Scaling()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.a(x) * self.scale
+
+
+def test_a_value_a_descriptor_serves_is_guarded():
+    """``self.scale`` served by a descriptor on the class, whose value the loop changed: kept as
+    traced, silently."""
+    model, x, y = _Described(), torch.randn(4, 8), torch.randint(0, 3, (4,))
+    step = remat.optimize(model, (x, y), lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0,
+                          method="checkpoint_all", cost_model=None)
+    step(x, y)
+    _Scaling.value = 3.0
+    try:
+        with pytest.raises(TraceError, match=r"class _Described.scale's __get__'s global '_Scaling'.value is now 3.0"):
+            step(x, y)
+    finally:
+        _Scaling.value = 1.0

@@ -2002,6 +2002,12 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
         for base in cls.__mro__:
             if _user_class(base) and base is not object:
                 holder_fields(f"class {base.__qualname__}", base, lambda m, b=base: b, named_private=named.names(cls))
+                for key, value in vars(base).items():  # (a descriptor of the user's the step reads: ``self.d``)
+                    get = getattr(type(value), "__get__", None)
+                    if key in named.names(cls) and _user_object(value) and _user_function(get):
+                        where = f"class {base.__qualname__}.{key}"
+                        holder_fields(where, value, lambda m, v=value: v)
+                        named_by(f"{where}'s __get__", get)
         if _user_class(cls):
             named_by(f"{cls.__qualname__}.forward", cls.forward)
             for owner, key, fn in user_members(cls):  # (the helper methods forward calls: self.scale(x))
