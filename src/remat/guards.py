@@ -415,7 +415,7 @@ def _hook_name(hook: object) -> str:
 
 
 #: The remedy of a changed value the step may never read (an attribute of a module of a library's
-#: class is guarded whether or not the step reads it: ``_Unread``).
+#: class is guarded whether or not the step reads it: ``_NamedBy.unread``).
 _ELSEWHERE = ("; a value the step never reads (a log, a counter the loop keeps, such as a global step) belongs "
               "outside what the model and loss_fn hold")
 
@@ -469,11 +469,10 @@ def module_state(model: torch.nn.Module, loss_fn: object = None,
     ``reads``: ``OutsideReads.held()`` of its trace; ``onednn_off``: ``RnnWatch.onednn_off``."""
     attributes, hooks, modules = [], [], []
     named = _NamedBy(model, loss_fn)
-    unread = _Unread(model, loss_fn, named)
     for name, module in model.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
             if (key == "training" or not key.startswith("_") or named.private(module, key)) and _plain(value) \
-                    and not unread(module, key):
+                    and not named.unread(module, key):
                 attributes.append((name, key, _snapshot(value)))
         hooks.append((name, _hooks_of(module)))
         modules.append((name, type(module), _forward_key(module)))
@@ -1514,18 +1513,18 @@ def _step_roots(model: torch.nn.Module, loss_fn: object) -> frozenset[str]:
     for f in steps:
         names |= _code_strings(f.__code__)
     while True:
+        found = len(names)
         roots: list[object] = [*steps]
         for cls in classes:
             reached = _reached(cls, frozenset(names))
             names |= reached
-            roots += [fn for _owner, key, fn in user_members(cls) if key in reached]
+            for base in (b for b in cls.__mro__ if b is not object and _user_class(b)):
+                roots += [_member_function(vars(base)[key]) for key in reached & vars(base).keys()]
         roots += [value for key, value in held if key in names]
-        more: set[str] = set()
         for f in _user_helpers(roots, defaults=False):
-            more |= _code_strings(f.__code__)
-        if more <= names:
+            names |= _code_strings(f.__code__)
+        if len(names) == found:  # (nothing new, in any class: one class's names can reach another's methods)
             return frozenset(names)
-        names |= more
 
 
 #: Names in code that read an object's attributes by names built at run time.
@@ -1547,7 +1546,9 @@ class _NamedBy:
     their classes (the user's) reaches from ``forward`` and from what ``loss_fn`` and the user's
     hooks name (``_reached``), or that ``loss_fn`` and the hooks name. Private attributes
     nothing names are bookkeeping (``nn.Module``'s, transformers', a counter the loop keeps)
-    and are not guarded: refusing a step over them refused correct steps."""
+    and are not guarded: refusing a step over them refused correct steps. ``roots``: the names
+    and strings of all the step's code (``_step_roots``); ``unread``: the public attributes
+    none of it can read."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: object = None) -> None:
         self.roots = _step_roots(model, loss_fn)
@@ -1568,26 +1569,16 @@ class _NamedBy:
         names = self.names(type(module))
         return key in names or _reads_built_names(type(module), names)
 
-
-class _Unread:
-    """Which public attributes of the model's modules no code of the step can read: those of a
-    module whose classes are all the user's own (``nn.Module`` aside: no installed package's
-    code runs as its methods) that no code of the step names (``_step_strings``), where none of
-    that code reads attributes by names built at run time (``_DYNAMIC``). A counter the loop
-    keeps on the model (``model.global_step += 1`` between steps) refused every later step."""
-
-    def __init__(self, model: torch.nn.Module, loss_fn: object, named: _NamedBy) -> None:
-        self._model, self._loss_fn, self._named = model, loss_fn, named
-        self._strings: frozenset[str] | None = None
-
-    def __call__(self, module: torch.nn.Module, key: str) -> bool:
+    def unread(self, module: torch.nn.Module, key: str) -> bool:
+        """Is ``key``, a public attribute of ``module``, one no code of the step can read: of a
+        module whose classes are all the user's own (``nn.Module`` aside: no installed package's
+        code runs as its methods, ``_own_classes``) that no code of the step names (``roots``),
+        where none of that code reads attributes by names built at run time (``_DYNAMIC``)? A
+        counter the loop keeps on the model (``model.global_step += 1`` between steps) refused
+        every later step."""
         if key == "training" or key.startswith("_") or not _own_classes(type(module)):
             return False
-        if self._strings is None:
-            modules = list(self._model.modules())
-            self._strings = _step_strings(self._named, {type(m) for m in modules}, self._loss_fn,
-                                          [hook for m in modules for hook in _hooks_of(m)])
-        return key not in self._strings and _DYNAMIC.isdisjoint(self._strings)
+        return key not in self.roots and _DYNAMIC.isdisjoint(self.roots)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1596,28 +1587,6 @@ def _own_classes(cls: type) -> bool:
     code, none of an installed package's or of torch's?"""
     return all(base in (object, torch.nn.Module) or (_user_class(base) and not _installed(base.__module__))
                for base in cls.__mro__)
-
-
-def _step_strings(named: _NamedBy, classes: Iterable[type], loss_fn: object, hooks: Iterable[object],
-                  more: Iterable[str] = ()) -> frozenset[str]:
-    """The names and strings of the step's code (``more`` added): ``loss_fn``'s and the user's
-    hooks' (``named.roots``), those of the members of the modules' classes that these and
-    ``forward`` reach (``_NamedBy.names``), and those of the user's functions any of this code
-    names, ``USER_DEPTH`` levels down (``forward`` calling a helper that reads
-    ``m.opt.param_groups[0]["lr"]``).
-    Methods of the user's classes that no step code reaches (a helper the loop calls to log the
-    lr) are not the step's."""
-    strings = set(named.roots).union(more)
-    roots: list[object] = []
-    for cls in classes:
-        names = named.names(cls)
-        strings.update(names)
-        if _user_class(cls):  # (the helpers its members that the step reaches call)
-            for base in (b for b in cls.__mro__ if b is not object and _user_class(b)):
-                roots += [_member_function(vars(base)[key]) for key in names & vars(base).keys()]
-    for f in _user_helpers([*roots, *_step_functions(loss_fn, hooks)], defaults=False):
-        strings.update(_code_strings(f.__code__))
-    return frozenset(strings)
 
 
 def _loss_object(loss_fn: object) -> tuple[object, types.FunctionType, str] | None:
@@ -1659,7 +1628,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     a progress bar a module holds) change between steps as the loop runs, and the step does not
     read them: walked whole, they refused every later step (the lr a scheduler set, a bar's
     count). Their fields are held values only where the step's code names them: walked last,
-    with the names and strings of the step's code (``_step_strings``) and of the code of the
+    with the names and strings of the step's code (``_NamedBy.roots``) and of the code of the
     object's own class where it is the user's, so ``self.opt.param_groups[0]['lr']`` read in a
     forward is guarded. ``every_field``: walked whole all the same (``PythonState``: a forward
     that updates its progress bar changes it at every call, which a traced step never would).
@@ -2034,7 +2003,7 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
             elif fn is None:  # (an object of the user's class: ``ScaleHook().k``)
                 callable_object(f"a hook of {_where(name, module)}", hook, lambda m, h=hook: h)
     if loops or objects:
-        step_names = _step_strings(named, classes, loss_fn, hooks, strings)
+        step_names = named.roots | strings
         for label, holder, locate, depth, lists in loops:
             holder_fields(label, holder, locate, depth, lists,
                           names=_reached(type(holder), step_names, own=True, readers=True))
