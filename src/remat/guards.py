@@ -1632,8 +1632,9 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     object's own class where it is the user's, so ``self.opt.param_groups[0]['lr']`` read in a
     forward is guarded. ``every_field``: walked whole all the same (``PythonState``: a forward
     that updates its progress bar changes it at every call, which a traced step never would).
-    ``iterators``: gets (label, read, write) of each iterator that is a global or a closure
-    variable the step's functions name (``next(SCHEDULE)``, refused while the step is traced).
+    ``iterators``: gets (label, read, write) of each iterator that a module holds as an
+    attribute or that is a global or a closure variable the step's functions name
+    (``next(self.temps)``, ``next(SCHEDULE)``: refused while the step is traced).
     ``caches``: gets each ``functools.lru_cache`` wrapper of the user's the step's code reaches
     (emptied around the trace: ``PythonState.caches``)."""
     found: list[tuple[HeldValue, object]] = []
@@ -1940,6 +1941,10 @@ def _walk(model: torch.nn.Module, loss_fn: object = None, *, lengths: bool = Fal
     depths = {} if lengths else _step_depths(named, classes, loss_fn, hooks)
     for name, module in modules:
         for key, value in vars(module).items():
+            if iterators is not None and _iterator(value):  # (its own attributes, private ones too)
+                iterators.append((f"{_where(name, module)} attribute {key!r}", lambda m=module, k=key: vars(m).get(k),
+                                  lambda v, m=module, k=key: vars(m).__setitem__(k, v)))
+                continue
             where = f"model.{name}.{key}" if name else f"model.{key}"
             if generator(where, value) or (key.startswith("_") and not named.private(module, key)):
                 continue
@@ -2065,8 +2070,8 @@ class PythonState:
     generators: tuple[tuple[str, object, object], ...] = ()
     #: (module name, module, what it registers: _parameters, _buffers or _modules, a copy)
     registered: tuple[tuple[str, torch.nn.Module, str, dict], ...] = ()
-    #: (label, read, write) of the iterators that are globals or closure variables the step's
-    #: functions name (``_walk``): refused while the step is traced, as a module's are
+    #: (label, read, write) of the iterators that a module holds or that are globals or closure
+    #: variables the step's functions name (``_walk``): refused while the step is traced
     iterators: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...] = ()
     #: the ``functools.lru_cache`` wrappers of the user's that the step's code reaches: emptied
     #: before and after the trace, which would fill them with its stand-ins (a causal mask

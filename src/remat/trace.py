@@ -24,7 +24,6 @@ model itself, so any signature works (keyword arguments, several calls, labels i
 
 from __future__ import annotations
 
-import collections.abc
 import contextlib
 import dataclasses
 import enum
@@ -451,7 +450,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
     real_batch = None if on_meta else tuple(t.detach() for t in batch)
     with RnnWatch(model) as rnns, BatchNormWatch(model, allow=allow_native_batch_norm) as norms, RngWatch() as rng, \
             recording_branches(real_batch, len(params) + len(buffers), branches) as branch_points, \
-            OutsideReads() as reads, _iterators_refused(model, before.iterators), _emptied(before.caches):
+            OutsideReads() as reads, _iterators_refused(before.iterators), _emptied(before.caches):
         finished: list[int] = []  # (indices into trainable, in the order the backward finished them)
         try:
             gm = _trace_functional(model, loss_fn, trainable, frozen, list(buffers), grad_inputs, fakes, kinds_by_name,
@@ -1238,19 +1237,12 @@ class _RefusedIterator:
 
 
 @contextlib.contextmanager
-def _iterators_refused(model: torch.nn.Module,
-                       named: Sequence[tuple[str, Callable[[], object], Callable[[object], None]]] = ()):
-    """Every iterator a module holds as an attribute (an ``itertools.cycle`` of temperatures, a
-    generator), and every one of ``named`` (``PythonState.iterators``: the globals and closure
-    variables the step's functions name), replaced by a ``_RefusedIterator`` while the block
-    runs, and put back after it: a traced step advanced by ``next()`` kept its first value at
-    every step, silently."""
-    swapped = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        for key, value in list(vars(module).items()):
-            if _iterator(value):
-                swapped.append((module, key, value))
-                module.__dict__[key] = _RefusedIterator(f"{_where(name, module)} attribute {key!r}", value)
+def _iterators_refused(named: Sequence[tuple[str, Callable[[], object], Callable[[object], None]]]):
+    """Every iterator of ``named`` (``PythonState.iterators``: those a module holds as an
+    attribute, an ``itertools.cycle`` of temperatures or a generator, and the globals and
+    closure variables the step's functions name) replaced by a ``_RefusedIterator`` while the
+    block runs, and put back after it: a traced step advanced by ``next()`` kept its first
+    value at every step, silently."""
     put = []
     for label, read, write in named:
         value = read()
@@ -1260,9 +1252,6 @@ def _iterators_refused(model: torch.nn.Module,
     try:
         yield
     finally:
-        for module, key, value in swapped:
-            if isinstance(module.__dict__.get(key), _RefusedIterator):
-                module.__dict__[key] = value
         for read, write, value in put:
             if isinstance(read(), _RefusedIterator):
                 write(value)
