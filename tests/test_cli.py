@@ -945,7 +945,7 @@ def test_a_budget_beyond_any_memory_is_a_usage_error(capsys):
 def test_a_batch_that_cannot_be_allocated_is_one_line(capsys, monkeypatch):
     import remat.models
 
-    def allocate(name, batch):
+    def allocate(name, batch, **options):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you "
                            "tried to allocate 12799999999872 bytes.\nmore detail")
 

@@ -102,15 +102,10 @@ def _workload(args: argparse.Namespace, *, meta: bool = False):
     from remat.models import WorkloadError, get_workload
 
     try:
-        with _current_directory_importable():
-            if meta:
-                with torch.device("meta"):
-                    return get_workload(args.model, args.batch)
-            return get_workload(args.model, args.batch)
+        with _current_directory_importable(), torch.device("meta") if meta else contextlib.nullcontext():
+            return get_workload(args.model, args.batch, searched="in the current directory or on PYTHONPATH")
     except WorkloadError as exc:
-        # (the message is the API's: here the current directory is searched too)
-        raise UsageError(str(exc).replace("that it is on sys.path (PYTHONPATH)",
-                                          "that it is in the current directory or on PYTHONPATH")) from None
+        raise UsageError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a user's factory failed: say which and how it should look
         if ":" not in args.model:
             raise

@@ -63,10 +63,16 @@ def names() -> tuple[str, ...]:
     return tuple(sorted(_builtins()))
 
 
-def load_factory(spec: str) -> Factory:
+#: Where a factory's module is looked for, as a missing one's message says.
+ON_SYS_PATH = "on sys.path (PYTHONPATH)"
+
+
+def load_factory(spec: str, *, searched: str = ON_SYS_PATH) -> Factory:
     """Import a factory from ``"package.module:function"``.
 
-    Raises ``WorkloadError`` naming what is missing: the colon, the module or the function.
+    Raises ``WorkloadError`` naming what is missing: the colon, the module or the function
+    (``searched``: where the module was looked for, in words, for a caller that looks in more
+    places than ``sys.path``, as the ``remat`` command looks in the current directory).
     """
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise WorkloadError(
@@ -79,7 +85,7 @@ def load_factory(spec: str) -> Factory:
     except ModuleNotFoundError as exc:
         raise WorkloadError(
             f"factory spec {spec!r}: module {module_name!r} cannot be imported ({exc}); check the "
-            f"spelling and that it is on sys.path (PYTHONPATH)"
+            f"spelling and that it is {searched}"
         ) from exc
     except Exception as exc:  # noqa: BLE001 - the module itself failed: say where
         raise WorkloadError(
@@ -97,16 +103,16 @@ def load_factory(spec: str) -> Factory:
     return factory
 
 
-def get_workload(name: str, batch_size: int = 8, *, seed: int = 0) -> Workload:
+def get_workload(name: str, batch_size: int = 8, *, seed: int = 0, searched: str = ON_SYS_PATH) -> Workload:
     """Build a workload by built-in name or ``"package.module:function"`` spec, with weights
-    and batch drawn from ``seed``."""
+    and batch drawn from ``seed`` (``searched``: ``load_factory``'s)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise WorkloadError(f"batch_size={batch_size!r} must be a positive int")
     builtins = _builtins()
     if name in builtins:
         factory = builtins[name]
     elif ":" in name:
-        factory = load_factory(name)
+        factory = load_factory(name, searched=searched)
     else:
         raise WorkloadError(
             f"unknown workload {name!r}; use one of {', '.join(sorted(builtins))} or a factory "
