@@ -2415,7 +2415,7 @@ def test_an_lru_cache_the_forward_fills_is_left_as_eager_would_find_it(filled_be
         assert torch.isfinite(loss_fn(model, x, y))
 
 
-def test_a_private_class_constant_the_forward_reads_is_guarded():
+def test_a_private_class_constant_the_forward_reads_is_guarded(monkeypatch):
     """``self._SCALE``, a private class attribute, changed after tracing: kept as traced,
     silently (public ones were guarded)."""
     torch.manual_seed(0)
@@ -2423,12 +2423,9 @@ def test_a_private_class_constant_the_forward_reads_is_guarded():
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
     step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
     step(x, y)
-    _Masked._SCALE = 0.5
-    try:
-        with pytest.raises(TraceError, match=r"class _Masked._SCALE is now 0.5 but was 1.0"):
-            step(x, y)
-    finally:
-        _Masked._SCALE = 1.0
+    monkeypatch.setattr(_Masked, "_SCALE", 0.5)
+    with pytest.raises(TraceError, match=r"class _Masked._SCALE is now 0.5 but was 1.0"):
+        step(x, y)
 
 
 def test_weights_untied_after_tracing_are_refused():
@@ -2490,7 +2487,7 @@ def test_a_registry_read_by_a_key_the_model_holds_may_grow_and_a_list_read_by_an
         _RAMP[:] = [1.0, 2.0]
 
 
-def test_a_tensor_method_patched_after_tracing_is_refused():
+def test_a_tensor_method_patched_after_tracing_is_refused(monkeypatch):
     """``torch.Tensor.relu`` replaced after tracing: eager's ``x.relu()`` ran the new one and the
     step the old one, silently (``F.relu`` rebound was refused already)."""
     torch.manual_seed(0)
@@ -2501,13 +2498,10 @@ def test_a_tensor_method_patched_after_tracing_is_refused():
 
     step = remat.optimize(model, (x, y), loss_fn, budget=1.0, method="checkpoint_all", cost_model=None)
     step(x, y)
-    original = torch.Tensor.relu
-    torch.Tensor.relu = lambda t: F.leaky_relu(t, 0.2)
-    try:
-        with pytest.raises(TraceError, match=r"torch.Tensor.relu \(a tensor method loss_fn may call\) is now"):
-            step(x, y)
-    finally:
-        torch.Tensor.relu = original
+    monkeypatch.setattr(torch.Tensor, "relu", lambda t: F.leaky_relu(t, 0.2))
+    with pytest.raises(TraceError, match=r"torch.Tensor.relu \(a tensor method loss_fn may call\) is now"):
+        step(x, y)
+    monkeypatch.undo()
     step(x, y)
 
 
@@ -2647,16 +2641,13 @@ class _Described(nn.Module):
         return self.a(x) * self.scale
 
 
-def test_a_value_a_descriptor_serves_is_guarded():
+def test_a_value_a_descriptor_serves_is_guarded(monkeypatch):
     """``self.scale`` served by a descriptor on the class, whose value the loop changed: kept as
     traced, silently."""
     model, x, y = _Described(), torch.randn(4, 8), torch.randint(0, 3, (4,))
     step = remat.optimize(model, (x, y), lambda m, x, y: F.cross_entropy(m(x), y), budget=1.0,
                           method="checkpoint_all", cost_model=None)
     step(x, y)
-    _Scaling.value = 3.0
-    try:
-        with pytest.raises(TraceError, match=r"class _Described.scale's __get__'s global '_Scaling'.value is now 3.0"):
-            step(x, y)
-    finally:
-        _Scaling.value = 1.0
+    monkeypatch.setattr(_Scaling, "value", 3.0)
+    with pytest.raises(TraceError, match=r"class _Described.scale's __get__'s global '_Scaling'.value is now 3.0"):
+        step(x, y)
