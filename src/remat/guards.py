@@ -281,15 +281,14 @@ class ModuleState:
                     f"{_layout(shape, dtype, device, stride)} when the step was traced; the traced step's "
                     f"kernels were chosen for that layout: trace again (remat.optimize) after changing it"
                 )
-        if self.tied:
-            every = dict(model.named_parameters(remove_duplicate=False))
-            for names in self.tied:
-                apart = [n for n in names[1:] if every.get(n) is not every.get(names[0])]
-                if apart:
-                    raise TraceError(
-                        f"parameter {apart[0]!r} is no longer {names[0]!r} (they were one tied tensor when the step "
-                        f"was traced, and the step computes with one tensor and one gradient for both); trace again "
-                        f"(remat.optimize) after untying them")
+        for names in self.tied:  # (each name looked up in its module: no walk over every parameter)
+            first = _parameter_of(modules, names[0])
+            apart = [n for n in names[1:] if _parameter_of(modules, n) is not first]
+            if apart:
+                raise TraceError(
+                    f"parameter {apart[0]!r} is no longer {names[0]!r} (they were one tied tensor when the step "
+                    f"was traced, and the step computes with one tensor and one gradient for both); trace again "
+                    f"(remat.optimize) after untying them")
         params = view.parameters
         for key, flag in self.requires_grad:
             p = params.get(key)
@@ -376,6 +375,13 @@ class ModelView:
     @functools.cached_property
     def buffers(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_buffers())
+
+
+def _parameter_of(modules: dict[str, torch.nn.Module], name: str) -> torch.nn.Parameter | None:
+    """The parameter ``name`` (``"1.weight"``) of the modules by qualified name, or None."""
+    owner, _, leaf = name.rpartition(".")
+    module = modules.get(owner)
+    return None if module is None else module._parameters.get(leaf)
 
 
 def _callable_key(fn: object) -> object:
