@@ -497,7 +497,9 @@ def test_scaling_records_every_level_and_resumes(tmp_path, monkeypatch):
     results = scaling_mod.run(["gpt2-2L"], 20.0, out, fresh=False)
     record = json.loads(out.read_text())["workloads"]["gpt2-2L"]
     assert [c["level"] for c in record["cells"]] == list(scaling_mod.LEVELS)
-    smallest = record["cells"][-1]
+    smallest = next(c for c in record["cells"] if c["level"] == "min")
+    near = record["cells"][-1]
+    assert near["level"] == "min+5%" and near["budget_bytes"] == int(scaling_mod.NEAR_FLOOR * smallest["budget_bytes"])
     assert "error" not in smallest and not smallest.get("infeasible"), smallest
     for cell in record["cells"]:
         assert "error" not in cell, cell
@@ -521,7 +523,8 @@ def test_scaling_checks_name_every_goal_missed():
             "baseline_overhead": 1.15}
     further = dict(cell, level="60%", wall_s=9.0, gap=0.01, overhead=1.1, bound=1.089, baseline_overhead=None)
     smallest = dict(further, level="min", wall_s=70.0)
-    results = {"workloads": {"resnet50": {"cells": [cell, further, smallest]}}}
+    near = dict(further, level="min+5%", wall_s=40.0)
+    results = {"workloads": {"resnet50": {"cells": [cell, further, smallest, near]}}}
     lines = "\n".join(scaling_mod.checks(results))
     assert "not met** at resnet50 80% (8.3%)" in lines
     assert "Never worse than the best baseline: **not met** at resnet50 80%" in lines
@@ -529,6 +532,7 @@ def test_scaling_checks_name_every_goal_missed():
     assert "Each further budget within 5 s: **not met** at resnet50 60% (9.00 s) of 80/60/40%." in lines
     # the smallest budget's cell (its search included) is stated, not counted against that goal
     assert "min (70.0 s)" not in lines and "Their wall times: resnet50 70.0 s." in lines
+    assert "min+5% (40.00 s)" not in lines and "in the same way: resnet50 40.0 s." in lines
 
 
 def test_scaling_cli_refuses_unknown_workloads(capsys):
