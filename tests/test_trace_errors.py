@@ -817,3 +817,110 @@ def test_a_failing_torchscript_function_is_named_with_its_line():
         remat.optimize(Scripted(), (torch.randn(4, 8), torch.randn(4, 2)), lambda m, x, y: F.mse_loss(m(x), y), "100%")
     assert "a TorchScript function failed while traced, at test_trace_errors.py:" in str(info.value)
     assert "in _scripted_branch `if bool(h.sum() > 0):`" in str(info.value) and "drop @torch.jit.script" in str(info.value)
+
+
+# ---------------------------------------------------------------------------- exact tensor classes
+class _ExactClass(nn.Module):
+    """A forward that doubles its input only when it is a plain torch.Tensor: eager doubles it,
+    the trace's stand-ins are not torch.Tensor, so the traced step never did (loss 0.45 against
+    eager's 1.90, from the first step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if type(x) is torch.Tensor:
+            x = x * 2
+        return self.a(x)
+
+
+def _scaled_if_parameter(w):
+    return w * 2 if w.__class__ == nn.Parameter else w
+
+
+class _ViaHelper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.linear(x, _scaled_if_parameter(self.a.weight))
+
+
+class _ByName(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if type(x).__name__ in ("Tensor", "Parameter"):
+            x = x + 1
+        return self.a(x)
+
+
+class _Address(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.data_ptr() % 64 == 0:
+            x = x * 2
+        return self.a(x)
+
+
+@pytest.mark.parametrize("model, text, what", [
+    (_ExactClass, "type(x) is torch.Tensor", "asks a tensor's exact class"),
+    (_ViaHelper, "w.__class__ == nn.Parameter", "asks a tensor's exact class"),
+    (_ByName, "type(x).__name__ in (\"Tensor\", \"Parameter\")", "asks a tensor's exact class"),
+    (_Address, "x.data_ptr()", "reads a tensor's address"),
+])
+def test_code_asking_a_tensors_exact_class_or_address_is_refused_with_its_line(model, text, what):
+    """Such code takes another branch on the trace's stand-in tensors than in eager PyTorch, and
+    every step ran that branch, silently."""
+    import inspect
+
+    torch.manual_seed(0)
+    m, x = model(), torch.randn(4, 8)
+    loss_fn = lambda mod, b: mod(b).pow(2).mean()  # noqa: E731
+    with pytest.raises(TraceError) as refused:
+        remat.optimize(m, x, loss_fn, budget="100%")
+    message = str(refused.value)
+    code = (_scaled_if_parameter if model is _ViaHelper else model.forward).__code__
+    line = next(k for k, source in enumerate(inspect.getsource(code).splitlines()) if text in source) + code.co_firstlineno
+    assert f"{code.co_qualname} ({code.co_filename}:{line}) {what} ({text})" in message, message
+    assert ("isinstance(x, torch.Tensor)" if "class" in what else "compare tensors by their values") in message
+
+
+def test_a_loss_fn_asking_a_tensors_exact_class_is_refused():
+    model, x = nn.Linear(8, 8), torch.randn(4, 8)
+
+    def loss_fn(m, b):
+        out = m(b)
+        return out.pow(2).mean() if type(out) == torch.Tensor else out.abs().mean()
+
+    with pytest.raises(TraceError, match=r"loss_fn \(.*\) asks a tensor's exact class \(type\(out\) == torch.Tensor\)"):
+        remat.optimize(model, x, loss_fn, budget="100%")
+
+
+def test_asking_a_class_that_is_not_a_tensors_or_with_isinstance_traces_bitwise():
+    """``isinstance``, and ``type()`` compared with other classes, mean the same on the stand-ins:
+    they are not refused, and the step equals eager PyTorch."""
+
+    class Checks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.scale = 2
+
+        def forward(self, x):
+            if isinstance(x, torch.Tensor) and type(self.scale) is int and type(self.a) == nn.Linear:
+                x = x * self.scale
+            return self.a(x)
+
+    torch.manual_seed(0)
+    model, x = Checks(), torch.randn(4, 8)
+    loss_fn = lambda mod, b: mod(b).pow(2).mean()  # noqa: E731
+    step = remat.optimize(model, x, loss_fn, budget="100%")
+    assert verify.check_step(step, loss_fn, x).bitwise

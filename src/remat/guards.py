@@ -1510,6 +1510,18 @@ def _step_roots(model: torch.nn.Module, loss_fn: object) -> frozenset[str]:
     user's helpers all of these name (``_user_helpers``). A method reached only through a helper
     (``loss_fn`` calling ``helper(m, x)``, which calls ``m.compute_loss(x)``, which reads
     ``self.w``) was not the step's, so ``w`` went unchecked, silently."""
+    return _step_closure(model, loss_fn)[0]
+
+
+def step_functions(model: torch.nn.Module, loss_fn: object) -> tuple[types.FunctionType, ...]:
+    """The functions of the step's code that ``_step_roots`` reads (``loss_fn``, the user's
+    hooks, the methods of the modules' classes of the user's they reach, the functions modules
+    hold under a name they use, and the helpers all of these name), each once."""
+    return _step_closure(model, loss_fn)[1]
+
+
+def _step_closure(model: torch.nn.Module, loss_fn: object) -> tuple[frozenset[str], tuple[types.FunctionType, ...]]:
+    """``_step_roots``' names, and the functions whose code gave them (``step_functions``)."""
     modules = list(model.modules())
     steps = _step_functions(loss_fn, [hook for module in modules for hook in _hooks_of(module)])
     classes = [cls for cls in dict.fromkeys(type(m) for m in modules) if _user_class(cls)]
@@ -1527,10 +1539,11 @@ def _step_roots(model: torch.nn.Module, loss_fn: object) -> frozenset[str]:
             for base in (b for b in cls.__mro__ if b is not object and _user_class(b)):
                 roots += [_member_function(vars(base)[key]) for key in reached & vars(base).keys()]
         roots += [value for key, value in held if key in names]
-        for f in _user_helpers(roots, defaults=False):
+        functions = tuple(_user_helpers(roots, defaults=False))
+        for f in functions:
             names |= _code_strings(f.__code__)
         if len(names) == found:  # (nothing new, in any class: one class's names can reach another's methods)
-            return frozenset(names)
+            return frozenset(names), functions
 
 
 #: Names in code that read an object's attributes by names built at run time.

@@ -64,7 +64,7 @@ from remat.graph import Graph, NodeKind
 from remat.guards import (ModelView, ModuleState, OutsideReads, PythonState, _iterator, _where, module_state,
                           registered_while_traced)
 from remat.trace_errors import (BatchNormWatch, RegisteredTensors, RngWatch, RnnWatch, check_default_generator,
-                                _describe_module, check_dense, explain_trace_failure,
+                                _describe_module, check_dense, explain_trace_failure, refuse_exact_tensor_classes,
                                 warn_of_stored_trace_tensors)
 
 LossFn = Callable[..., torch.Tensor]
@@ -423,6 +423,7 @@ def _trace(model: torch.nn.Module, example_inputs: torch.Tensor | Sequence[torch
             f"{lazy!r} is not initialized yet (a lazy module, such as nn.LazyLinear, sets its shape at its first "
             f"call): run the model once before remat.optimize (with torch.no_grad(): model(*example_batch)), "
             f"then optimize")
+    refuse_exact_tensor_classes(model, loss_fn)
     trainable = [k for k, p in params.items() if p.requires_grad]
     frozen = [k for k, p in params.items() if not p.requires_grad]
     grad_inputs = [i for i, t in enumerate(batch) if t.requires_grad]

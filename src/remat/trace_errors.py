@@ -3,12 +3,15 @@ refusing the modules whose traced form would not compute what eager PyTorch comp
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
+import inspect
 import os
 import platform
 import re
 import sys
+import textwrap
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -801,3 +804,85 @@ class BatchNormWatch(_ModuleWatch):
             f"(eager then runs the native kernels too, and remat equals it bitwise; convolutions get "
             f"slower); or compile the model with remat.backend"
         )
+
+
+#: Names of tensor classes that code compares a tensor's exact class with.
+_TENSOR_CLASSES = frozenset({"Tensor", "Parameter", "FloatTensor", "LongTensor", "BoolTensor"})
+#: Comparisons that ask for an exact class (``isinstance`` asks for a class or its subclasses).
+_CLASS_OPS = (ast.Is, ast.IsNot, ast.Eq, ast.NotEq, ast.In, ast.NotIn)
+
+
+def refuse_exact_tensor_classes(model: torch.nn.Module, loss_fn: object) -> None:
+    """Refuse a step whose own code asks a tensor's exact class (``type(x) is torch.Tensor``,
+    ``x.__class__ == nn.Parameter``, ``type(x).__name__ == "Tensor"``) or its address
+    (``x.data_ptr()``): remat traces with stand-in tensors of another class and without
+    storage, so such code takes another branch while traced than it does in eager PyTorch, and
+    every step would run that branch, silently. Only the user's own code is read (the
+    functions ``guards.step_functions`` finds whose source is at hand), not installed
+    packages'."""
+    from remat.guards import _installed, step_functions
+
+    for f in step_functions(model, loss_fn):
+        if _installed(f.__module__):
+            continue
+        found = _exact_class_use(f)
+        if found is not None:
+            line, text, address = found
+            where = f"{f.__qualname__} ({f.__code__.co_filename}:{line})"
+            if address:
+                raise TraceError(
+                    f"{where} reads a tensor's address ({text}): remat traces the step with stand-in tensors "
+                    f"that have no storage, so this code would see other addresses while traced than in eager "
+                    f"PyTorch, and every step would run what it decided then; compare tensors by their values "
+                    f"(or keep this check out of the model's forward and loss_fn), and optimize again")
+            raise TraceError(
+                f"{where} asks a tensor's exact class ({text}): remat traces the step with stand-in tensors of "
+                f"another class, so this code would take another branch while traced than in eager PyTorch, and "
+                f"every step would run that branch; write isinstance(x, torch.Tensor) (an nn.Parameter is a "
+                f"torch.Tensor too; isinstance(x, nn.Parameter) for a parameter), and optimize again")
+
+
+def _exact_class_use(f) -> tuple[int, str, bool] | None:
+    """(line, source text, whether it reads an address) of the first place in ``f``'s source that
+    asks a tensor's exact class or address (``refuse_exact_tensor_classes``); None if there is
+    none or the source is not at hand."""
+    try:
+        lines, first = inspect.getsourcelines(f)
+        source = textwrap.dedent("".join(lines))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    for node in ast.walk(tree):
+        address = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "data_ptr"
+        exact = isinstance(node, ast.Compare) and any(isinstance(op, _CLASS_OPS) for op in node.ops) and _asks_class(
+            [node.left, *node.comparators])
+        if address or exact:
+            text = ast.get_source_segment(source, node) or "?"
+            return first + node.lineno - 1, " ".join(text.split()), address
+    return None
+
+
+def _asks_class(operands: list[ast.expr]) -> bool:
+    """Do ``operands`` of one comparison put a value's exact class (``type(x)``, ``x.__class__``)
+    beside a tensor class (``torch.Tensor``, ``nn.Parameter``, a tuple of them), or its class's
+    name beside a tensor class's name (``type(x).__name__ == "Tensor"``)?"""
+    def class_of(e: ast.expr) -> bool:
+        return (isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id == "type" and len(e.args) == 1
+                and not e.keywords) or (isinstance(e, ast.Attribute) and e.attr == "__class__")
+
+    def tensor_class(e: ast.expr) -> bool:
+        if isinstance(e, (ast.Tuple, ast.List, ast.Set)):
+            return any(tensor_class(x) for x in e.elts)
+        return (isinstance(e, ast.Attribute) and e.attr in _TENSOR_CLASSES) or (
+            isinstance(e, ast.Name) and e.id in _TENSOR_CLASSES)
+
+    def name_of_class(e: ast.expr) -> bool:
+        return isinstance(e, ast.Attribute) and e.attr in ("__name__", "__qualname__") and class_of(e.value)
+
+    def tensor_name(e: ast.expr) -> bool:
+        if isinstance(e, (ast.Tuple, ast.List, ast.Set)):
+            return any(tensor_name(x) for x in e.elts)
+        return isinstance(e, ast.Constant) and e.value in _TENSOR_CLASSES
+
+    return (any(class_of(e) for e in operands) and any(tensor_class(e) for e in operands)) or (
+        any(name_of_class(e) for e in operands) and any(tensor_name(e) for e in operands))
