@@ -154,9 +154,9 @@ def _progress(workload: str, cell: dict) -> None:
         print(f"  {workload} {cell['level']}: {cell['error']}", flush=True)
         return
     if cell.get("infeasible"):
-        print(f"  {workload} {cell['level']:>4s}: infeasible, needs {cell['min_budget_bytes']} B", flush=True)
+        print(f"  {workload} {cell['level']:>6s}: infeasible, needs {cell['min_budget_bytes']} B", flush=True)
         return
-    print(f"  {workload} {cell['level']:>4s} ({cell['fraction']:.1%}): {cell['overhead']:.4f}x, bound "
+    print(f"  {workload} {cell['level']:>6s} ({cell['fraction']:.1%}): {cell['overhead']:.4f}x, bound "
           f"{cell['bound']:.4f}, gap {cell['gap']:.2%}, {cell['status']}, {cell['wall_s']} s; best baseline "
           + (f"{cell['baseline']} {cell['baseline_overhead']:.4f}x" if cell["baseline"] else "none fits"), flush=True)
 
