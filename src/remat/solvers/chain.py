@@ -10,10 +10,6 @@ segments s..t from the value entering s, either
   do s'..t from there, drop that, then do s..s'-1 again from the start; or, where segment
   s'-1's own backward reads what crosses that cut (a chain whose every gradient reads its
   layer's output), keep it held into s..s'-1 until that backward has read it (``_solve``);
-  or drop it as soon as s' is computed from it, when s'..t never go back to it (s' kept, or
-  alone holding all of its values): revolve frees a checkpoint so, and without it the
-  programme cost more than revolve on Checkmate's chains at their smallest budgets (chain:32
-  at 4 units 305 against 180, and 3 units fitted nothing where revolve plans);
 
 and a segment alone (a *leaf*) is recomputed while its backward runs, holding what one
 option of its menu holds (``ChainModel._leaf_menus``: all of it, part of it, or what the
@@ -88,10 +84,6 @@ log = logging.getLogger("remat.solve")
 
 # hold kinds: what a recursion holds while it works below it; _MENU: a leaf's menu option
 _CROSS, _KEEP, _LEAF, _MENU = 0, 1, 2, 3
-# what a split does with its cut while the segments after it run: hold it (and drop it after),
-# keep it held below the split for its segment's backward (``held_cuts``), or drop it as soon
-# as the next segment is computed from it (``_once``)
-_HOLD, _HOLD_BELOW, _DROP = 0, 1, 2
 # a model's menus, numbered: a plan names menu options by position, so its measurement is
 # remembered under its menus' number (the exact options depend on how long solves took)
 _MENUS = itertools.count()
@@ -502,27 +494,20 @@ class ChainModel:
         # then, its own splits being before s'), the same sums and minima as one (s, t) at a time
         self.M = M
         rows: list[np.ndarray] = [np.empty((0, M), dtype=np.float32)] * L
-        once: list[np.ndarray] = [np.empty((0, M), dtype=np.float32)] * L
         for s in range(L - 1, -1, -1):
             here = np.full((L - s, M), inf, dtype=np.float32)
-            whole = here[0, max(self.menus[s][0][0] - base, 0):]  # (the menu's first option holds it all)
-            np.minimum(whole, np.float32(max(self.f[s], 0.0)), out=whole)
+            for need_o, extra, _held in self.menus[s]:  # s alone: a leaf
+                leaf = here[0, max(need_o - base, 0):]
+                np.minimum(leaf, np.float32(max(self.f[s] + extra, 0.0)), out=leaf)
             if s + 1 < L:
                 _add_shifted(here[1:], rows[s + 1], self.a[s], self.f[s])  # keep s
                 here[1:, ~fits[s]] = inf
-            once[s] = here.copy()  # s..t run once from the value entering s: kept, or whole alone
-            for need_o, extra, _held in self.menus[s][1:]:  # s alone: a leaf, holding part of it
-                leaf = here[0, max(need_o - base, 0):]
-                np.minimum(leaf, np.float32(max(self.f[s] + extra, 0.0)), out=leaf)
-            for sp in range(s + 1, L):  # split at sp
-                k = sp - 1
-                left = self._left(s, k, here[k - s], here[k - 1 - s] if k > s else None)
-                _add_shifted(here[sp - s:], rows[sp], self.c[k], prefix[sp] - prefix[s], left)
-                # or drop the cut once sp is computed from it: sp.. never go back to it
-                _add_shifted(here[sp - s:], once[sp], 0, prefix[sp] - prefix[s], here[k - s])
+                for sp in range(s + 1, L):  # split at sp
+                    k = sp - 1
+                    left = self._left(s, k, here[k - s], here[k - 1 - s] if k > s else None)
+                    _add_shifted(here[sp - s:], rows[sp], self.c[k], prefix[sp] - prefix[s], left)
             rows[s] = here
         self.opt = {(s, t): rows[s][t - s] for s in range(L) for t in range(s, L)}
-        self.once = {(s, t): once[s][t - s] for s in range(L) for t in range(s, L)}
         self.fits = fits
         self.top = self._spine(np.where(fits[L], np.float32(0), inf).astype(np.float32), paid=False)
         self.front_levels = self._front(self.top[0])
@@ -534,20 +519,15 @@ class ChainModel:
         pass, which runs anyway)."""
         L, M = self.L, tail.size
         out: list[np.ndarray] = [np.empty(0)] * L + [tail]
-        onces: list[np.ndarray] = [np.empty(0)] * L + [tail]
         for s in range(L - 1, -1, -1):
             best = np.full(M, np.float32(np.inf), dtype=np.float32)
             _add_shifted(best, out[s + 1], self.a[s], self.f[s] if paid else 0.0)
             best[~self.fits[s]] = np.inf
-            kept = best.copy()  # (s.. once from the value entering s: ``_DROP`` below)
             for sp in range(s + 1, L + 1):
                 k = sp - 1
                 left = self._left(s, k, self.opt[s, k], self.opt[s, k - 1] if k > s else None, forced=not paid)
-                forward = self.prefix[sp] - self.prefix[s] if paid else 0.0
-                _add_shifted(best, out[sp], self.c[k], forward, left)
-                _add_shifted(best, onces[sp], 0, forward, self.opt[s, k])  # the cut dropped
+                _add_shifted(best, out[sp], self.c[k], self.prefix[sp] - self.prefix[s] if paid else 0.0, left)
             out[s] = best
-            onces[s] = kept
         return out
 
     def _left(self, s: int, k: int, dropped: np.ndarray, below: np.ndarray | None, *,
@@ -651,20 +631,13 @@ class ChainModel:
         stack: list[tuple] = []
         s, m, path = 0, level - self.base, ()
         while s < L:  # the recursion's spine over s..L, from the step's input
-            sp, mode = self._choose(s, L, m, lambda a: self.ext[a], paid=True)
-            if sp < 0 or (mode == _DROP and sp < L):  # keep s, or s..sp-1 later and sp kept now
-                if sp >= 0:
-                    stack.append((s, sp - 1, m, path, False))
-                    s = sp
+            sp, keep_cut = self._choose(s, L, m, lambda a: self.ext[a], paid=True)
+            if sp < 0:
                 path = path + ((_KEEP, s),)
                 held[s] = path
                 m -= self.a[s]
                 s += 1
-            elif mode == _DROP:  # s..L-1 later, the tail now
-                stack.append((s, sp - 1, m, path, False))
-                s = sp
             else:
-                keep_cut = mode == _HOLD_BELOW
                 stack.append((s, sp - 1, m - self.c[sp - 1] if keep_cut else m, path, keep_cut))
                 path = path + ((_CROSS, sp - 1),)
                 m -= self.c[sp - 1]
@@ -673,50 +646,39 @@ class ChainModel:
         self._unwind(stack, held)
         return (), tuple(held)
 
-    def _pick(self, s: int, t: int | None, m: int) -> tuple[int, int]:
+    def _pick(self, s: int, t: int | None, m: int) -> tuple[int, bool]:
         """The choice ``_solve`` made at (s, t, m) of ``opt`` (of ``top`` when ``t`` is None):
-        ``(-1, _HOLD)`` to keep segment s, else the split s' and what becomes of the cut before
-        it (``_HOLD``, ``_HOLD_BELOW``, ``_DROP``). Recomputed at this one level."""
+        ``(-1, False)`` to keep segment s, else the split s' and whether the cut before it
+        stays held below it. Recomputed at this one level."""
         if t is None:
             return self._choose(s, self.L, m, lambda a: self.top[a], paid=False)
         return self._choose(s, t, m, lambda a: self.opt[a, t], paid=True)
 
-    def _choose(self, s: int, last: int, m: int, table, *, paid: bool) -> tuple[int, int]:
+    def _choose(self, s: int, last: int, m: int, table, *, paid: bool) -> tuple[int, bool]:
         """The choice at (s, m) of a programme over segments s..last whose subproblem a..last
-        is ``table(a)`` (``paid`` as in ``_spine``; ``last`` is ``L`` for a spine, whose last
-        subproblem is the tail): ``(-1, _HOLD)`` to keep segment s, else the split s' and what
-        becomes of its cut: held while s'.. run (``_HOLD``), held below the split too (as
-        ``_left`` chooses, ``_HOLD_BELOW``), or dropped once s' is computed from it, s'.. never
-        going back to it (``_DROP``: s' kept, or alone as a whole leaf, or the tail)."""
+        is ``table(a)`` (``paid`` as in ``_spine``): ``(-1, False)`` to keep segment s, else
+        the split s' and whether its cut stays held below it (as ``_left`` chooses)."""
 
         def rest(a: int, k: int) -> float:  # the subproblem a..last with k more units held
             return float(table(a)[m - k]) if m - k >= 0 else math.inf
 
-        def once(sp: int) -> float:  # sp..last run once from the value entering sp
-            if last < self.L:
-                return float(self.once[sp, last][m])
-            if sp == last:
-                return rest(sp, 0)
-            return rest(sp + 1, self.a[sp]) + (float(self.f[sp]) if paid else 0.0) if self.fits[sp][m] else math.inf
-
-        best, pick = math.inf, (-1, _HOLD)
+        best, pick = math.inf, (-1, False)
         if self.fits[s][m] and s < last:
             best = rest(s + 1, self.a[s]) + (float(self.f[s]) if paid else 0.0)
         for sp in range(s + 1, last + 1):
             k = sp - 1
             kept = k in self.held_cuts
-            dropped = float(self.opt[s, k][m])
-            options = [(once(sp) + dropped, _DROP)]
+            lefts = []
             if paid or not kept:
-                options.append((rest(sp, self.c[k]) + dropped, _HOLD))
+                lefts.append((float(self.opt[s, k][m]), False))
             if kept:
-                below = self._held(s, k, m - int(self.c[k])) if m >= self.c[k] else math.inf
-                options.append((rest(sp, self.c[k]) + below, _HOLD_BELOW))
-            for here, mode in options:
+                lefts.append((self._held(s, k, m - int(self.c[k])) if m >= self.c[k] else math.inf, True))
+            for left, keep_cut in lefts:
+                here = rest(sp, self.c[k]) + left
                 if paid:
                     here += self.prefix[sp] - self.prefix[s]
                 if here < best:
-                    best, pick = here, (sp, mode)
+                    best, pick = here, (sp, keep_cut)
         return pick
 
     def _plan(self, level: int) -> tuple:
@@ -727,19 +689,12 @@ class ChainModel:
         stack: list[tuple] = []
         s, m = 0, level - self.base
         while s < self.L:  # the original forward pass
-            sp, mode = self._pick(s, None, m)
-            if sp < 0 or (mode == _DROP and sp < self.L):  # keep s, or s..sp-1 later and sp kept now
-                if sp >= 0:
-                    stack.append((s, sp - 1, m, (), False))
-                    s = sp
+            sp, keep_cut = self._pick(s, None, m)
+            if sp < 0:
                 kept.append((_KEEP, s))
                 m -= self.a[s]
                 s += 1
-            elif mode == _DROP:  # s..L-1 later, the tail now
-                stack.append((s, sp - 1, m, (), False))
-                s = sp
             else:
-                keep_cut = mode == _HOLD_BELOW
                 kept.append((_CROSS, sp - 1))
                 stack.append((s, sp - 1, m - self.c[sp - 1] if keep_cut else m, (), keep_cut))
                 m -= self.c[sp - 1]
@@ -761,19 +716,12 @@ class ChainModel:
             if s == t:
                 held[s] = path + (self._leaf_option(s, m),)
                 continue
-            sp, mode = self._pick(s, t, m)
-            if mode == _DROP:  # s..sp-1 later; sp now, from the cut, which is dropped
-                stack.append((s, sp - 1, m, path, False))
-                if sp == t:
-                    held[sp] = path + ((_LEAF, sp),)
-                    continue
-                s = sp
-            if sp < 0 or mode == _DROP:
+            sp, keep_cut = self._pick(s, t, m)
+            if sp < 0:
                 here = path + ((_KEEP, s),)
                 held[s] = here
                 stack.append((s + 1, t, m - self.a[s], here, False))
             else:
-                keep_cut = mode == _HOLD_BELOW
                 stack.append((sp, t, m - self.c[sp - 1], path + ((_CROSS, sp - 1),), False))
                 stack.append((s, sp - 1, m - self.c[sp - 1] if keep_cut else m, path, keep_cut))
 
