@@ -6,6 +6,7 @@ error tracing met reads whole."""
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -889,7 +890,8 @@ def test_code_asking_a_tensors_exact_class_or_address_is_refused_with_its_line(m
     message = str(refused.value)
     code = (_scaled_if_parameter if model is _ViaHelper else model.forward).__code__
     line = next(k for k, source in enumerate(inspect.getsource(code).splitlines()) if text in source) + code.co_firstlineno
-    assert f"{code.co_qualname} ({code.co_filename}:{line}) {what} ({text})" in message, message
+    shown = f"{os.path.basename(code.co_filename)}:{line} `{inspect.getsource(code).splitlines()[line - code.co_firstlineno].strip()}`"
+    assert f"{code.co_qualname} at {shown} {what} ({text})" in message, message
     assert ("isinstance(x, torch.Tensor)" if "class" in what else "compare tensors by their values") in message
 
 
@@ -900,7 +902,9 @@ def test_a_loss_fn_asking_a_tensors_exact_class_is_refused():
         out = m(b)
         return out.pow(2).mean() if type(out) == torch.Tensor else out.abs().mean()
 
-    with pytest.raises(TraceError, match=r"loss_fn \(.*\) asks a tensor's exact class \(type\(out\) == torch.Tensor\)"):
+    with pytest.raises(TraceError, match=r"loss_fn at test_trace_errors\.py:\d+ `return out.pow\(2\).mean\(\) if type\(out\) == "
+                                         r"torch.Tensor else out.abs\(\).mean\(\)` asks a tensor's exact class "
+                                         r"\(type\(out\) == torch.Tensor\)"):
         remat.optimize(model, x, loss_fn, budget="100%")
 
 

@@ -828,7 +828,7 @@ def refuse_exact_tensor_classes(model: torch.nn.Module, loss_fn: object) -> None
         found = _exact_class_use(f)
         if found is not None:
             line, text, address = found
-            where = f"{f.__qualname__} ({f.__code__.co_filename}:{line})"
+            where = f"{f.__qualname__} at {_line_shown(f.__code__.co_filename, line)}"
             if address:
                 raise TraceError(
                     f"{where} reads a tensor's address ({text}): remat traces the step with stand-in tensors "
