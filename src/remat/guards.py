@@ -613,7 +613,7 @@ def library_functions(model: torch.nn.Module, loss_fn: object = None) -> list[tu
         for owner, key, fn in user_members(cls):
             names_in(fn, f"{owner}.{key}", 1, users=True)
     hooks = [hook for m in model.modules() for hook in _hooks_of(m)]
-    for fn in _step_functions(loss_fn, hooks):
+    for fn in _loss_and_hook_functions(loss_fn, hooks):
         names_in(fn, "loss_fn" if fn is _function_of(loss_fn) else fn.__qualname__, 1, users=True)
     for name in sorted(methods):  # (``torch.Tensor.relu = ...`` after tracing: ``x.relu()`` ran the old one)
         method = getattr(torch.Tensor, name, None) if not name.startswith("__") else None
@@ -1361,7 +1361,7 @@ def _step_depths(named: _NamedBy, classes: Iterable[type], loss_fn: object, hook
     functions these name or take as defaults, ``USER_DEPTH`` levels down."""
     depths: dict[str, float] = {}
     roots = [fn for cls in classes for _owner, key, fn in user_members(cls) if _stepped(named, cls, key)] \
-        + _step_functions(loss_fn, hooks)
+        + _loss_and_hook_functions(loss_fn, hooks)
     for f in _user_helpers(roots, defaults=True):
         _merge_depths(depths, f.__code__)
     return depths
@@ -1490,7 +1490,7 @@ def _reads_only(code: types.CodeType) -> bool:
     return all(_reads_only(c) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
-def _step_functions(loss_fn: object, hooks: Iterable[object]) -> list[types.FunctionType]:
+def _loss_and_hook_functions(loss_fn: object, hooks: Iterable[object]) -> list[types.FunctionType]:
     """The functions of the user's that the step runs outside the modules' classes: ``loss_fn``
     (a loss object's method too) and the user's hooks."""
     found = _loss_object(loss_fn) if loss_fn is not None else None
@@ -1523,7 +1523,7 @@ def step_functions(model: torch.nn.Module, loss_fn: object) -> tuple[types.Funct
 def _step_closure(model: torch.nn.Module, loss_fn: object) -> tuple[frozenset[str], tuple[types.FunctionType, ...]]:
     """``_step_roots``' names, and the functions whose code gave them (``step_functions``)."""
     modules = list(model.modules())
-    steps = _step_functions(loss_fn, [hook for module in modules for hook in _hooks_of(module)])
+    steps = _loss_and_hook_functions(loss_fn, [hook for module in modules for hook in _hooks_of(module)])
     classes = [cls for cls in dict.fromkeys(type(m) for m in modules) if _user_class(cls)]
     held = [(key, value) for m in modules for key, value in vars(m).items()
             if not isinstance(value, (type, torch.nn.Module)) and callable(value) and _function_of(value) is not None]
