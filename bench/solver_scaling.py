@@ -41,10 +41,11 @@ WORKLOADS = (*(f"gpt2-{n}L" for n in GPT2_LAYERS), *(name for name, _, _ in PAPE
 #: "min+5%": 5% above the smallest budget, the band where the bound is weakest (memory between its
 #: instants decides the cost there, and a budget a little above the floor lets its first
 #: instant hold a few hidden states, which its programs spread thin)
-LEVELS = ("80%", "60%", "40%", "min", "min+5%")
 NEAR_FLOOR = 1.05
+NEAR = f"min+{round(100 * (NEAR_FLOOR - 1))}%"
+LEVELS = ("80%", "60%", "40%", "min", NEAR)
 #: the levels set by the smallest budget (their wall time includes finding it, or a long bound)
-FLOOR = ("min", "min+5%")
+FLOOR = ("min", NEAR)
 THREADS = 2
 DEFAULT_TIME_LIMIT_S = 60.0
 #: The goals this benchmark checks: gap per workload family, wall time of the first budget
@@ -124,7 +125,7 @@ def measure(workload: str, time_limit_s: float) -> dict:
             budget = smallest = found.budget_bytes
             extra = {"min_proven": found.proven, "min_lower_bytes": found.lower_bound_bytes,
                      "min_search_s": round(time.perf_counter() - started, 2)}
-        elif level == "min+5%":
+        elif level == NEAR:
             budget = int(NEAR_FLOOR * smallest)
         else:
             budget = int(float(level.rstrip("%")) / 100 * top)
@@ -215,7 +216,7 @@ def checks(results: dict) -> list[str]:
                      "budget, and a call more than 5% above its bound uses its time limit to narrow the gap "
                      "(reshuffling, a longer bound). Their wall times: "
                      + ", ".join(f"{w} {c['wall_s']:.1f} s" for w, c in smallest) + ".")
-    near = [(w, c) for w, c in cells if c["level"] == "min+5%"]
+    near = [(w, c) for w, c in cells if c["level"] == NEAR]
     if near:
         lines.append("- Nor are the cells 5% above the smallest budget, where a call far from its bound uses its time "
                      "limit in the same way: "
