@@ -240,7 +240,10 @@ def test_estimated_scratch_of_reduced_precision_convolutions_covers_every_sample
     want = measure(make_fx(step, tracing_mode="real")(*inputs), inputs)
     got = estimate(make_fx(step, tracing_mode="fake")(*inputs))
     convolutions = [node for node in want if node.startswith("convolution")]
-    assert convolutions and max(want[node] for node in convolutions) > 4 * 16 * 9 * 64 * 64 * 2 * 0.9  # (every sample)
+    one_sample = 16 * 9 * 64 * 64 * 2  # (its unfolded input)
+    # where oneDNN computes bfloat16 itself (AVX512-BF16 CPUs) the kernel unfolds less: 1,608,068 B
+    every_sample = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert convolutions and max(want[node] for node in convolutions) > (4 if every_sample else 1) * one_sample * 0.9
     for node in convolutions:
         assert got[node] >= want[node], (node, got[node], want[node])
 

@@ -645,8 +645,8 @@ def test_a_recurrent_modules_weights_list_is_its_parameters_after_tracing_and_no
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.gru = nn.GRU(16, 16, batch_first=True)  # (a multiple of 16: bitwise on every CPU)
-            self.out = nn.Linear(16, 3)
+            self.gru = nn.GRU(16, 32, batch_first=True)  # (a multiple of 32: bitwise on every CPU)
+            self.out = nn.Linear(32, 3)
 
         def forward(self, x):
             h, _ = self.gru(x)
