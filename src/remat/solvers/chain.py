@@ -10,6 +10,9 @@ segments s..t from the value entering s, either
   do s'..t from there, drop that, then do s..s'-1 again from the start; or, where segment
   s'-1's own backward reads what crosses that cut (a chain whose every gradient reads its
   layer's output), keep it held into s..s'-1 until that backward has read it (``_solve``);
+  or, in a second programme whose plans are offered beside the first's (``frees_cuts``),
+  drop it as soon as s' is computed from it, when s'..t never go back to it (s' kept, or
+  alone holding all of its values): revolve frees a checkpoint so;
 
 and a segment alone (a *leaf*) is recomputed while its backward runs, holding what one
 option of its menu holds (``ChainModel._leaf_menus``: all of it, part of it, or what the
@@ -84,6 +87,10 @@ log = logging.getLogger("remat.solve")
 
 # hold kinds: what a recursion holds while it works below it; _MENU: a leaf's menu option
 _CROSS, _KEEP, _LEAF, _MENU = 0, 1, 2, 3
+# what a split does with its cut while the segments after it run: hold it (and drop it after),
+# keep it held below the split for its segment's backward (``held_cuts``), or drop it as soon
+# as the next segment is computed from it (``frees_cuts``)
+_HOLD, _HOLD_BELOW, _DROP = 0, 1, 2
 # a model's menus, numbered: a plan names menu options by position, so its measurement is
 # remembered under its menus' number (the exact options depend on how long solves took)
 _MENUS = itertools.count()
@@ -157,17 +164,35 @@ class ChainModel:
         self._leaf_others: dict[int, tuple[list[int], list[int]]] = {}
         self._base: dict[int, tuple[float, float]] = {}  # the whole leaf's need and cost, per segment
         self.menus = self._leaf_menus(exact=False)
+        self.frees_cuts = False
         self._solve()
         self._solve_restart()
         # the programme without held cuts too: its choices, measured, are sometimes cheaper
         # (the 2-layer GPT-2 at its smallest budget: 1.298x against 1.311x)
         self._dropping: ChainModel | None = None
+        self._freeing: ChainModel | None = None
         if self.held_cuts:
             dropping = copy.copy(self)
             dropping.held_cuts = frozenset()
             dropping._solve()
             dropping._solve_restart()
             self._dropping = dropping
+        self._freeing = self._cut_freeing()
+
+    def _cut_freeing(self) -> ChainModel:
+        """This programme with splits that drop their cut as soon as the next segment is
+        computed from it (``frees_cuts``). Its plans are offered beside this one's: on a
+        chain of unit layers they cost what revolve's do (32 layers at 4 units: 180 against
+        305, and 3 units plan where nothing fitted), but on a transformer layer, whose
+        backward reads far more than its cut, its model counts those splits too cheaply and
+        chose worse plans near the smallest budgets (GPT-2 48L at 5% above it: 1.621x against
+        1.603x; 8 and 12 layers at it: no plan fitted)."""
+        freeing = copy.copy(self)
+        freeing.frees_cuts = True
+        freeing._dropping = freeing._freeing = None
+        freeing._solve()
+        freeing._solve_restart()
+        return freeing
 
     def refine(self) -> None:
         """Add the exact options to the leaves' menus and solve the programme again (once;
@@ -176,11 +201,13 @@ class ChainModel:
             return
         self._plain = copy.copy(self)  # the programme without them (its tables are replaced below, not changed)
         self._plain._dropping = None  # (its plans come once, with this model's)
+        self._plain._freeing = None
         self.exact = True
         self.menus_id = next(_MENUS)
         self.menus = self._leaf_menus(exact=True)
         self._solve()
         self._solve_restart()
+        self._freeing = self._cut_freeing()  # (with the exact options too)
 
     # ------------------------------------------------------------------ the memory model
     def _own_bytes(self, sizes: np.ndarray) -> np.ndarray:
@@ -479,7 +506,10 @@ class ChainModel:
         once, computing nothing, and frees what it read; then s..s'-2 as ``opt`` (``_held``).
         (On Checkmate's chains, where every gradient reads its layer's output, dropping it
         cost a recomputation at every level: 32 layers at 20% of checkpoint-all, 121 units
-        where keeping it costs 115, revolve's plan 111.)"""
+        where keeping it costs 115, revolve's plan 111.)
+
+        With ``frees_cuts``, a split may also drop its cut as soon as s' is computed from it,
+        when s'..t run once from there (s' kept, or alone holding all of its values: ``once``)."""
         L = self.L
         base = int(min([self.need.min(), *(o[0] for menu in self.menus for o in menu)]))
         M = max(self.levels - base, 1)
@@ -494,20 +524,28 @@ class ChainModel:
         # then, its own splits being before s'), the same sums and minima as one (s, t) at a time
         self.M = M
         rows: list[np.ndarray] = [np.empty((0, M), dtype=np.float32)] * L
+        once: list[np.ndarray] = [np.empty((0, M), dtype=np.float32)] * L
         for s in range(L - 1, -1, -1):
             here = np.full((L - s, M), inf, dtype=np.float32)
-            for need_o, extra, _held in self.menus[s]:  # s alone: a leaf
-                leaf = here[0, max(need_o - base, 0):]
-                np.minimum(leaf, np.float32(max(self.f[s] + extra, 0.0)), out=leaf)
+            whole = here[0, max(self.menus[s][0][0] - base, 0):]  # (the menu's first option holds it all)
+            np.minimum(whole, np.float32(max(self.f[s], 0.0)), out=whole)
             if s + 1 < L:
                 _add_shifted(here[1:], rows[s + 1], self.a[s], self.f[s])  # keep s
                 here[1:, ~fits[s]] = inf
-                for sp in range(s + 1, L):  # split at sp
-                    k = sp - 1
-                    left = self._left(s, k, here[k - s], here[k - 1 - s] if k > s else None)
-                    _add_shifted(here[sp - s:], rows[sp], self.c[k], prefix[sp] - prefix[s], left)
+            if self.frees_cuts:
+                once[s] = here.copy()  # s..t run once from the value entering s: kept, or whole alone
+            for need_o, extra, _held in self.menus[s][1:]:  # s alone: a leaf, holding part of it
+                leaf = here[0, max(need_o - base, 0):]
+                np.minimum(leaf, np.float32(max(self.f[s] + extra, 0.0)), out=leaf)
+            for sp in range(s + 1, L):  # split at sp
+                k = sp - 1
+                left = self._left(s, k, here[k - s], here[k - 1 - s] if k > s else None)
+                _add_shifted(here[sp - s:], rows[sp], self.c[k], prefix[sp] - prefix[s], left)
+                if self.frees_cuts:  # or drop the cut once sp is computed from it
+                    _add_shifted(here[sp - s:], once[sp], 0, prefix[sp] - prefix[s], here[k - s])
             rows[s] = here
         self.opt = {(s, t): rows[s][t - s] for s in range(L) for t in range(s, L)}
+        self.once = {(s, t): once[s][t - s] for s in range(L) for t in range(s, L)} if self.frees_cuts else {}
         self.fits = fits
         self.top = self._spine(np.where(fits[L], np.float32(0), inf).astype(np.float32), paid=False)
         self.front_levels = self._front(self.top[0])
@@ -519,14 +557,19 @@ class ChainModel:
         pass, which runs anyway)."""
         L, M = self.L, tail.size
         out: list[np.ndarray] = [np.empty(0)] * L + [tail]
+        onces: list[np.ndarray] = [np.empty(0)] * L + [tail]  # s.. once from the value entering s
         for s in range(L - 1, -1, -1):
             best = np.full(M, np.float32(np.inf), dtype=np.float32)
             _add_shifted(best, out[s + 1], self.a[s], self.f[s] if paid else 0.0)
             best[~self.fits[s]] = np.inf
+            onces[s] = best.copy() if self.frees_cuts else best
             for sp in range(s + 1, L + 1):
                 k = sp - 1
                 left = self._left(s, k, self.opt[s, k], self.opt[s, k - 1] if k > s else None, forced=not paid)
-                _add_shifted(best, out[sp], self.c[k], self.prefix[sp] - self.prefix[s] if paid else 0.0, left)
+                forward = self.prefix[sp] - self.prefix[s] if paid else 0.0
+                _add_shifted(best, out[sp], self.c[k], forward, left)
+                if self.frees_cuts:  # the cut dropped once sp is computed from it
+                    _add_shifted(best, onces[sp], 0, forward, self.opt[s, k])
             out[s] = best
         return out
 
@@ -631,13 +674,19 @@ class ChainModel:
         stack: list[tuple] = []
         s, m, path = 0, level - self.base, ()
         while s < L:  # the recursion's spine over s..L, from the step's input
-            sp, keep_cut = self._choose(s, L, m, lambda a: self.ext[a], paid=True)
-            if sp < 0:
+            sp, mode = self._choose(s, L, m, lambda a: self.ext[a], paid=True)
+            if mode == _DROP:  # s..sp-1 later; sp kept now (or the tail), from the cut, dropped
+                stack.append((s, sp - 1, m, path, False))
+                s = sp
+                if s == L:
+                    break
+            if sp < 0 or mode == _DROP:
                 path = path + ((_KEEP, s),)
                 held[s] = path
                 m -= self.a[s]
                 s += 1
             else:
+                keep_cut = mode == _HOLD_BELOW
                 stack.append((s, sp - 1, m - self.c[sp - 1] if keep_cut else m, path, keep_cut))
                 path = path + ((_CROSS, sp - 1),)
                 m -= self.c[sp - 1]
@@ -646,39 +695,52 @@ class ChainModel:
         self._unwind(stack, held)
         return (), tuple(held)
 
-    def _pick(self, s: int, t: int | None, m: int) -> tuple[int, bool]:
+    def _pick(self, s: int, t: int | None, m: int) -> tuple[int, int]:
         """The choice ``_solve`` made at (s, t, m) of ``opt`` (of ``top`` when ``t`` is None):
-        ``(-1, False)`` to keep segment s, else the split s' and whether the cut before it
-        stays held below it. Recomputed at this one level."""
+        ``(-1, _HOLD)`` to keep segment s, else the split s' and what becomes of the cut before
+        it (``_HOLD``, ``_HOLD_BELOW``, ``_DROP``). Recomputed at this one level."""
         if t is None:
             return self._choose(s, self.L, m, lambda a: self.top[a], paid=False)
         return self._choose(s, t, m, lambda a: self.opt[a, t], paid=True)
 
-    def _choose(self, s: int, last: int, m: int, table, *, paid: bool) -> tuple[int, bool]:
+    def _choose(self, s: int, last: int, m: int, table, *, paid: bool) -> tuple[int, int]:
         """The choice at (s, m) of a programme over segments s..last whose subproblem a..last
-        is ``table(a)`` (``paid`` as in ``_spine``): ``(-1, False)`` to keep segment s, else
-        the split s' and whether its cut stays held below it (as ``_left`` chooses)."""
+        is ``table(a)`` (``paid`` as in ``_spine``; ``last`` is ``L`` for a spine, whose last
+        subproblem is the tail): ``(-1, _HOLD)`` to keep segment s, else the split s' and what
+        becomes of its cut: held while s'.. run (``_HOLD``), held below the split too (as
+        ``_left`` chooses, ``_HOLD_BELOW``), or, with ``frees_cuts``, dropped once s' is
+        computed from it (``_DROP``: s' kept, or alone holding all of it, or the tail)."""
 
         def rest(a: int, k: int) -> float:  # the subproblem a..last with k more units held
             return float(table(a)[m - k]) if m - k >= 0 else math.inf
 
-        best, pick = math.inf, (-1, False)
+        def once(sp: int) -> float:  # sp..last run once from the value entering sp
+            if last < self.L:
+                return float(self.once[sp, last][m])
+            if sp == last:
+                return rest(sp, 0)
+            return rest(sp + 1, self.a[sp]) + (float(self.f[sp]) if paid else 0.0) if self.fits[sp][m] else math.inf
+
+        best, pick = math.inf, (-1, _HOLD)
         if self.fits[s][m] and s < last:
             best = rest(s + 1, self.a[s]) + (float(self.f[s]) if paid else 0.0)
         for sp in range(s + 1, last + 1):
             k = sp - 1
             kept = k in self.held_cuts
-            lefts = []
+            dropped = float(self.opt[s, k][m])
+            options = []
             if paid or not kept:
-                lefts.append((float(self.opt[s, k][m]), False))
+                options.append((rest(sp, self.c[k]) + dropped, _HOLD))
             if kept:
-                lefts.append((self._held(s, k, m - int(self.c[k])) if m >= self.c[k] else math.inf, True))
-            for left, keep_cut in lefts:
-                here = rest(sp, self.c[k]) + left
+                below = self._held(s, k, m - int(self.c[k])) if m >= self.c[k] else math.inf
+                options.append((rest(sp, self.c[k]) + below, _HOLD_BELOW))
+            if self.frees_cuts:
+                options.append((once(sp) + dropped, _DROP))
+            for here, mode in options:
                 if paid:
                     here += self.prefix[sp] - self.prefix[s]
                 if here < best:
-                    best, pick = here, (sp, keep_cut)
+                    best, pick = here, (sp, mode)
         return pick
 
     def _plan(self, level: int) -> tuple:
@@ -689,12 +751,18 @@ class ChainModel:
         stack: list[tuple] = []
         s, m = 0, level - self.base
         while s < self.L:  # the original forward pass
-            sp, keep_cut = self._pick(s, None, m)
-            if sp < 0:
+            sp, mode = self._pick(s, None, m)
+            if mode == _DROP:  # s..sp-1 later; sp kept now (or the tail), from the cut, dropped
+                stack.append((s, sp - 1, m, (), False))
+                s = sp
+                if s == self.L:
+                    break
+            if sp < 0 or mode == _DROP:
                 kept.append((_KEEP, s))
                 m -= self.a[s]
                 s += 1
             else:
+                keep_cut = mode == _HOLD_BELOW
                 kept.append((_CROSS, sp - 1))
                 stack.append((s, sp - 1, m - self.c[sp - 1] if keep_cut else m, (), keep_cut))
                 m -= self.c[sp - 1]
@@ -716,12 +784,19 @@ class ChainModel:
             if s == t:
                 held[s] = path + (self._leaf_option(s, m),)
                 continue
-            sp, keep_cut = self._pick(s, t, m)
-            if sp < 0:
+            sp, mode = self._pick(s, t, m)
+            if mode == _DROP:  # s..sp-1 later; sp now, from the cut, which is dropped
+                stack.append((s, sp - 1, m, path, False))
+                if sp == t:
+                    held[sp] = path + ((_LEAF, sp),)
+                    continue
+                s = sp
+            if sp < 0 or mode == _DROP:
                 here = path + ((_KEEP, s),)
                 held[s] = here
                 stack.append((s + 1, t, m - self.a[s], here, False))
             else:
+                keep_cut = mode == _HOLD_BELOW
                 stack.append((sp, t, m - self.c[sp - 1], path + ((_CROSS, sp - 1),), False))
                 stack.append((s, sp - 1, m - self.c[sp - 1] if keep_cut else m, path, keep_cut))
 
@@ -806,7 +881,8 @@ class ChainModel:
         where there are any)."""
         plans = (_bisect_front(self.front_levels, self.measure, budget_bytes)
                  + _bisect_front(self.restart_levels, self.measure_restart, budget_bytes))
-        return plans + (self._dropping._near(budget_bytes) if self._dropping is not None else [])
+        return plans + [plan for other in (self._dropping, self._freeing) if other is not None
+                        for plan in other._near(budget_bytes)]
 
 
 def _bisect_front(levels: list[int], measure, budget_bytes: int) -> list[BaselinePlan]:
