@@ -48,7 +48,9 @@ def assert_plans_measured(graph, model, data):
 @PROPERTY
 @given(graph=graphs(), data=st.data())
 def test_every_plan_is_what_the_simulator_measures(graph, data):
-    assert_plans_measured(graph, chain_model(graph), data)
+    model = chain_model(graph)
+    assert_plans_measured(graph, model, data)
+    assert_plans_measured(graph, model._freeing, data)  # (splits that free their cut)
 
 
 @PROPERTY
@@ -58,6 +60,8 @@ def test_refined_plans_are_what_the_simulator_measures(graph, data):
     model.refine()
     assert model.exact and all(menu[0][1] == 0.0 for menu in model.menus)
     assert_plans_measured(graph, model, data)
+    assert model._freeing.exact and model._freeing.frees_cuts
+    assert_plans_measured(graph, model._freeing, data)
 
 
 @PROPERTY
