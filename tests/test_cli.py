@@ -88,9 +88,15 @@ def test_argparse_errors_exit_2(capsys):
     assert code == 2 and "invalid choice" in err
 
 
-def test_methods_lists_the_registry(capsys):
+def test_methods_lists_the_registry_with_a_line_on_each(capsys):
+    from remat.cli import METHOD_SUMMARIES
+    from remat.solvers import methods
+
     code, out, _ = run(capsys, "methods")
-    assert code == 0 and "checkpoint_all" in out.split()
+    lines = out.splitlines()
+    assert code == 0 and [line.split()[0] for line in lines] == list(methods())
+    assert set(METHOD_SUMMARIES) == set(methods())  # (a new method needs its line)
+    assert all(line.endswith(METHOD_SUMMARIES[line.split()[0]]) for line in lines)
 
 
 def _sweep_points(path):

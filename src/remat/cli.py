@@ -545,9 +545,28 @@ def _percent_at_least(least: int, reference: int, digits: int = 1) -> str:
     return f"{value:.{digits}f}%"
 
 
+#: One line per method for ``remat methods`` (the README's table says more).
+METHOD_SUMMARIES = {
+    "checkpoint_all": "keep every activation: no recomputation (the reference cost)",
+    "recompute_all": "keep only the previous stage's value and recompute the rest when needed",
+    "chen_sqrtn": "Chen et al.: a checkpoint every ~sqrt(n) candidate nodes",
+    "chen_greedy": "Chen's greedy segmentation, its memory threshold searched to meet the budget",
+    "segments": "keep what crosses block boundaries, recompute each block once (torch.utils.checkpoint per block)",
+    "nested": "block boundaries at two or three levels of recomputation",
+    "chain": "a dynamic programme over the chain of blocks, at as many levels as pay off (as revolve and rotor)",
+    "griewank": "revolve (binomial checkpointing), for linear chains",
+    "descent": "op-level local search: from checkpoint-all, recompute what the peak holds until the plan fits",
+    "lp_round": "an LP relaxation with rounding",
+    "milp": "the cheapest plan found, with a lower bound for the whole graph and the gap to it (the default)",
+}
+
+
 def cmd_methods(args: argparse.Namespace) -> int:
-    for name in registered_methods():
-        print(name)
+    names = registered_methods()
+    width = max(map(len, names), default=0)
+    for name in names:  # (the name first: `remat methods | cut -d' ' -f1` lists them)
+        summary = METHOD_SUMMARIES.get(name, "")
+        print(f"{name:<{width}}  {summary}".rstrip())
     return EXIT_OK
 
 
