@@ -23,7 +23,9 @@ An architecture remat refuses is a row too, with the reason it gives.
 
 Results go to ``bench/results/zoo.json``, one entry per architecture and precision, written as
 each is measured; a rerun measures only what is missing or was measured by another remat,
-PyTorch or transformers version. ``markdown(results)`` renders the BENCHMARKS.md section.
+PyTorch or transformers version, or with other CPU kernels (``torch.backends.cpu.
+get_cpu_capability()``: AVX2, AVX512, ...; which kernels run decides whether two runs of an op
+round alike). ``markdown(results)`` renders the BENCHMARKS.md section.
 """
 
 from __future__ import annotations
@@ -306,7 +308,9 @@ def _versions() -> dict:
 
     from remat.solvers import planner_version
 
-    return {"planner": planner_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    # (the CPU kernels PyTorch dispatches to: bitwise agreement with eager is a property of them)
+    return {"planner": planner_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "kernels": torch.backends.cpu.get_cpu_capability()}
 
 
 def run(names: list[str], precisions: list[str], time_limit_s: float, out: Path, fresh: bool) -> dict:
@@ -344,7 +348,9 @@ def markdown(results: dict) -> str:
     lines = [
         "## Model zoo: transformers architectures in float32 and bfloat16 autocast (`bench/zoo.py`)",
         "",
-        f"Command: `python bench/zoo.py` (torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}, "
+        f"Command: `python bench/zoo.py` (torch {meta.get('torch', '?')}"
+        + (f" with {meta['kernels']} CPU kernels" if meta.get("kernels") else "")
+        + f", transformers {meta.get('transformers', '?')}, "
         f"`milp` with a {meta.get('time_limit_s', '?')} s limit, profiled costs, measured kernel scratch). Each architecture is built from its transformers "
         f"config (2 layers, width 64, random weights, its family's dropout; batch {BATCH}, {SEQUENCE} tokens or "
         f"32-64 pixel images) and planned with `remat.optimize(..., budget=\"{FRACTION:.0%}\", method=\"milp\")`; "

@@ -61,6 +61,29 @@ def test_the_report_flags_a_stated_minimum_a_difference_and_a_peak_over_the_budg
     assert "max abs diff 3.0e-03" in table and "| NO |" in table
     assert "2 planned steps: 1 bitwise equal to eager PyTorch" in table
     assert "OVER the 2% bar" in table and "measured above the budget in 1" in table
+    assert "(torch x, transformers y," in table  # (a record without the CPU kernels it ran on)
+    kernels = {"torch": "x", "transformers": "y", "time_limit_s": 20.0, "kernels": "AVX512"}
+    assert "(torch x with AVX512 CPU kernels, transformers y," in _zoo().markdown({"meta": kernels, "rows": rows})
+
+
+def test_a_row_measured_with_other_cpu_kernels_is_measured_again(monkeypatch, tmp_path):
+    """Which CPU kernels run (AVX2, AVX512, ...) decides whether two runs of an op round alike,
+    so a row stored from other kernels is measured again; one from these is kept."""
+    import json
+
+    zoo = _zoo()
+    versions = zoo._versions()
+    assert versions["kernels"] == torch.backends.cpu.get_cpu_capability()
+    out = tmp_path / "zoo.json"
+    other = {**versions, "kernels": "OTHER"}
+    out.write_text(json.dumps({"meta": {}, "rows": {
+        "swin/float32": {**_row(), "versions": versions, "time_limit_s": 5.0},
+        "swin/bfloat16": {**_row(precision="bfloat16"), "versions": other, "time_limit_s": 5.0}}}))
+    measured = []
+    monkeypatch.setattr(zoo, "measure", lambda name, precision, limit: measured.append((name, precision)) or _row())
+    results = zoo.run(["swin"], ["float32", "bfloat16"], 5.0, out, fresh=False)
+    assert measured == [("swin", "bfloat16")]
+    assert results["rows"]["swin/bfloat16"]["versions"] == versions and results["meta"]["kernels"] == versions["kernels"]
 
 
 @pytest.mark.parametrize("argv, message", [
