@@ -669,38 +669,12 @@ class ChainModel:
     def _restart_plan(self, level: int) -> tuple:
         """The restarted recursion for ``level`` units: what is held while each segment's
         backward runs, the tail's included (its last entry)."""
-        L = self.L
-        held: list[tuple] = [()] * (L + 1)
-        stack: list[tuple] = []
-        s, m, path = 0, level - self.base, ()
-        while s < L:  # the recursion's spine over s..L, from the step's input
-            sp, mode = self._choose(s, L, m, lambda a: self.ext[a], paid=True)
-            if mode == _DROP:  # s..sp-1 later; sp kept now (or the tail), from the cut, dropped
-                stack.append((s, sp - 1, m, path, False))
-                s = sp
-                if s == L:
-                    break
-            if sp < 0 or mode == _DROP:
-                path = path + ((_KEEP, s),)
-                held[s] = path
-                m -= self.a[s]
-                s += 1
-            else:
-                keep_cut = mode == _HOLD_BELOW
-                stack.append((s, sp - 1, m - self.c[sp - 1] if keep_cut else m, path, keep_cut))
-                path = path + ((_CROSS, sp - 1),)
-                m -= self.c[sp - 1]
-                s = sp
-        held[L] = path
-        self._unwind(stack, held)
-        return (), tuple(held)
+        return self._spine_plan(level, restart=True)
 
-    def _pick(self, s: int, t: int | None, m: int) -> tuple[int, int]:
-        """The choice ``_solve`` made at (s, t, m) of ``opt`` (of ``top`` when ``t`` is None):
-        ``(-1, _HOLD)`` to keep segment s, else the split s' and what becomes of the cut before
-        it (``_HOLD``, ``_HOLD_BELOW``, ``_DROP``). Recomputed at this one level."""
-        if t is None:
-            return self._choose(s, self.L, m, lambda a: self.top[a], paid=False)
+    def _pick(self, s: int, t: int, m: int) -> tuple[int, int]:
+        """The choice ``_solve`` made at (s, t, m) of ``opt``: ``(-1, _HOLD)`` to keep segment s,
+        else the split s' and what becomes of the cut before it (``_HOLD``, ``_HOLD_BELOW``,
+        ``_DROP``). Recomputed at this one level."""
         return self._choose(s, t, m, lambda a: self.opt[a, t], paid=True)
 
     def _choose(self, s: int, last: int, m: int, table, *, paid: bool) -> tuple[int, int]:
@@ -746,27 +720,47 @@ class ChainModel:
     def _plan(self, level: int) -> tuple:
         """The recursion the programme chose for ``level`` units: what the forward pass keeps
         and what is held while each segment's backward runs."""
+        return self._spine_plan(level, restart=False)
+
+    def _spine_plan(self, level: int, *, restart: bool) -> tuple:
+        """The recursion chosen for ``level`` units along its spine, segments 0.. from the step's
+        input (the choices of ``top``, or with ``restart`` of ``ext``, the tail its last
+        subproblem), then below it (``_unwind``): (what the original forward pass keeps, what
+        is held while each segment's backward runs). The original pass's holds are kept by the
+        plan from the start; the restarted spine's are held for the segments below them, and
+        for the tail (the last entry of the second)."""
+        L = self.L
+        table = self.ext if restart else self.top
         kept: list[tuple[int, int]] = []
-        held: list[tuple] = [()] * self.L
+        held: list[tuple] = [()] * (L + 1 if restart else L)
         stack: list[tuple] = []
-        s, m = 0, level - self.base
-        while s < self.L:  # the original forward pass
-            sp, mode = self._pick(s, None, m)
+        s, m, path = 0, level - self.base, ()
+        while s < L:
+            sp, mode = self._choose(s, L, m, table.__getitem__, paid=restart)
             if mode == _DROP:  # s..sp-1 later; sp kept now (or the tail), from the cut, dropped
-                stack.append((s, sp - 1, m, (), False))
+                stack.append((s, sp - 1, m, path, False))
                 s = sp
-                if s == self.L:
+                if s == L:
                     break
-            if sp < 0 or mode == _DROP:
-                kept.append((_KEEP, s))
+            keep = sp < 0 or mode == _DROP
+            if not keep:
+                keep_cut = mode == _HOLD_BELOW
+                stack.append((s, sp - 1, m - self.c[sp - 1] if keep_cut else m, path, keep_cut))
+            hold = (_KEEP, s) if keep else (_CROSS, sp - 1)
+            if restart:
+                path = path + (hold,)
+                if keep:
+                    held[s] = path
+            else:
+                kept.append(hold)
+            if keep:
                 m -= self.a[s]
                 s += 1
             else:
-                keep_cut = mode == _HOLD_BELOW
-                kept.append((_CROSS, sp - 1))
-                stack.append((s, sp - 1, m - self.c[sp - 1] if keep_cut else m, (), keep_cut))
                 m -= self.c[sp - 1]
                 s = sp
+        if restart:
+            held[L] = path
         self._unwind(stack, held)
         return tuple(kept), tuple(held)
 
